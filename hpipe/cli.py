@@ -1,0 +1,134 @@
+"""The ``hpipe`` command: parses arguments, calls library functions, prints results.
+
+Data goes to stdout (``--json`` for scripts), messages and progress to stderr; every failure a
+user can cause ends with a one-line ``hpipe: error: ...`` and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Sequence
+
+from hpipe.errors import HpipeError, InputError
+
+log = logging.getLogger("hpipe")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file == "-":
+        return sys.stdin.read()
+    try:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise InputError(f"cannot read prompt file: {e}") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from hpipe.generate import LocalModel, generate
+    from hpipe.model.stage import parse_dtype
+    from hpipe.sampling import SamplingParams
+    from hpipe.sources import resolve_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    prompt = _read_prompt(args)
+    source = resolve_model(args.model)
+    dtype = parse_dtype(args.dtype, args.device)
+    tokenizer = source.tokenizer()
+    model = LocalModel(source, dtype=dtype, device=args.device, cuts=args.cuts or ())
+    result = generate(model, tokenizer, prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
+                      sampling=sampling, slices=args.slices)
+    if args.json:
+        print(json.dumps({"model": source.name, **result.as_dict()}))
+    else:
+        print(result.text)
+        log.info("%d prompt tokens, %d new tokens, prefill %.3fs, decode %.1f tok/s", result.prompt_tokens,
+                 len(result.token_ids), result.prefill_s, len(result.token_ids) / max(result.decode_s, 1e-9))
+    return 0
+
+
+DEMO_INSTRUCTION = "What was the direct cause of the outage described in this report? Answer in one sentence."
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job on built-in defaults: analyse the bundled sample report with SmolLM2."""
+    from importlib.resources import files
+
+    document = files("hpipe").joinpath("data/sample_report.md").read_text(encoding="utf-8")
+    args.prompt = f"{args.instruction}\n\n{document}"
+    args.prompt_file = None
+    args.chat = True
+    print(f"instruction: {args.instruction}", file=sys.stderr)
+    return cmd_generate(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hpipe", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (single process, or on a cluster)")
+    g.add_argument("--model", default="smollm2-135m",
+                   help="built-in name (smollm2-135m), Hugging Face model directory, or .gguf file")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from a file ('-' for stdin)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (GPU)")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--threads", type=int, help="torch CPU threads")
+    g.add_argument("--cuts", type=_int_list, help="unit indices where stages change (c1,c2,...)")
+    g.add_argument("--slices", type=_int_list, help="prompt token slice lengths (must sum to the prompt length)")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="analyse the bundled sample report with the bundled SmolLM2 model")
+    d.add_argument("--instruction", default=DEMO_INSTRUCTION)
+    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_demo, model="smollm2-135m", temperature=0.0, top_p=1.0, top_k=0, seed=None,
+                   dtype="float32", device="cpu", threads=None, cuts=None, slices=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except HpipeError as e:
+        print(f"hpipe: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("hpipe: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

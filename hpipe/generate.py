@@ -1,0 +1,169 @@
+"""Generation: encode the prompt, prefill it slice by slice, decode token by token.
+
+The decode loop is written against one callable, ``forward(ids, start) -> last-position logits``,
+so the single-process model (the reference) and the distributed pipeline share it exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from hpipe.errors import InputError
+from hpipe.model import StageModel
+from hpipe.sampling import Sampler, SamplingParams
+from hpipe.sources import ModelSource
+from hpipe.units import UnitRange, ranges_from_cuts
+
+log = logging.getLogger(__name__)
+
+#: ``forward(ids [1, tokens], start) -> logits of the last position [vocab]``
+ForwardFn = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+    stop_reason: str
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        new = len(self.token_ids)
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": new,
+            "stop_reason": self.stop_reason,
+            "prefill_s": round(self.prefill_s, 6),
+            "decode_s": round(self.decode_s, 6),
+            "decode_tokens_per_s": round(new / self.decode_s, 3) if self.decode_s > 0 and new else None,
+            **self.extra,
+        }
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise InputError("--chat: this model's tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(text)["input_ids"])
+
+
+def check_slices(slices: Sequence[int] | None, prompt_tokens: int) -> list[int]:
+    if not slices:
+        return [prompt_tokens]
+    if any(s <= 0 for s in slices):
+        raise InputError(f"slice lengths must be positive, got {list(slices)}")
+    if sum(slices) != prompt_tokens:
+        raise InputError(f"slice lengths {list(slices)} add up to {sum(slices)}, the prompt has {prompt_tokens} tokens")
+    return list(slices)
+
+
+def plan_lengths(prompt_tokens: int, max_new_tokens: int, context: int) -> tuple[int, int]:
+    """(max_new_tokens, cache length) for a prompt, refusing prompts that do not fit the context."""
+    if prompt_tokens == 0:
+        raise InputError("the prompt is empty")
+    if prompt_tokens >= context:
+        raise InputError(f"the prompt has {prompt_tokens} tokens; the model's context is {context} tokens")
+    if max_new_tokens < 1:
+        raise InputError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+    if prompt_tokens + max_new_tokens > context:
+        log.warning("max-new-tokens cut from %d to %d to fit the %d-token context",
+                    max_new_tokens, context - prompt_tokens, context)
+        max_new_tokens = context - prompt_tokens
+    return max_new_tokens, prompt_tokens + max_new_tokens
+
+
+def decode_loop(
+    forward: ForwardFn,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    sampler: Sampler,
+    eos_ids: Sequence[int],
+    slices: Sequence[int],
+    on_token: Callable[[int], None] | None = None,
+) -> tuple[list[int], float, float, str]:
+    """Prefill ``prompt_ids`` in ``slices``, then sample up to ``max_new_tokens``.
+
+    Returns (new token ids, prefill seconds, decode seconds, stop reason).
+    """
+    ids = torch.tensor([prompt_ids], dtype=torch.long)
+    t0 = time.perf_counter()
+    start, logits = 0, None
+    for n in slices:
+        logits = forward(ids[:, start:start + n], start)
+        start += n
+    prefill_s = time.perf_counter() - t0
+    out: list[int] = []
+    reason = "length"
+    t1 = time.perf_counter()
+    while True:
+        token = sampler(logits)
+        out.append(token)
+        if on_token:
+            on_token(token)
+        if token in eos_ids:
+            reason = "eos"
+            break
+        if len(out) >= max_new_tokens:
+            break
+        logits = forward(torch.tensor([[token]]), start)
+        start += 1
+    return out, prefill_s, time.perf_counter() - t1, reason
+
+
+class LocalModel:
+    """Every unit of the model in this process, optionally as several stages (for testing cuts)."""
+
+    def __init__(self, source: ModelSource, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 cuts: Sequence[int] = ()):
+        self.source, self.cfg = source, source.config
+        store = source.weights()
+        ranges = ranges_from_cuts(list(cuts), self.cfg.num_layers) if cuts else [UnitRange.full(self.cfg.num_layers)]
+        self.stages = [StageModel.from_checkpoint(store, self.cfg, r, dtype=dtype, device=device) for r in ranges]
+
+    def open(self, max_len: int, batch: int = 1) -> ForwardFn:
+        caches = [s.new_cache(batch, max_len) for s in self.stages]
+
+        def forward(ids: torch.Tensor, start: int) -> torch.Tensor:
+            x = ids
+            for stage, cache in zip(self.stages, caches):
+                x = stage(x, start, cache)
+            return x[0, -1]
+
+        return forward
+
+
+def generate(
+    model: LocalModel,
+    tokenizer,
+    prompt: str,
+    *,
+    chat: bool = False,
+    max_new_tokens: int = 128,
+    sampling: SamplingParams = SamplingParams(),
+    slices: Sequence[int] | None = None,
+) -> GenerationResult:
+    prompt_ids = encode_prompt(tokenizer, prompt, chat)
+    slices = check_slices(slices, len(prompt_ids))
+    max_new_tokens, max_len = plan_lengths(len(prompt_ids), max_new_tokens, model.cfg.max_position_embeddings)
+    new, prefill_s, decode_s, reason = decode_loop(
+        model.open(max_len), prompt_ids, max_new_tokens=max_new_tokens, sampler=Sampler(sampling),
+        eos_ids=model.source.eos_token_ids(), slices=slices,
+    )
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    return GenerationResult(text, new, len(prompt_ids), prefill_s, decode_s, reason)

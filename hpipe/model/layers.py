@@ -1,0 +1,140 @@
+"""The four unit kinds as plain ``nn.Module``s, and the checkpoint name of every parameter.
+
+Each unit maps the residual stream to the residual stream (embed maps token ids to it, head maps
+it to logits). Layer indices stay global, so a stage holding layers 12..17 reads
+``model.layers.12.*`` from the checkpoint like the full model does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpipe.config import ModelConfig
+from hpipe.model.kvcache import LayerCache
+from hpipe.model.rope import apply_rotary
+from hpipe.units import ATTN, EMBED, HEAD, MLP, unit_kind
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Embed(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+
+class Attention(nn.Module):
+    """``x + o_proj(attention(input_layernorm(x)))`` over the cached prefix plus this slice."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = cfg.sliding_windows[layer]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        start: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerCache,
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        keys, values = cache.update(start, k, v)
+        # An explicit lower-right causal mask: query i (position start+i) sees keys 0..start+i.
+        # Relying on is_causal would align the triangle top-left and drop the cached prefix.
+        mask, causal = None, False
+        if start == 0 and self.window is None:
+            causal = s > 1  # no prefix: lower-right == top-left, and the kernel can skip the upper triangle
+        elif s > 1 or self.window is not None:
+            q_pos = torch.arange(start, start + s, device=x.device)[:, None]
+            k_pos = torch.arange(start + s, device=x.device)[None, :]
+            mask = k_pos <= q_pos
+            if self.window is not None:
+                mask = mask & (k_pos > q_pos - self.window)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=self.kv_heads != self.heads
+        )
+        return x + self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """``x + down_proj(silu(gate_proj(n)) * up_proj(n))`` with ``n = post_attention_layernorm(x)``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))
+
+
+def build_unit(cfg: ModelConfig, unit: int) -> nn.Module:
+    kind, layer = unit_kind(unit, cfg.num_layers)
+    if kind == EMBED:
+        return Embed(cfg)
+    if kind == ATTN:
+        return Attention(cfg, layer)
+    if kind == MLP:
+        return FeedForward(cfg, layer)
+    return Head(cfg)
+
+
+def checkpoint_names(cfg: ModelConfig, unit: int, module: nn.Module) -> dict[str, str]:
+    """``{parameter name in the unit module: tensor name in a Hugging Face checkpoint}``."""
+    kind, layer = unit_kind(unit, cfg.num_layers)
+    if kind == EMBED:
+        return {"embed_tokens.weight": "model.embed_tokens.weight"}
+    if kind == HEAD:
+        lm = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        return {"norm.weight": "model.norm.weight", "lm_head.weight": lm}
+    prefix = f"model.layers.{layer}." + ("self_attn." if kind == ATTN else "mlp.")
+    names = {}
+    for name, _ in module.named_parameters():
+        if name.endswith("layernorm.weight"):
+            names[name] = f"model.layers.{layer}.{name}"
+        else:
+            names[name] = prefix + name
+    return names

@@ -1,0 +1,129 @@
+"""A stage: the units ``[start, end)`` of a model, their weights only, and their KV caches.
+
+``forward(x, start, cache)`` takes token ids (if the stage holds the embedding) or the residual
+stream ``[batch, tokens, hidden]``, for the positions ``start .. start+tokens-1`` of a sequence,
+and returns the residual stream or, if the stage holds the head, logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from hpipe.config import ModelConfig
+from hpipe.errors import InputError
+from hpipe.model.kvcache import StageCache
+from hpipe.model.layers import Attention, build_unit, checkpoint_names
+from hpipe.model.rope import cos_sin, inverse_frequencies
+from hpipe.units import UnitRange
+from hpipe.weights import WeightStore
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    dtype = name if isinstance(name, torch.dtype) else DTYPES.get(str(name).lower())
+    if dtype is None:
+        raise InputError(f"unknown dtype {name!r} (choose from float32, bfloat16, float16)")
+    if dtype == torch.float16 and torch.device(device).type == "cpu":
+        raise InputError("float16 is not supported on the CPU; use float32 or bfloat16")
+    return dtype
+
+
+class StageModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, units: UnitRange, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        super().__init__()
+        if units.num_layers != cfg.num_layers:
+            raise InputError(f"unit range {units} is for {units.num_layers} layers, the model has {cfg.num_layers}")
+        self.cfg, self.units, self.dtype, self.device = cfg, units, dtype, torch.device(device)
+        with torch.device("meta"):
+            self.blocks = nn.ModuleDict({str(u): build_unit(cfg, u) for u in units})
+        self.register_buffer(
+            "inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim, cfg.max_position_embeddings), persistent=False
+        )
+        self.inv_freq = self.inv_freq.to(self.device)
+
+    # --- construction -------------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(cls, store: WeightStore, cfg: ModelConfig, units: UnitRange, *,
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "StageModel":
+        """Build the stage and read only its own tensors from ``store``."""
+        stage = cls(cfg, units, dtype=dtype, device=device)
+        for u, module in stage.blocks.items():
+            names = checkpoint_names(cfg, int(u), module)
+            tensors = store.load(list(set(names.values())))
+            state = {p: tensors[n].to(device=stage.device, dtype=dtype) for p, n in names.items()}
+            module.load_state_dict(state, assign=True, strict=True)
+        stage._tie_embeddings()
+        return stage.eval()
+
+    def _tie_embeddings(self) -> None:
+        # One tensor for embedding and LM head when the model ties them and this stage has both.
+        if self.cfg.tie_word_embeddings and self.units.has_embed and self.units.has_head:
+            head = self.blocks[str(self.units.end - 1)]
+            head.lm_head.weight = self.blocks["0"].embed_tokens.weight
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, units: UnitRange, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", seed: int = 0) -> "StageModel":
+        """Random weights that depend only on (seed, unit): any split gives the same model."""
+        stage = cls(cfg, units, dtype=dtype, device=device)
+        for u, module in stage.blocks.items():
+            names = checkpoint_names(cfg, int(u), module)
+            state = {}
+            for p, hf_name in names.items():
+                shape = module.get_parameter(p).shape
+                digest = hashlib.sha256(f"{seed}:{hf_name}".encode()).digest()
+                gen = torch.Generator(device=stage.device).manual_seed(int.from_bytes(digest[:8], "little"))
+                if p.endswith("layernorm.weight") or p == "norm.weight":
+                    t = torch.ones(shape, device=stage.device, dtype=dtype)
+                else:
+                    t = torch.empty(shape, device=stage.device, dtype=dtype).normal_(0.0, 0.02, generator=gen)
+                state[p] = t
+            module.load_state_dict(state, assign=True, strict=True)
+        stage._tie_embeddings()
+        return stage.eval()
+
+    # --- caches ---------------------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int) -> StageCache:
+        if max_len > self.cfg.max_position_embeddings:
+            raise InputError(
+                f"declared max length {max_len} exceeds the model's context of {self.cfg.max_position_embeddings} tokens"
+            )
+        return StageCache.allocate(self.units.attention_layers(), batch, max_len, self.cfg.num_kv_heads,
+                                   self.cfg.head_dim, self.dtype, self.device)
+
+    # --- forward --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, start: int, cache: StageCache, *, all_logits: bool = False) -> torch.Tensor:
+        if self.units.has_embed:
+            if x.dtype not in (torch.int64, torch.int32) or x.dim() != 2:
+                raise InputError(f"the first stage takes token ids [batch, tokens], got {x.dtype} {tuple(x.shape)}")
+            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.cfg.vocab_size):
+                raise InputError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        elif x.dim() != 3 or x.shape[-1] != self.cfg.hidden_size:
+            raise InputError(
+                f"stage {self.units} takes the residual stream [batch, tokens, {self.cfg.hidden_size}], "
+                f"got {tuple(x.shape)}"
+            )
+        batch, tokens = x.shape[0], x.shape[1]
+        cache.check_slice(start, tokens, batch)
+        x = x.to(self.device) if self.units.has_embed else x.to(self.device, self.dtype)
+        positions = torch.arange(start, start + tokens, device=self.device)
+        cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
+        for u, block in self.blocks.items():
+            if isinstance(block, Attention):
+                x = block(x, start, cos, sin, cache.layers[block.layer])
+            elif self.units.has_head and int(u) == self.units.end - 1:
+                x = block(x if all_logits else x[:, -1:])
+            else:
+                x = block(x)
+        cache.length = start + tokens
+        return x
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())

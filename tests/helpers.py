@@ -1,0 +1,68 @@
+"""Tiny random-weight Hugging Face models of each supported family, and reference forwards."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+FAMILIES = {
+    "llama": dict(cls="LlamaForCausalLM", cfg="LlamaConfig", extra={}),
+    "llama3-rope": dict(cls="LlamaForCausalLM", cfg="LlamaConfig", extra=dict(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "llama-tied-bias": dict(cls="LlamaForCausalLM", cfg="LlamaConfig",
+                            extra=dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
+    "mistral-sliding": dict(cls="MistralForCausalLM", cfg="MistralConfig", extra=dict(sliding_window=8)),
+    "qwen2": dict(cls="Qwen2ForCausalLM", cfg="Qwen2Config", extra=dict(tie_word_embeddings=False)),
+}
+
+
+def make_tiny_model(family: str, directory: Path, *, vocab_size: int = 384, layers: int = 3,
+                    tokenizer_from: Path | None = None) -> Path:
+    """Save a random-weight model of ``family`` (HF format, safetensors) into ``directory``."""
+    import transformers
+
+    spec = FAMILIES[family]
+    cfg = getattr(transformers, spec["cfg"])(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96, rms_norm_eps=1e-5,
+        initializer_range=0.3, **spec["extra"],
+    )
+    torch.manual_seed(1234)
+    model = getattr(transformers, spec["cls"])(cfg).eval()
+    # Biases start at zero in HF init; make them matter.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.3)
+    model.save_pretrained(str(directory))
+    if tokenizer_from is not None:
+        for f in tokenizer_from.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f, directory / f.name)
+    return directory
+
+
+def hf_model(directory: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+def run_split(stages, ids: torch.Tensor, slices: list[int], max_len: int) -> torch.Tensor:
+    """All-position logits of ``ids`` fed slice by slice through ``stages``."""
+    caches = [s.new_cache(ids.shape[0], max_len) for s in stages]
+    out, start = [], 0
+    for n in slices:
+        x = ids[:, start:start + n]
+        for stage, cache in zip(stages, caches):
+            x = stage(x, start, cache, all_logits=True)
+        out.append(x)
+        start += n
+    return torch.cat(out, dim=1)
+
+
+def max_rel_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
