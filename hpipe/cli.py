@@ -52,15 +52,79 @@ def cmd_generate(args: argparse.Namespace) -> int:
     source = resolve_model(args.model)
     dtype = parse_dtype(args.dtype, args.device)
     tokenizer = source.tokenizer()
-    model = LocalModel(source, dtype=dtype, device=args.device, cuts=args.cuts or ())
-    result = generate(model, tokenizer, prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
-                      sampling=sampling, slices=args.slices)
+    if args.cluster:
+        result = _generate_on_cluster(args, source, dtype, tokenizer, prompt, sampling)
+    else:
+        model = LocalModel(source, dtype=dtype, device=args.device, cuts=args.cuts or ())
+        result = generate(model.open, tokenizer, prompt, context=source.config.max_position_embeddings,
+                          eos_ids=source.eos_token_ids(), chat=args.chat, max_new_tokens=args.max_new_tokens,
+                          sampling=sampling, slices=args.slices)
     if args.json:
         print(json.dumps({"model": source.name, **result.as_dict()}))
     else:
         print(result.text)
         log.info("%d prompt tokens, %d new tokens, prefill %.3fs, decode %.1f tok/s", result.prompt_tokens,
                  len(result.token_ids), result.prefill_s, len(result.token_ids) / max(result.decode_s, 1e-9))
+    return 0
+
+
+def _generate_on_cluster(args, source, dtype, tokenizer, prompt, sampling):
+    from pathlib import Path
+
+    from hpipe.units import even_cuts
+    from runtime.cluster import ClusterSpec
+    from runtime.coordinator import Pipeline, generate_on_cluster
+
+    cluster = ClusterSpec.load(args.cluster)
+    cfg = source.config
+    cuts = args.cuts if args.cuts is not None else even_cuts(cfg.num_units, min(len(cluster.daemons), cfg.num_units))
+    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    pipe = Pipeline(cluster)
+    try:
+        pipe.deploy(model, cuts, cfg.num_units, dtype)
+        return generate_on_cluster(pipe, source, tokenizer, prompt, chat=args.chat,
+                                   max_new_tokens=args.max_new_tokens, sampling=sampling, slices=args.slices)
+    finally:
+        pipe.close()
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    from runtime.channels import Security
+    from runtime.cluster import parse_size
+    from runtime.daemon import DaemonConfig, serve
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise InputError("--tls-cert and --tls-key go together")
+    token = Security.from_files(args.token_file).token
+    cfg = DaemonConfig(device=args.device, host=args.host, port=args.port, threads=args.threads,
+                       memory_budget=parse_size(args.memory_budget), token=token, tls_cert=args.tls_cert,
+                       tls_key=args.tls_key, tls_ca=args.tls_ca, name=args.name)
+    return serve(cfg)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from runtime import launcher
+    from runtime.cluster import ClusterSpec
+
+    cluster = ClusterSpec.load(args.file)
+    if args.action == "status":
+        rows = launcher.status(cluster)
+        if args.json:
+            print(json.dumps(rows))
+        else:
+            for r in rows:
+                units = r.get("units")
+                print(f"{r['name']:<12} {r['address']:<22} {r['device']:<8} "
+                      f"{'healthy' if r['healthy'] else 'DOWN':<8} "
+                      f"{'units [%d, %d)' % tuple(units) if units else '-':<16} "
+                      f"open sequences: {r.get('open_sequences', '-')}")
+        return 0 if all(r["healthy"] for r in rows) else 1
+    result = launcher.up(cluster) if args.action == "up" else launcher.down(cluster)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for name, state in result.items():
+            print(f"{name}: {state}")
     return 0
 
 
@@ -101,15 +165,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, help="torch CPU threads")
     g.add_argument("--cuts", type=_int_list, help="unit indices where stages change (c1,c2,...)")
     g.add_argument("--slices", type=_int_list, help="prompt token slice lengths (must sum to the prompt length)")
+    g.add_argument("--cluster", help="run through the daemons of this cluster file instead of in-process")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
+
+    dm = sub.add_parser("daemon", help="serve this device as a pipeline stage (gRPC)")
+    dm.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    dm.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    dm.add_argument("--port", type=int, required=True)
+    dm.add_argument("--threads", type=int, help="torch CPU threads")
+    dm.add_argument("--memory-budget", help="cap on weights + KV cache, e.g. 2GiB")
+    dm.add_argument("--token-file", help="shared secret every RPC must carry")
+    dm.add_argument("--tls-cert")
+    dm.add_argument("--tls-key")
+    dm.add_argument("--tls-ca", help="CA to verify the successor's certificate (default: --tls-cert)")
+    dm.add_argument("--name", default="", help="name in logs")
+    dm.set_defaults(func=cmd_daemon)
+
+    cl = sub.add_parser("cluster", help="start, stop or inspect the local daemons of a cluster file")
+    cl.add_argument("action", choices=["up", "down", "status"])
+    cl.add_argument("file")
+    cl.add_argument("--json", action="store_true")
+    cl.set_defaults(func=cmd_cluster)
 
     d = sub.add_parser("demo", help="analyse the bundled sample report with the bundled SmolLM2 model")
     d.add_argument("--instruction", default=DEMO_INSTRUCTION)
     d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_demo, model="smollm2-135m", temperature=0.0, top_p=1.0, top_k=0, seed=None,
-                   dtype="float32", device="cpu", threads=None, cuts=None, slices=None)
+                   dtype="float32", device="cpu", threads=None, cuts=None, slices=None, cluster=None)
     return parser
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -21,8 +21,14 @@ from hpipe.units import UnitRange, ranges_from_cuts
 
 log = logging.getLogger(__name__)
 
-#: ``forward(ids [1, tokens], start) -> logits of the last position [vocab]``
-ForwardFn = Callable[[torch.Tensor, int], torch.Tensor]
+class Runner(Protocol):
+    """One open sequence of some model: local stages or a remote pipeline."""
+
+    def prefill(self, ids: torch.Tensor, slices: Sequence[int]) -> torch.Tensor:
+        """Feed ``ids [1, tokens]`` in ``slices``; return the logits of the last position ``[vocab]``."""
+
+    def step(self, token: int) -> torch.Tensor:
+        """Feed one token at the next position; return its logits ``[vocab]``."""
 
 
 @dataclass
@@ -88,7 +94,7 @@ def plan_lengths(prompt_tokens: int, max_new_tokens: int, context: int) -> tuple
 
 
 def decode_loop(
-    forward: ForwardFn,
+    runner: Runner,
     prompt_ids: list[int],
     *,
     max_new_tokens: int,
@@ -101,12 +107,8 @@ def decode_loop(
 
     Returns (new token ids, prefill seconds, decode seconds, stop reason).
     """
-    ids = torch.tensor([prompt_ids], dtype=torch.long)
     t0 = time.perf_counter()
-    start, logits = 0, None
-    for n in slices:
-        logits = forward(ids[:, start:start + n], start)
-        start += n
+    logits = runner.prefill(torch.tensor([prompt_ids], dtype=torch.long), slices)
     prefill_s = time.perf_counter() - t0
     out: list[int] = []
     reason = "length"
@@ -121,9 +123,32 @@ def decode_loop(
             break
         if len(out) >= max_new_tokens:
             break
-        logits = forward(torch.tensor([[token]]), start)
-        start += 1
+        logits = runner.step(token)
     return out, prefill_s, time.perf_counter() - t1, reason
+
+
+class LocalRunner:
+    def __init__(self, stages: list[StageModel], max_len: int, batch: int = 1):
+        self.stages = stages
+        self.caches = [s.new_cache(batch, max_len) for s in stages]
+        self.position = 0
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = ids
+        for stage, cache in zip(self.stages, self.caches):
+            x = stage(x, self.position, cache)
+        self.position += ids.shape[1]
+        return x[0, -1]
+
+    def prefill(self, ids: torch.Tensor, slices: Sequence[int]) -> torch.Tensor:
+        start, logits = 0, None
+        for n in slices:
+            logits = self._forward(ids[:, start:start + n])
+            start += n
+        return logits
+
+    def step(self, token: int) -> torch.Tensor:
+        return self._forward(torch.tensor([[token]]))
 
 
 class LocalModel:
@@ -136,34 +161,29 @@ class LocalModel:
         ranges = ranges_from_cuts(list(cuts), self.cfg.num_layers) if cuts else [UnitRange.full(self.cfg.num_layers)]
         self.stages = [StageModel.from_checkpoint(store, self.cfg, r, dtype=dtype, device=device) for r in ranges]
 
-    def open(self, max_len: int, batch: int = 1) -> ForwardFn:
-        caches = [s.new_cache(batch, max_len) for s in self.stages]
-
-        def forward(ids: torch.Tensor, start: int) -> torch.Tensor:
-            x = ids
-            for stage, cache in zip(self.stages, caches):
-                x = stage(x, start, cache)
-            return x[0, -1]
-
-        return forward
+    def open(self, max_len: int, batch: int = 1) -> LocalRunner:
+        return LocalRunner(self.stages, max_len, batch)
 
 
 def generate(
-    model: LocalModel,
+    open_runner: Callable[[int], Runner],
     tokenizer,
     prompt: str,
     *,
+    context: int,
+    eos_ids: Sequence[int],
     chat: bool = False,
     max_new_tokens: int = 128,
     sampling: SamplingParams = SamplingParams(),
     slices: Sequence[int] | None = None,
 ) -> GenerationResult:
+    """Generate from ``prompt`` on whatever ``open_runner(max_len)`` opens (local or remote)."""
     prompt_ids = encode_prompt(tokenizer, prompt, chat)
     slices = check_slices(slices, len(prompt_ids))
-    max_new_tokens, max_len = plan_lengths(len(prompt_ids), max_new_tokens, model.cfg.max_position_embeddings)
+    max_new_tokens, max_len = plan_lengths(len(prompt_ids), max_new_tokens, context)
     new, prefill_s, decode_s, reason = decode_loop(
-        model.open(max_len), prompt_ids, max_new_tokens=max_new_tokens, sampler=Sampler(sampling),
-        eos_ids=model.source.eos_token_ids(), slices=slices,
+        open_runner(max_len), prompt_ids, max_new_tokens=max_new_tokens, sampler=Sampler(sampling),
+        eos_ids=eos_ids, slices=slices,
     )
     text = tokenizer.decode(new, skip_special_tokens=True)
     return GenerationResult(text, new, len(prompt_ids), prefill_s, decode_s, reason)

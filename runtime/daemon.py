@@ -1,0 +1,199 @@
+"""``hpipe daemon``: serve one device as a pipeline stage over gRPC.
+
+The servicer only translates between messages and :class:`StageServer` calls; every
+:class:`StageError` becomes the gRPC status it names, every bad input an ``INVALID_ARGUMENT``,
+so a malformed request never takes the daemon down.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from hpipe.errors import HpipeError, InputError, ModelSourceError, UnsupportedModelError
+from runtime.channels import TOKEN_HEADER, Security, StageClient
+from runtime.stage_server import StageError, StageServer
+from runtime.wire import CHANNEL_OPTIONS, dtype_from_wire, pb, pb_grpc, tensor_to_proto
+
+log = logging.getLogger(__name__)
+
+SEND_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 50151
+    threads: int | None = None
+    memory_budget: int | None = None
+    token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None  # to verify the successor's certificate (defaults to our own cert)
+    name: str = ""
+
+
+def _status(e: Exception) -> grpc.StatusCode:
+    if isinstance(e, StageError):
+        return getattr(grpc.StatusCode, e.code)
+    if isinstance(e, (ModelSourceError, UnsupportedModelError)):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _handled(method):
+    """Turn our errors into gRPC statuses with their message."""
+
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except HpipeError as e:
+            context.abort(_status(e), str(e))
+
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
+class StageServicer(pb_grpc.StageServicer):
+    def __init__(self, server: StageServer):
+        self.server = server
+
+    @_handled
+    def Load(self, request, context):
+        dtype = dtype_from_wire(request.dtype)
+        if dtype == torch.int64:
+            raise InputError("a stage computes in float32, bfloat16 or float16")
+        info = self.server.load(request.model, request.unit_start, request.unit_end, dtype, request.next_address,
+                                request.next_name, request.stage_index)
+        return pb.LoadReply(**info)
+
+    @_handled
+    def Open(self, request, context):
+        kv = self.server.open(request.sequence_id, request.batch, request.max_len, request.idle_timeout_s)
+        return pb.OpenReply(kv_bytes=kv)
+
+    @_handled
+    def Submit(self, request, context):
+        self.server.submit(request.sequence_id, request.unit_start, request.start, request.length, request.payload,
+                           request.all_logits, request.want_logits)
+        return pb.Ack()
+
+    def Results(self, request, context):
+        try:
+            for out in self.server.results(request.sequence_id, context.is_active):
+                msg = pb.SliceResult(sequence_id=request.sequence_id, start=out.start, length=out.length,
+                                     error=out.error)
+                if out.logits is not None:
+                    msg.logits.CopyFrom(tensor_to_proto(out.logits))
+                yield msg
+        except HpipeError as e:
+            context.abort(_status(e), str(e))
+
+    @_handled
+    def Close(self, request, context):
+        stats = self.server.close(request.sequence_id)
+        if stats is None:
+            return pb.CloseReply(existed=False)
+        return pb.CloseReply(existed=True, stats=pb.StageStats(**vars(stats)))
+
+    @_handled
+    def Status(self, request, context):
+        info = self.server.status(list(request.sequence_ids))
+        seqs = [pb.SequenceState(**s) for s in info.pop("sequences")]
+        return pb.StatusReply(sequences=seqs, **info)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuse every RPC (health checks included) that lacks the shared token."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        sent = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_HEADER, "")
+        if hmac.compare_digest(sent.encode(), self._expected):
+            return continuation(handler_call_details)
+        return self._deny_stream if handler_call_details.method.endswith("/Results") else self._deny
+
+
+def _sender_factory(cfg: DaemonConfig):
+    security = Security(token=cfg.token, tls_ca=None)
+    if cfg.tls_cert:
+        from pathlib import Path
+
+        security = Security(token=cfg.token, tls_ca=Path(cfg.tls_ca or cfg.tls_cert))
+
+    def connect(address: str):
+        client = StageClient(address, security)
+
+        def send(seq_id: int, unit_start: int, start: int, length: int, payload: bytes) -> None:
+            try:
+                client.call("Submit", pb.Slice(sequence_id=seq_id, unit_start=unit_start, start=start, length=length,
+                                               payload=payload, want_logits=True), timeout=SEND_TIMEOUT_S)
+            except grpc.RpcError as e:
+                raise HpipeError(f"{e.code().name}: {e.details()}") from None
+
+        return send
+
+    return connect
+
+
+def build_server(cfg: DaemonConfig) -> tuple[grpc.Server, StageServer, int]:
+    stage = StageServer(cfg.device, cfg.memory_budget, connect=_sender_factory(cfg))
+    interceptors = [TokenInterceptor(cfg.token)] if cfg.token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
+                         interceptors=interceptors, options=CHANNEL_OPTIONS)
+    pb_grpc.add_StageServicer_to_server(StageServicer(stage), server)
+    health_servicer = health.HealthServicer()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{cfg.host}:{cfg.port}"
+    if cfg.tls_cert:
+        with open(cfg.tls_key, "rb") as k, open(cfg.tls_cert, "rb") as c:
+            creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise HpipeError(f"cannot bind {address}")
+    return server, stage, port
+
+
+def serve(cfg: DaemonConfig) -> int:
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise HpipeError(f"--device {cfg.device}: CUDA is not available on this machine")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s: stage daemons execute requests from anyone who can reach them; keep them on a "
+                    "trusted network and use --token-file (and TLS)", cfg.host)
+    server, stage, port = build_server(cfg)
+    server.start()
+    log.warning("hpipe daemon %s serving %s on %s:%d (pid-safe stop: SIGTERM)", cfg.name, cfg.device, cfg.host, port)
+    stopped = threading.Event()
+
+    def on_signal(signum, frame):
+        log.warning("signal %d: stopping", signum)
+        stopped.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stopped.wait()
+    stage.shutdown()
+    server.stop(grace=3).wait()
+    return 0

@@ -1,0 +1,151 @@
+"""``hpipe cluster up|down|status``: run the daemons of a cluster whose addresses are on this machine.
+
+Each daemon is a separate process (its own session, log file and pid file under the cache
+directory), so it can be killed, throttled or restarted on its own like a real device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hpipe.errors import HpipeError
+from hpipe.sources import cache_root
+from runtime.channels import StageClient
+from runtime.cluster import ClusterSpec, DaemonSpec
+
+log = logging.getLogger(__name__)
+
+
+def state_dir(cluster: ClusterSpec) -> Path:
+    key = hashlib.sha256(str(cluster.path).encode()).hexdigest()[:10]
+    d = cache_root() / "clusters" / f"{cluster.name}-{key}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def daemon_command(cluster: ClusterSpec, d: DaemonSpec) -> list[str]:
+    cmd = [sys.executable, "-m", "hpipe.cli", "daemon", "--device", d.device, "--host", d.host,
+           "--port", str(d.port), "--name", d.name]
+    if d.threads:
+        cmd += ["--threads", str(d.threads)]
+    if d.memory_budget:
+        cmd += ["--memory-budget", str(d.memory_budget)]
+    if cluster.token_file:
+        cmd += ["--token-file", str(cluster.token_file)]
+    if d.tls_cert:
+        cmd += ["--tls-cert", str(d.tls_cert), "--tls-key", str(d.tls_key)]
+        if cluster.tls_ca:
+            cmd += ["--tls-ca", str(cluster.tls_ca)]
+    return cmd
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child still answers kill(0): look at its state
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def up(cluster: ClusterSpec, timeout_s: float = 180.0) -> dict[str, str]:
+    """Start every local daemon that is not already serving; wait until all are healthy."""
+    remote = [d.name for d in cluster.daemons if not d.is_local]
+    if remote:
+        raise HpipeError(f"cluster up starts local daemons only; start {', '.join(remote)} on their machines "
+                         "with `hpipe daemon`")
+    if any(d.emulate for d in cluster.daemons):
+        raise HpipeError("this cluster file asks for emulated devices or links; emulation is not implemented yet")
+    security = cluster.security()
+    sdir = state_dir(cluster)
+    started: dict[str, subprocess.Popen] = {}
+    status = {}
+    for d in cluster.daemons:
+        client = StageClient(d.address, security, d.name)
+        if client.health(timeout=1.0):
+            status[d.name] = "already running"
+            client.close()
+            continue
+        client.close()
+        logf = open(sdir / f"{d.name}.log", "ab")
+        proc = subprocess.Popen(daemon_command(cluster, d), stdout=logf, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ})
+        (sdir / f"{d.name}.pid").write_text(str(proc.pid))
+        started[d.name] = proc
+    deadline = time.monotonic() + timeout_s
+    for name, proc in started.items():
+        d = cluster.daemon(name)
+        client = StageClient(d.address, security, name)
+        try:
+            while not client.health(timeout=1.0):
+                if proc.poll() is not None:
+                    tail = (sdir / f"{name}.log").read_text(errors="replace")[-2000:]
+                    raise HpipeError(f"daemon {name} ({d.address}) exited with code {proc.returncode}:\n{tail}")
+                if time.monotonic() > deadline:
+                    raise HpipeError(f"daemon {name} ({d.address}) not healthy after {timeout_s:.0f}s; "
+                                     f"see {sdir / (name + '.log')}")
+                time.sleep(0.2)
+        finally:
+            client.close()
+        status[name] = f"started (pid {proc.pid})"
+    return status
+
+
+def down(cluster: ClusterSpec, timeout_s: float = 15.0) -> dict[str, str]:
+    sdir = state_dir(cluster)
+    status = {}
+    pids = {}
+    for d in cluster.daemons:
+        pidf = sdir / f"{d.name}.pid"
+        if not pidf.exists():
+            status[d.name] = "not started by hpipe"
+            continue
+        pid = int(pidf.read_text())
+        if _pid_alive(pid):
+            os.kill(pid, signal.SIGTERM)
+            pids[d.name] = pid
+        else:
+            status[d.name] = "not running"
+        pidf.unlink()
+    deadline = time.monotonic() + timeout_s
+    for name, pid in pids.items():
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            status[name] = f"killed (pid {pid}, no exit after SIGTERM)"
+        else:
+            status[name] = f"stopped (pid {pid})"
+    return status
+
+
+def status(cluster: ClusterSpec) -> list[dict]:
+    from runtime.wire import pb
+
+    security = cluster.security()
+    rows = []
+    for d in cluster.daemons:
+        client = StageClient(d.address, security, d.name)
+        row = {"name": d.name, "address": d.address, "device": d.device, "healthy": client.health(timeout=2.0)}
+        if row["healthy"]:
+            try:
+                st = client.call("Status", pb.StatusRequest(), timeout=5.0)
+                row.update(model=st.model, units=[st.unit_start, st.unit_end] if st.loaded else None,
+                           open_sequences=st.open_sequences, kv_bytes=st.kv_bytes, weight_bytes=st.weight_bytes)
+            except Exception as e:  # noqa: BLE001 - report, do not fail the whole table
+                row["error"] = str(e)
+        client.close()
+        rows.append(row)
+    return rows

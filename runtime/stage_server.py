@@ -1,0 +1,360 @@
+"""What a stage daemon does, without gRPC: hold a unit range, run sequences, forward results.
+
+Design note. One daemon drives one device, so all model work runs on one worker thread, in the
+order slices were accepted. gRPC handler threads validate and decode incoming payloads while the
+worker computes (receiving overlaps compute); a sender thread encodes each output and submits it
+straight to the successor daemon (sending overlaps the next compute). The last stage queues
+results per sequence for the coordinator's ``Results`` stream. A sequence's KV cache lives from
+``open`` until ``close``, a failure, or ``idle_timeout_s`` without traffic (a vanished
+coordinator), whichever comes first.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import psutil
+import torch
+
+from hpipe.errors import HpipeError, InputError
+from hpipe.model import StageCache, StageModel
+from hpipe.units import UnitRange
+
+log = logging.getLogger(__name__)
+
+
+class StageError(HpipeError):
+    """An error with the gRPC status name it maps to (the servicer does the mapping)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Stats:
+    compute_s: float = 0.0
+    send_s: float = 0.0
+    recv_decode_s: float = 0.0
+    slices: int = 0
+    bytes_sent: int = 0
+
+
+@dataclass
+class SliceOutput:
+    start: int
+    length: int
+    logits: torch.Tensor | None = None
+    error: str = ""
+
+
+_CLOSED = object()  # sentinel that ends a results stream
+
+
+@dataclass
+class Sequence:
+    id: int
+    cache: StageCache
+    idle_timeout_s: float
+    last_active: float
+    submitted: int = 0  # positions accepted so far (the queue may still hold some)
+    error: str = ""
+    closed: bool = False
+    results: "queue.Queue" = field(default_factory=queue.Queue)
+    stats: Stats = field(default_factory=Stats)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    model: str
+    units: UnitRange
+    dtype: torch.dtype
+    next_address: str
+    next_name: str
+    stage_index: int
+
+
+#: sends one slice to the successor: (sequence_id, unit_start, start, length, payload bytes) -> None
+SendFn = Callable[[int, int, int, int, bytes], None]
+
+
+class StageServer:
+    def __init__(self, device: str = "cpu", memory_budget: int | None = None,
+                 connect: Callable[[str], SendFn] | None = None):
+        self.device = torch.device(device)
+        self.memory_budget = memory_budget
+        self._connect = connect  # opens a sender to the successor's address (gRPC in production)
+        self.stage: StageModel | None = None
+        self.deployment: Deployment | None = None
+        self.weight_bytes = 0
+        self._sequences: dict[int, Sequence] = {}
+        self._lock = threading.RLock()
+        self._work: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._send: SendFn | None = None
+        self._stopping = threading.Event()
+        self._threads = [threading.Thread(target=f, name=n, daemon=True)
+                         for f, n in ((self._work_loop, "stage-worker"), (self._send_loop, "stage-sender"),
+                                      (self._reap_loop, "stage-reaper"))]
+        for t in self._threads:
+            t.start()
+
+    # --- deployment -------------------------------------------------------------------------
+    def load(self, model: str, unit_start: int, unit_end: int, dtype: torch.dtype, next_address: str,
+             next_name: str, stage_index: int) -> dict:
+        from hpipe.sources import resolve_model
+
+        t0 = time.perf_counter()
+        source = resolve_model(model)
+        cfg = source.config
+        units = UnitRange(unit_start, unit_end, cfg.num_layers)
+        if units.has_head == bool(next_address):
+            raise StageError("INVALID_ARGUMENT", f"stage {units}: a successor is required unless the stage holds "
+                             "the head, and the stage holding the head has none")
+        dep = Deployment(model, units, dtype, next_address, next_name or next_address, stage_index)
+        with self._lock:
+            if self.deployment != dep:
+                for seq_id in list(self._sequences):
+                    self.close(seq_id)
+                self.stage, self.deployment = None, None
+                weights = sum(p.numel() for p in _unit_params(cfg, units)) * torch.empty((), dtype=dtype).element_size()
+                self._check_memory(weights, what=f"the weights of units {units}")
+                stage = StageModel.from_checkpoint(source.weights(), cfg, units, dtype=dtype, device=self.device)
+                self.weight_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
+                self._send = self._connect(next_address) if next_address and self._connect else None
+                self.stage, self.deployment = stage, dep
+                log.info("stage %d loaded units %s of %s (%s) in %.1fs", stage_index, units, model, dtype,
+                         time.perf_counter() - t0)
+        stage = self.stage
+        return {
+            "parameters": stage.parameter_count(), "weight_bytes": self.weight_bytes,
+            "load_s": time.perf_counter() - t0, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size,
+            "kv_bytes_per_token": StageCache.bytes_per_token(len(units.attention_layers()), cfg.num_kv_heads,
+                                                             cfg.head_dim, dtype),
+        }
+
+    def _require_stage(self) -> StageModel:
+        if self.stage is None:
+            raise StageError("FAILED_PRECONDITION", "no model is loaded on this daemon (deploy a plan first)")
+        return self.stage
+
+    def _available_memory(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0]
+        return psutil.virtual_memory().available
+
+    def _check_memory(self, new_bytes: int, what: str) -> None:
+        if self.memory_budget is not None:
+            used = self.weight_bytes + self.kv_bytes()
+            if used + new_bytes > self.memory_budget:
+                raise StageError("RESOURCE_EXHAUSTED",
+                                 f"{what} need {_mib(new_bytes)}; {_mib(used)} of the {_mib(self.memory_budget)} "
+                                 "memory budget are in use")
+        available = self._available_memory()
+        if new_bytes > 0.9 * available:
+            raise StageError("RESOURCE_EXHAUSTED", f"{what} need {_mib(new_bytes)}; the device has {_mib(available)} free")
+
+    def kv_bytes(self) -> int:
+        with self._lock:
+            return sum(s.cache.nbytes for s in self._sequences.values())
+
+    # --- sequences ----------------------------------------------------------------------------
+    def open(self, seq_id: int, batch: int, max_len: int, idle_timeout_s: float) -> int:
+        stage = self._require_stage()
+        if batch < 1 or max_len < 1:
+            raise StageError("INVALID_ARGUMENT", f"batch and max_len must be >= 1 (got {batch}, {max_len})")
+        if max_len > stage.cfg.max_position_embeddings:
+            raise StageError("OUT_OF_RANGE", f"max_len {max_len} exceeds the model's context of "
+                             f"{stage.cfg.max_position_embeddings} tokens")
+        per_token = StageCache.bytes_per_token(len(stage.units.attention_layers()), stage.cfg.num_kv_heads,
+                                               stage.cfg.head_dim, stage.dtype, batch)
+        with self._lock:
+            if seq_id in self._sequences:
+                raise StageError("ALREADY_EXISTS", f"sequence {seq_id} is already open")
+            self._check_memory(per_token * max_len, what=f"the KV cache of sequence {seq_id} ({batch} x {max_len} tokens)")
+            cache = stage.new_cache(batch, max_len)
+            timeout = idle_timeout_s if idle_timeout_s > 0 else 60.0
+            self._sequences[seq_id] = Sequence(seq_id, cache, timeout, time.monotonic())
+        log.debug("sequence %d opened: batch %d, max_len %d, %s KV", seq_id, batch, max_len, _mib(cache.nbytes))
+        return cache.nbytes
+
+    def _get(self, seq_id: int) -> Sequence:
+        seq = self._sequences.get(seq_id)
+        if seq is None or seq.closed:
+            raise StageError("NOT_FOUND", f"unknown sequence {seq_id} (never opened, closed, or timed out)")
+        return seq
+
+    def submit(self, seq_id: int, unit_start: int, start: int, length: int, payload: bytes,
+               all_logits: bool = False, want_logits: bool = True) -> None:
+        """Validate and decode one slice (in the caller's thread), then queue it for the worker."""
+        from runtime.wire import bytes_to_tensor
+
+        stage = self._require_stage()
+        if unit_start != stage.units.start:
+            raise StageError("FAILED_PRECONDITION", f"this daemon holds units {stage.units}; the slice is for "
+                             f"unit {unit_start}")
+        with self._lock:
+            seq = self._get(seq_id)
+            if seq.error:
+                raise StageError("ABORTED", f"sequence {seq_id} failed: {seq.error}")
+            if length < 1:
+                raise StageError("INVALID_ARGUMENT", f"slice length must be >= 1, got {length}")
+            if start != seq.submitted:
+                raise StageError("FAILED_PRECONDITION", f"slice starts at position {start}; sequence {seq_id} "
+                                 f"continues at {seq.submitted}")
+            if start + length > seq.cache.max_len:
+                raise StageError("OUT_OF_RANGE", f"positions up to {start + length} exceed sequence {seq_id}'s "
+                                 f"declared max length {seq.cache.max_len}")
+            t0 = time.perf_counter()
+            try:
+                if stage.units.has_embed:
+                    x = bytes_to_tensor(payload, (seq.cache.batch, length), torch.int64)
+                    if int(x.min()) < 0 or int(x.max()) >= stage.cfg.vocab_size:
+                        raise InputError(f"token ids must lie in [0, {stage.cfg.vocab_size})")
+                else:
+                    x = bytes_to_tensor(payload, (seq.cache.batch, length, stage.cfg.hidden_size), stage.dtype)
+            except InputError as e:
+                raise StageError("INVALID_ARGUMENT", f"sequence {seq_id}, slice at {start}: {e}") from None
+            seq.stats.recv_decode_s += time.perf_counter() - t0
+            seq.submitted = start + length
+            seq.last_active = time.monotonic()
+            self._work.put((seq, x, start, all_logits, want_logits))
+
+    def results(self, seq_id: int, is_active: Callable[[], bool] = lambda: True) -> Iterator[SliceOutput]:
+        """The last stage's outputs for ``seq_id``, in order, until the sequence is closed."""
+        stage = self._require_stage()
+        if not stage.units.has_head:
+            raise StageError("FAILED_PRECONDITION", f"this daemon holds units {stage.units}, not the head")
+        with self._lock:
+            seq = self._get(seq_id)
+        while is_active() and not self._stopping.is_set():
+            try:
+                item = seq.results.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            if item is _CLOSED:
+                return
+            yield item
+
+    def close(self, seq_id: int) -> Stats | None:
+        with self._lock:
+            seq = self._sequences.pop(seq_id, None)
+        if seq is None:
+            return None
+        seq.closed = True
+        seq.cache = StageCache(batch=seq.cache.batch, max_len=seq.cache.max_len)  # drop the tensors now
+        seq.results.put(_CLOSED)
+        log.debug("sequence %d closed", seq_id)
+        return seq.stats
+
+    def status(self, seq_ids: list[int]) -> dict:
+        with self._lock:
+            states = []
+            for i in seq_ids:
+                seq = self._sequences.get(i)
+                states.append({"sequence_id": i, "open": seq is not None,
+                               "length": seq.cache.length if seq else 0, "error": seq.error if seq else ""})
+            dep = self.deployment
+            return {
+                "loaded": dep is not None, "model": dep.model if dep else "",
+                "unit_start": dep.units.start if dep else 0, "unit_end": dep.units.end if dep else 0,
+                "device": str(self.device), "open_sequences": len(self._sequences), "kv_bytes": self.kv_bytes(),
+                "weight_bytes": self.weight_bytes, "memory_budget": self.memory_budget or 0, "sequences": states,
+            }
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        if not seq.error:
+            seq.error = message
+            log.error("sequence %d failed: %s", seq.id, message)
+            seq.results.put(SliceOutput(0, 0, error=message))
+
+    # --- threads ------------------------------------------------------------------------------
+    def _work_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                seq, x, start, all_logits, want_logits = self._work.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            if seq.closed or seq.error:
+                continue
+            stage = self.stage
+            try:
+                t0 = time.perf_counter()
+                out = stage(x, start, seq.cache, all_logits=all_logits)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                seq.stats.compute_s += time.perf_counter() - t0
+                seq.stats.slices += 1
+            except HpipeError as e:
+                self._fail(seq, f"stage {self.deployment.stage_index}: {e}")
+                continue
+            except Exception as e:  # noqa: BLE001 - a bug must fail the sequence, not kill the worker
+                log.exception("stage compute failed")
+                self._fail(seq, f"stage {self.deployment.stage_index}: internal error: {e!r}")
+                continue
+            seq.last_active = time.monotonic()
+            if stage.units.has_head:
+                logits = out.float() if want_logits else None
+                seq.results.put(SliceOutput(start, x.shape[1], logits if all_logits or logits is None else logits[:, -1]))
+            else:
+                self._outbox.put((seq, start, x.shape[1], out))
+
+    def _send_loop(self) -> None:
+        from runtime.wire import tensor_bytes
+
+        while not self._stopping.is_set():
+            try:
+                seq, start, length, out = self._outbox.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            if seq.closed or seq.error:
+                continue
+            dep = self.deployment
+            t0 = time.perf_counter()
+            try:
+                payload = tensor_bytes(out)
+                self._send(seq.id, dep.units.end, start, length, payload)
+            except HpipeError as e:
+                self._fail(seq, f"stage {dep.stage_index} could not send to stage {dep.stage_index + 1} "
+                           f"({dep.next_name}): {e}")
+                continue
+            seq.stats.send_s += time.perf_counter() - t0
+            seq.stats.bytes_sent += len(payload)
+            seq.last_active = time.monotonic()
+
+    def _reap_loop(self) -> None:
+        while not self._stopping.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                idle = [s.id for s in self._sequences.values() if now - s.last_active > s.idle_timeout_s]
+            for seq_id in idle:
+                log.warning("sequence %d idle for too long: freeing its KV cache", seq_id)
+                self.close(seq_id)
+
+    def shutdown(self) -> None:
+        for seq_id in list(self._sequences):
+            self.close(seq_id)
+        self._stopping.set()
+
+
+def _unit_params(cfg, units: UnitRange):
+    """Parameter shapes of ``units`` without allocating them (meta tensors)."""
+    from hpipe.model.layers import build_unit
+
+    with torch.device("meta"):
+        seen = []
+        for u in units:
+            seen.extend(build_unit(cfg, u).parameters())
+        if cfg.tie_word_embeddings and units.has_embed and units.has_head:
+            seen.pop()  # the LM head shares the embedding's tensor
+    return seen
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
