@@ -174,14 +174,21 @@ def build_server(cfg: DaemonConfig) -> tuple[grpc.Server, StageServer, int]:
     return server, stage, port
 
 
+def bind_warning(host: str) -> str | None:
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return None
+    return (f"binding {host}: a stage daemon runs whatever requests reach it and holds model weights; keep "
+            "daemons on a trusted network and give them a --token-file (and TLS on shared links)")
+
+
 def serve(cfg: DaemonConfig) -> int:
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise HpipeError(f"--device {cfg.device}: CUDA is not available on this machine")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("binding %s: stage daemons execute requests from anyone who can reach them; keep them on a "
-                    "trusted network and use --token-file (and TLS)", cfg.host)
+    warning = bind_warning(cfg.host)
+    if warning:
+        log.warning("%s", warning)
     server, stage, port = build_server(cfg)
     server.start()
     log.warning("hpipe daemon %s serving %s on %s:%d (pid-safe stop: SIGTERM)", cfg.name, cfg.device, cfg.host, port)

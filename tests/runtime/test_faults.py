@@ -1,0 +1,39 @@
+"""A daemon killed mid-prefill: the coordinator names it within a bounded time, and the
+surviving daemons free the sequence's KV cache."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from runtime import launcher
+from runtime.coordinator import Pipeline, StageFailure
+from runtime.wire import pb
+from tests.runtime.conftest import RunningCluster, write_cluster
+
+
+def test_killed_daemon_mid_prefill(tmp_path, smollm2):
+    with RunningCluster(write_cluster(tmp_path, 3, name="faulty")) as cluster:
+        pipe = Pipeline(cluster.spec)
+        pipe.deploy("smollm2-135m", [21, 41], smollm2.config.num_units, torch.float32)
+        seq = pipe.open(1024, idle_timeout_s=300)
+        ids = torch.randint(0, smollm2.config.vocab_size, (1, 1024))
+        for k in range(16):
+            seq.submit(ids[:, 64 * k: 64 * (k + 1)], want_logits=False)
+        seq.result()  # the first slice went through all three stages; fifteen are still in flight
+        victim = int((launcher.state_dir(cluster.spec) / "s1.pid").read_text())
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(StageFailure) as info:
+            for _ in range(15):
+                seq.result()
+        elapsed = time.monotonic() - t0
+        print(f"failure reported {elapsed:.2f}s after the kill: {info.value}")
+        assert "stage 1 (s1" in str(info.value), info.value
+        assert elapsed < 15, elapsed
+        for i in (0, 2):  # the survivors freed the sequence
+            status = pipe.clients[i].call("Status", pb.StatusRequest(sequence_ids=[seq.id]))
+            assert not status.sequences[0].open and status.kv_bytes == 0
+        pipe.close()

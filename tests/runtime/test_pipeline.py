@@ -1,0 +1,83 @@
+"""The pipeline over real daemon processes gives exactly the tokens of single-process generation."""
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from hpipe.cli import main
+from hpipe.generate import LocalModel, generate
+from hpipe.sampling import SamplingParams
+from runtime.coordinator import Pipeline, generate_on_cluster
+
+PROMPTS = ["What is the capital of France?", "Name three colours of the rainbow."]
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """Single-process greedy tokens for each prompt (the golden answers)."""
+    tok, model = smollm2.tokenizer(), LocalModel(smollm2)
+    out = {}
+    for p in PROMPTS:
+        r = generate(model.open, tok, p, context=smollm2.config.max_position_embeddings,
+                     eos_ids=smollm2.eos_token_ids(), chat=True, max_new_tokens=MAX_NEW)
+        out[p] = (r.token_ids, r.prompt_tokens)
+    return out
+
+
+def run(pipe, smollm2, prompt, slices=None):
+    return generate_on_cluster(pipe, smollm2, smollm2.tokenizer(), prompt, chat=True, max_new_tokens=MAX_NEW,
+                               sampling=SamplingParams(), slices=slices)
+
+
+@pytest.mark.parametrize("cuts", [[], [6], [1, 61], [6, 31], [23, 40]])
+def test_cuts_and_slices_equal_single_process(cluster3, smollm2, reference, cuts):
+    pipe = Pipeline(cluster3.spec)
+    try:
+        pipe.deploy("smollm2-135m", cuts, smollm2.config.num_units, torch.float32)
+        assert len(pipe.stages) == len(cuts) + 1
+        prompt = PROMPTS[0]
+        want, n = reference[prompt]
+        for slices in (None, [5, 1, n - 6], [9] * (n // 9) + ([n % 9] if n % 9 else [])):
+            result = run(pipe, smollm2, prompt, slices)
+            assert result.token_ids == want, (cuts, slices)
+            stages = result.extra["stages"]
+            assert [s["units"] for s in stages][0][0] == 0 and stages[-1]["units"][1] == 62
+            assert all(s["slices"] >= 1 and s["compute_s"] > 0 for s in stages)
+        # every sequence was freed on every stage
+        status = [pipe.clients[i].call("Status", __import__("runtime.wire").wire.pb.StatusRequest())
+                  for i in range(len(pipe.stages))]
+        assert all(s.open_sequences == 0 and s.kv_bytes == 0 for s in status)
+    finally:
+        pipe.close()
+
+
+def test_several_sequences_in_flight(cluster3, smollm2, reference):
+    pipe = Pipeline(cluster3.spec)
+    try:
+        pipe.deploy("smollm2-135m", [6, 31], smollm2.config.num_units, torch.float32)
+        jobs = [(p, s) for p in PROMPTS for s in (None, [4, 4, 4])] * 2
+        jobs = [(p, s if s is None else s + [reference[p][1] - 12]) for p, s in jobs]
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            results = list(pool.map(lambda job: run(pipe, smollm2, *job), jobs))
+        for (prompt, _), result in zip(jobs, results):
+            assert result.token_ids == reference[prompt][0]
+    finally:
+        pipe.close()
+
+
+def test_cli_generate_on_cluster(cluster3, reference, capsys):
+    code = main(["generate", "--cluster", str(cluster3.path), "--model", "smollm2-135m", "--chat", "--prompt",
+                 PROMPTS[0], "--max-new-tokens", str(MAX_NEW), "--cuts", "2,40", "--slices", "20,17", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == reference[PROMPTS[0]][0]
+    assert [s["units"] for s in out["stages"]] == [[0, 2], [2, 40], [40, 62]]
+    assert all({"compute_s", "send_s", "recv_decode_s"} <= set(s) for s in out["stages"])
+
+
+def test_cli_slices_must_add_up(cluster3, capsys):
+    code = main(["generate", "--cluster", str(cluster3.path), "--chat", "--prompt", PROMPTS[0], "--slices", "3,4"])
+    assert code == 1 and "add up to 7" in capsys.readouterr().err
