@@ -189,14 +189,23 @@ class RemoteSequence:
             return item
 
     def _check_stages(self) -> None:
+        """Raise :class:`StageFailure` if any stage is unreachable or failed this sequence.
+
+        Unreachable stages are blamed first: when a daemon dies, its predecessor's failed send is
+        a symptom, the dead daemon the cause.
+        """
+        replies, dead = {}, None
         for i in range(len(self.pipe.clients)):
             try:
-                reply = self.pipe.clients[i].call("Status", pb.StatusRequest(sequence_ids=[self.id]),
-                                                  timeout=STATUS_TIMEOUT_S)
+                replies[i] = self.pipe.clients[i].call("Status", pb.StatusRequest(sequence_ids=[self.id]),
+                                                       timeout=STATUS_TIMEOUT_S)
             except grpc.RpcError as e:
-                self._abort(skip=i)
-                raise StageFailure(f"{self.pipe.describe(i)} is not responding "
-                                   f"({e.code().name}: {e.details()})") from None
+                dead = dead or (i, e)
+        if dead:
+            i, e = dead
+            self._abort(skip=i)
+            raise StageFailure(f"{self.pipe.describe(i)} is not responding ({e.code().name}: {e.details()})")
+        for i, reply in replies.items():
             state = reply.sequences[0]
             if state.error:
                 self._abort()
