@@ -128,6 +128,75 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_or_print(text: str, path: str | None) -> None:
+    if path and path != "-":
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        print(text)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from hpipe.shapes import model_shape
+    from runtime.cluster import ClusterSpec
+
+    cluster = ClusterSpec.load(args.cluster)
+    name, cfg = model_shape(args.model)
+    max_len = args.max_len or cfg.max_position_embeddings
+    if args.simulate:
+        from profiler.roofline import simulated_profile
+
+        missing = [d.name for d in cluster.daemons if not d.spec]
+        if missing:
+            raise InputError(f"--simulate needs a 'spec' (peak_tflops, mem_bw_gbs, memory) for {', '.join(missing)}")
+        profile = simulated_profile(name, cfg, cluster.daemons, cluster.link_specs(), args.dtype, max_len, args.batch)
+    else:
+        from profiler.measure import profile_cluster
+
+        profile = profile_cluster(cluster, name, cfg, dtype=args.dtype, max_len=max_len, batch=args.batch,
+                                  force=args.force)
+    from profiler.report import summary
+
+    print(summary(profile), file=sys.stderr)
+    _write_or_print(profile.to_json(), args.output)
+    if args.json and args.output not in (None, "-"):
+        print(json.dumps({"profile": args.output, "devices": [d.name for d in profile.devices],
+                          "source": profile.source}))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from planner.costs import Workload
+    from planner.report import plan_table
+    from planner.strategies import plan as make_plan
+    from planner.strategies import timeline
+    from profiler.schema import Profile
+
+    try:
+        with open(args.profile, encoding="utf-8") as f:
+            profile = Profile.from_json(f.read())
+    except OSError as e:
+        raise InputError(f"cannot read profile: {e}") from None
+    work = Workload(args.seq_len, args.batch, args.max_len)
+    strategy = args.strategy.replace("-", "_")
+    plan = make_plan(profile, work, strategy=strategy, granularity=args.granularity)
+    print(plan_table(plan), file=sys.stderr)
+    _write_or_print(plan.to_json(), args.output)
+    if args.chart:
+        from planner.chart import gantt
+
+        gantt(plan, {n: timeline(profile, work, sp) for n, sp in plan.strategies.items()}, args.chart)
+        print(f"chart: {args.chart}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({
+            "cuts": plan.chosen.cuts, "devices": [s.device for s in plan.chosen.stages],
+            "slices": list(plan.chosen.slices), "micro_batches": plan.chosen.micro_batches,
+            "predicted": {n: sp.predicted_s for n, sp in plan.strategies.items()}, "ideal_s": plan.ideal_s,
+            "planning_s": plan.meta["planning_s"], "plan": args.output,
+        }))
+    return 0
+
+
 DEMO_INSTRUCTION = "What was the direct cause of the outage described in this report? Answer in one sentence."
 
 
@@ -187,6 +256,30 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("file")
     cl.add_argument("--json", action="store_true")
     cl.set_defaults(func=cmd_cluster)
+
+    pr = sub.add_parser("profile", help="measure every device and link of a cluster (or simulate from specs)")
+    pr.add_argument("--cluster", required=True)
+    pr.add_argument("--model", default="smollm2-135m", help="model source, config.json, or random:NAME shape")
+    pr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    pr.add_argument("--max-len", type=int, help="longest context to profile (default: the model's)")
+    pr.add_argument("--batch", type=int, default=1)
+    pr.add_argument("--simulate", action="store_true", help="derive the profile from the cluster file's specs")
+    pr.add_argument("--force", action="store_true", help="re-measure even when a cached profile matches")
+    pr.add_argument("-o", "--output", default="profile.json")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=cmd_profile)
+
+    pl = sub.add_parser("plan", help="choose layer cuts and token slicing from a profile")
+    pl.add_argument("--profile", required=True)
+    pl.add_argument("--seq-len", type=int, required=True)
+    pl.add_argument("--batch", type=int, default=1)
+    pl.add_argument("--max-len", type=int, help="longest input the plan supports (default: --seq-len)")
+    pl.add_argument("--strategy", default="hpipe", choices=["hpipe", "base", "gpipe", "gp-b", "terapipe"])
+    pl.add_argument("--granularity", type=int, default=16, help="slice lengths are multiples of this")
+    pl.add_argument("-o", "--output", default="plan.json")
+    pl.add_argument("--chart", help="write the predicted pipelines as a Gantt chart (PNG)")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
 
     d = sub.add_parser("demo", help="analyse the bundled sample report with the bundled SmolLM2 model")
     d.add_argument("--instruction", default=DEMO_INSTRUCTION)

@@ -30,6 +30,15 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+def _spec(path, i, spec) -> dict:
+    if not spec:
+        return {}
+    need = ("peak_tflops", "mem_bw_gbs", "memory")
+    if not isinstance(spec, dict) or any(k not in spec for k in need):
+        raise HpipeError(f"{path}: daemon #{i}: spec needs {', '.join(need)}")
+    return {**spec, "memory": parse_size(spec["memory"])}
+
+
 def parse_size(value) -> int | None:
     if value is None:
         return None
@@ -51,6 +60,8 @@ class DaemonSpec:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     emulate: dict = field(default_factory=dict, hash=False, compare=False)
+    #: published specs for what-if planning: peak_tflops, mem_bw_gbs, memory, efficiency, overhead_us
+    spec: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def host(self) -> str:
@@ -72,6 +83,8 @@ class ClusterSpec:
     path: Path | None = None
     token_file: Path | None = None
     tls_ca: Path | None = None
+    #: what-if links: {same_host: {gbit_s, latency_ms}, between_hosts: {...}, pairs: [{src, dst, ...}]}
+    links: dict = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.daemons:
@@ -120,9 +133,35 @@ class ClusterSpec:
                 memory_budget=parse_size(d.get("memory_budget")),
                 tls_cert=rel(d.get("tls_cert")), tls_key=rel(d.get("tls_key")),
                 emulate=dict(d.get("emulate") or {}),
+                spec=_spec(path, i, d.get("spec")),
             ))
         return cls(name=str(raw.get("name", path.stem)), daemons=tuple(daemons), path=path.resolve(),
-                   token_file=rel(raw.get("token_file")), tls_ca=rel(raw.get("tls_ca")))
+                   token_file=rel(raw.get("token_file")), tls_ca=rel(raw.get("tls_ca")),
+                   links=dict(raw.get("links") or {}))
+
+    def link_specs(self) -> dict[tuple[str, str], tuple[float, float]]:
+        """What-if links as {(src, dst): (latency s, bandwidth bytes/s)} for every directed pair."""
+        def conv(entry, what):
+            try:
+                return float(entry.get("latency_ms", 0.1)) / 1e3, float(entry["gbit_s"]) * 1e9 / 8
+            except (KeyError, TypeError, ValueError):
+                raise HpipeError(f"cluster {self.name!r}: link {what} needs gbit_s (and optional latency_ms)") from None
+
+        pairs = {(p["src"], p["dst"]): conv(p, f"{p.get('src')}->{p.get('dst')}")
+                 for p in self.links.get("pairs", [])}
+        out = {}
+        for a in self.daemons:
+            for b in self.daemons:
+                if a is b:
+                    continue
+                if (a.name, b.name) in pairs:
+                    out[a.name, b.name] = pairs[a.name, b.name]
+                    continue
+                kind = "same_host" if a.host == b.host else "between_hosts"
+                if kind not in self.links:
+                    raise HpipeError(f"cluster {self.name!r}: no '{kind}' link spec for {a.name}->{b.name}")
+                out[a.name, b.name] = conv(self.links[kind], kind)
+        return out
 
     def security(self):
         from runtime.channels import Security

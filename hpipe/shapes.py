@@ -1,0 +1,50 @@
+"""Model shapes without weights: ``random:NAME`` for planning, what-if profiles and benchmarks.
+
+Built-in shapes (Llama-family configs; the planner needs only the dimensions):
+
+| name       | layers | hidden | intermediate | heads | kv heads | vocab  | context |
+|------------|-------:|-------:|-------------:|------:|---------:|-------:|--------:|
+| llama-7b   | 32     | 4096   | 11008        | 32    | 32       | 32000  | 4096    |
+| llama-13b  | 40     | 5120   | 13824        | 40    | 40       | 32000  | 4096    |
+| llama3-8b  | 32     | 4096   | 14336        | 32    | 8        | 128256 | 8192    |
+| gpt3-2b    | 32     | 2560   | 6827         | 32    | 32       | 50257  | 2048    |
+
+``gpt3-2b`` is GPT-3 2.7B's shape (32 layers, d_model 2560, 32 heads of 80) in Llama form: its
+two-matrix 4d MLP is written as a gated MLP of equal weight count (3 x 2560 x 6827 ~ 2 x 2560 x 10240).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpipe.config import ModelConfig
+from hpipe.errors import ModelSourceError
+
+_BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5)
+SHAPES = {
+    "llama-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
+    "llama-13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                      num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                      rope_theta=500000.0),
+    "gpt3-2b": dict(vocab_size=50257, hidden_size=2560, intermediate_size=6827, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048),
+}
+
+
+def model_shape(spec: str) -> tuple[str, ModelConfig]:
+    """(name, config) for ``random:NAME``, a config.json path, or any model source hpipe can load."""
+    if spec.startswith("random:"):
+        name = spec.split(":", 1)[1]
+        if name not in SHAPES:
+            raise ModelSourceError(f"unknown built-in shape {name!r} (known: {', '.join(SHAPES)})")
+        return spec, ModelConfig.from_dict({**_BASE, **SHAPES[name]})
+    path = Path(spec)
+    if path.is_file() and path.name.endswith(".json"):
+        return path.parent.name or spec, ModelConfig.from_file(path)
+    from hpipe.sources import resolve_model
+
+    src = resolve_model(spec)
+    return spec, src.config

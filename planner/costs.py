@@ -1,0 +1,96 @@
+"""The cost model the planner optimises: stage compute, link transfer, and stage memory.
+
+A stage holding units ``[a, b)`` runs, for a slice of ``s`` tokens at context ``c`` and batch
+``B``: the embedding if ``a == 0``, one attention unit per attention unit in the range, one MLP
+per MLP unit, and the head if it holds the last unit. The head computes logits of the last
+position only (what the runtime does during prefill), so its cost is that of one token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from profiler.schema import DeviceProfile, Profile
+
+
+def unit_counts(a: int, b: int, num_layers: int) -> tuple[int, int, int, int]:
+    """(embed, attn, mlp, head) units in ``[a, b)``."""
+    last = 2 * num_layers + 1
+    embed = int(a == 0)
+    head = int(b == last + 1)
+    lo, hi = max(a, 1), min(b, last)  # block units in [lo, hi)
+    attn = sum(1 for u in range(lo, hi) if (u - 1) % 2 == 0)
+    return embed, attn, max(hi - lo, 0) - attn, head
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    batch: int = 1
+    max_len: int | None = None  # KV cache length to provision; defaults to seq_len
+
+    @property
+    def kv_len(self) -> int:
+        return self.max_len or self.seq_len
+
+
+class CostModel:
+    def __init__(self, profile: Profile):
+        self.profile = profile
+        self.devices = list(profile.devices)
+        self.L = profile.model.num_layers
+        self.num_units = 2 * self.L + 2
+        self._counts: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+
+    def stage_times(self, dev: int, a: int, b: int, s, c, batch: int) -> np.ndarray:
+        """Vectorised: compute seconds of units [a, b) on ``dev`` for slices ``s`` at contexts ``c``."""
+        key = (dev, a, b, batch)
+        counts = self._counts.get(key[1:3])
+        if counts is None:
+            counts = self._counts[key[1:3]] = unit_counts(a, b, self.L)
+        e, at, ml, h = counts
+        grids = self.devices[dev].compute
+        s = np.asarray(s, dtype=float)
+        c = np.asarray(c, dtype=float)
+        t = np.zeros_like(s)
+        if e:
+            t = t + grids["embed"].times(s, c, batch)
+        if at:
+            t = t + at * grids["attn"].times(s, c, batch)
+        if ml:
+            t = t + ml * grids["mlp"].times(s, np.zeros_like(c), batch)
+        if h:
+            t = t + grids["head"].time(1, 0, batch)
+        return t
+
+    def stage_time(self, dev: int, a: int, bnd: int, s: int, c: int, batch: int) -> float:
+        return float(self.stage_times(dev, a, bnd, [s], [c], batch)[0])
+
+    def comm_time(self, src: int, dst: int, s, batch: int):
+        """Seconds to send slices of ``s`` tokens from device ``src`` to ``dst`` (``s`` may be an array)."""
+        nbytes = np.asarray(s, dtype=float) * batch * self.profile.activation_bytes_per_token()
+        link = self.profile.link(self.devices[src].name, self.devices[dst].name)
+        t = link.latency_s + nbytes / link.bandwidth_Bps
+        return float(t) if t.ndim == 0 else t
+
+    def stage_memory(self, a: int, b: int, work: Workload, slice_tokens: int | None = None) -> int:
+        """Weights + KV cache for the workload's max length x batch + working space of one slice."""
+        p = self.profile
+        e, at, ml, h = unit_counts(a, b, self.L)
+        weights = (e * p.unit_weight_bytes("embed") + at * p.unit_weight_bytes("attn")
+                   + ml * p.unit_weight_bytes("mlp") + h * p.unit_weight_bytes("head"))
+        if e and h and p.model.tie_word_embeddings:
+            weights -= p.model.vocab_size * p.model.hidden_size * p.itemsize
+        kv = at * p.kv_bytes_per_token_per_layer() * work.kv_len * work.batch
+        s = slice_tokens or work.seq_len
+        m = p.model
+        # residual + normed input + q/k/v/attention out + gate/up/act: the peak of one unit's forward
+        work_bytes = work.batch * s * (4 * m.hidden_size + 3 * m.intermediate_size) * p.itemsize
+        if h:
+            work_bytes += work.batch * m.vocab_size * 4
+        return weights + kv + work_bytes
+
+    def fits(self, dev: int, a: int, b: int, work: Workload) -> bool:
+        return self.stage_memory(a, b, work) <= self.devices[dev].memory_bytes

@@ -1,0 +1,187 @@
+"""hpipe and the baselines, all as schedules of one form, evaluated by the exact simulator.
+
+- **base**: even split over all devices in profile order, the whole batch as one item: no pipelining.
+- **gpipe**: even split, the batch cut into micro-batches (best count among divisors of B).
+- **gp_b**: hpipe's split (Algorithm 1), micro-batches as GPipe.
+- **terapipe**: even split, uniform token slices (best count).
+- **hpipe**: the best simulated schedule among: {Algorithm-1 split, even split} x {micro-batch
+  counts} x {Algorithm-2 slicing, uniform slicings}. Its candidates include every baseline's, so
+  its prediction is never worse than theirs; the simulator, not the DP estimate, decides.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+from dataclasses import dataclass
+
+from planner.costs import CostModel, Workload
+from planner.cuts import Cuts, InfeasibleError, best_cuts, even_bounds
+from planner.plan import Plan, StagePlan, StrategyPlan
+from planner.simulator import Timeline, simulate
+from planner.slicing import GRANULARITY, Stage, slicing_table, uniform
+from profiler.schema import Profile
+
+MAX_UNIFORM_SLICES = 64
+
+
+@dataclass(frozen=True)
+class Candidate:
+    bounds: tuple[int, ...]
+    devices: tuple[int, ...]
+    micro_batches: int
+    slices: tuple[int, ...]
+    makespan: float
+
+
+def items(slices, micro_batches: int):
+    out = []
+    for _ in range(micro_batches):
+        c = 0
+        for s in slices:
+            out.append((s, c))
+            c += s
+    return out
+
+
+def simulate_schedule(cost: CostModel, work: Workload, bounds, devices, micro_batches: int, slices,
+                      keep: bool = False) -> float | Timeline:
+    b = work.batch // micro_batches
+    its = items(slices, micro_batches)
+    s_arr = np.array([s for s, _ in its], dtype=float)
+    c_arr = np.array([c for _, c in its], dtype=float)
+    comp, comm = [], []
+    for j, (a, e) in enumerate(zip(bounds, bounds[1:])):
+        comp.append(cost.stage_times(devices[j], a, e, s_arr, c_arr, b).tolist())
+        if j + 1 < len(devices):
+            comm.append(np.broadcast_to(cost.comm_time(devices[j], devices[j + 1], s_arr, b), s_arr.shape).tolist())
+    return simulate(comp, comm, keep=keep)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fits(cost: CostModel, work: Workload, bounds, devices) -> bool:
+    return all(cost.fits(devices[j], a, b, work) for j, (a, b) in enumerate(zip(bounds, bounds[1:])))
+
+
+def _best(cost, work, bounds, devices, mbs, slicings) -> Candidate:
+    best = None
+    for m in mbs:
+        for sl in slicings(m):
+            t = simulate_schedule(cost, work, bounds, devices, m, sl)
+            if best is None or t < best.makespan:
+                best = Candidate(tuple(bounds), tuple(devices), m, tuple(sl), t)
+    return best
+
+
+def _uniforms(length: int):
+    # every count up to 16, then coarser steps up to MAX_UNIFORM_SLICES
+    counts = sorted({k for k in (*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64)
+                     if k <= min(MAX_UNIFORM_SLICES, length)})
+    return [uniform(length, k) for k in counts]
+
+
+def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granularity: int = GRANULARITY,
+         progress=None) -> Plan:
+    """Plan hpipe and every baseline for ``work``; ``strategy`` is the one the plan executes."""
+    t_start = time.perf_counter()
+    cost = CostModel(profile)
+    context = profile.model.max_position_embeddings
+    if work.seq_len < 1 or work.batch < 1:
+        raise InfeasibleError("sequence length and batch must be >= 1")
+    if work.kv_len > context:
+        raise InfeasibleError(f"length {work.kv_len} exceeds the model's context of {context} tokens")
+    if work.kv_len < work.seq_len:
+        raise InfeasibleError(f"--max-len {work.kv_len} is below --seq-len {work.seq_len}")
+    n = len(cost.devices)
+    L = work.seq_len
+    mbs = _divisors(work.batch)
+    one = lambda m: [[L]]  # noqa: E731
+
+    dp = best_cuts(cost, work)
+    k = min(n, cost.num_units)  # an even split cannot use more devices than there are units
+    even = (even_bounds(cost.num_units, k), tuple(range(k)))
+    even_ok = _fits(cost, work, *even)
+    splits = [(dp.bounds, dp.devices)] + ([even] if even_ok and even != (dp.bounds, dp.devices) else [])
+
+    tables = {}
+
+    def hpipe_slicings(bounds, devices):
+        def gen(m):
+            key = (bounds, devices, m)
+            if key not in tables:
+                stages = [Stage(devices[j], a, b, devices[j + 1] if j + 1 < len(devices) else None)
+                          for j, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+                max_len = max(granularity, (work.kv_len // granularity) * granularity)
+                tables[key] = slicing_table(cost, stages, max_len, work.batch // m, granularity)
+            table = tables[key]
+            key_len = min((k for k in table.slices if k >= L), default=max(table.slices))
+            from planner.slicing import fit_slices
+
+            return [fit_slices(table.slices[key_len], L)] + _uniforms(L)
+        return gen
+
+    results: dict[str, Candidate | None] = {}
+    best_h = None
+    for bounds, devices in splits:
+        c = _best(cost, work, bounds, devices, mbs, hpipe_slicings(bounds, devices))
+        if best_h is None or c.makespan < best_h.makespan:
+            best_h = c
+    results["hpipe"] = best_h
+    results["base"] = _best(cost, work, *even, [1], one) if even_ok else None
+    results["gpipe"] = _best(cost, work, *even, mbs, one) if even_ok else None
+    results["gp_b"] = _best(cost, work, dp.bounds, dp.devices, mbs, one)
+    results["terapipe"] = _best(cost, work, *even, [1], lambda m: _uniforms(L)) if even_ok else None
+
+    key = (best_h.bounds, best_h.devices, best_h.micro_batches)
+    if key not in tables:
+        hpipe_slicings(best_h.bounds, best_h.devices)(best_h.micro_batches)
+    schedule = dict(tables[key].slices)
+
+    strategies = {}
+    for name, cand in results.items():
+        if cand is None:
+            continue
+        strategies[name] = StrategyPlan(name, _stage_plans(cost, work, cand), cand.micro_batches, cand.slices,
+                                        cand.makespan)
+    if strategy not in strategies:
+        raise InfeasibleError(f"strategy {strategy!r} is infeasible here (its even split does not fit in memory)")
+    meta = {"planning_s": round(time.perf_counter() - t_start, 3), "profile_source": profile.source,
+            "cut_bottleneck_s": dp.bottleneck,
+            "infeasible": sorted(k for k, v in results.items() if v is None)}
+    return Plan(profile.model_name, profile.model, profile.dtype, work.batch, L, work.kv_len, granularity,
+                strategy, strategies, schedule, ideal_seconds(cost, work), meta=meta)
+
+
+def _stage_plans(cost: CostModel, work: Workload, cand: Candidate) -> tuple[StagePlan, ...]:
+    out = []
+    its = items(cand.slices, cand.micro_batches)
+    for j, (a, b) in enumerate(zip(cand.bounds, cand.bounds[1:])):
+        dev = cost.devices[cand.devices[j]]
+        compute = float(cost.stage_times(cand.devices[j], a, b, [s for s, _ in its], [c for _, c in its],
+                                         work.batch // cand.micro_batches).sum())
+        out.append(StagePlan(dev.name, dev.address, a, b, cost.stage_memory(a, b, work, max(cand.slices)),
+                             dev.memory_bytes, compute))
+    return tuple(out)
+
+
+def ideal_seconds(cost: CostModel, work: Workload) -> float:
+    """Total work over the devices' summed speed: 1 / sum_d (1 / T_d), T_d = whole model on d, unsliced."""
+    speeds = 0.0
+    for m in range(len(cost.devices)):
+        t = cost.stage_time(m, 0, cost.num_units, work.seq_len, 0, work.batch)
+        if t > 0:
+            speeds += 1.0 / t
+    return 1.0 / speeds if speeds else math.inf
+
+
+def timeline(profile: Profile, work: Workload, sp: StrategyPlan) -> Timeline:
+    cost = CostModel(profile)
+    names = [d.name for d in cost.devices]
+    bounds = tuple(s.unit_start for s in sp.stages) + (sp.stages[-1].unit_end,)
+    devices = tuple(names.index(s.device) for s in sp.stages)
+    return simulate_schedule(cost, work, bounds, devices, sp.micro_batches, sp.slices, keep=True)

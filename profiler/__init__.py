@@ -1,0 +1,1 @@
+"""Profiling: what each device computes how fast, what it can hold, and what each link carries."""

@@ -1,0 +1,34 @@
+"""Human-readable profile summary (stderr): per-device table and link matrix."""
+
+from __future__ import annotations
+
+from profiler.schema import Profile
+
+
+def summary(profile: Profile) -> str:
+    m = profile.model
+    lines = [f"profile ({profile.source}): {profile.model_name} {profile.dtype}, {m.num_layers} layers, "
+             f"hidden {m.hidden_size}"]
+    s_ref = max(1, min(512, m.max_position_embeddings))
+    lines.append(f"{'device':<14} {'kind':<6} {'memory GiB':>10}   per-unit ms at {s_ref} tokens, context 0: "
+                 "embed / attn / mlp / head(1 token)")
+    for d in profile.devices:
+        g = d.compute
+        b = g["attn"].batches[0]
+        times = [g["embed"].time(s_ref, 0, b), g["attn"].time(s_ref, 0, b), g["mlp"].time(s_ref, 0, b),
+                 g["head"].time(1, 0, b)]
+        lines.append(f"{d.name:<14} {d.device:<6} {d.memory_bytes / 2**30:>10.2f}   "
+                     + " / ".join(f"{t * 1e3:.3f}" for t in times))
+    names = [d.name for d in profile.devices]
+    lines.append("links (latency ms / bandwidth MB/s), row = from:")
+    lines.append(" " * 14 + "".join(f"{n[:16]:>18}" for n in names))
+    for a in names:
+        cells = []
+        for b in names:
+            if a == b:
+                cells.append(f"{'-':>18}")
+            else:
+                link = profile.link(a, b)
+                cells.append(f"{link.latency_s * 1e3:>8.3f} / {link.bandwidth_Bps / 1e6:>7.1f}")
+        lines.append(f"{a[:14]:<14}" + "".join(cells))
+    return "\n".join(lines)

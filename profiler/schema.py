@@ -1,0 +1,239 @@
+"""``profile.json``: typed, validated, versioned. Pure Python (no torch), shared with the planner.
+
+A profile holds, for one model shape and dtype:
+
+- per device, per unit kind (embed, attn, mlp, head), a measured grid of seconds for a slice of
+  ``s`` tokens x batch ``B`` whose context starts at ``c`` (``seconds[b][i][j]`` for
+  ``batches[b]``, ``tokens[i]``, ``contexts[j]``; only attention varies with ``c``, the others
+  carry a single context column 0). Lookups interpolate linearly inside the grid and extrapolate
+  from the last two points outside it; nothing assumes linearity in ``s``.
+- per device, the memory it can give to weights + KV cache + working space;
+- per directed pair of devices, link latency (s) and bandwidth (bytes/s).
+
+Format version 1. ``Profile.from_dict(p.to_dict()) == p``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from hpipe.config import ModelConfig, RopeConfig
+from hpipe.errors import HpipeError
+
+FORMAT_VERSION = 1
+UNIT_KINDS = ("embed", "attn", "mlp", "head")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class ProfileError(HpipeError):
+    pass
+
+
+def interp1(xs, ys, x):
+    """Piecewise-linear through (xs, ys), extrapolated from the end segments; ``x`` may be an array.
+
+    Below the smallest measured point the value is never less than proportional scaling of it
+    (small slices do not get cheaper than linear), and times are never negative.
+    """
+    xs = np.asarray(xs, dtype=float)
+    ys = np.asarray(ys, dtype=float)
+    x = np.asarray(x, dtype=float)
+    if len(xs) == 1:
+        scale = np.where(x > xs[0], x / max(xs[0], 1e-12), 1.0) if xs[0] else np.ones_like(x)
+        return ys[0] * scale
+    i = np.clip(np.searchsorted(xs, x), 1, len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    y = np.where(x < xs[0], np.maximum(y, ys[0] * np.maximum(x, 1) / max(xs[0], 1)), y)
+    return np.maximum(y, 0.0)
+
+
+@dataclass(frozen=True)
+class ComputeGrid:
+    batches: tuple[int, ...]
+    tokens: tuple[int, ...]
+    contexts: tuple[int, ...]
+    seconds: tuple[tuple[tuple[float, ...], ...], ...]  # [batch][tokens][context]
+
+    def __post_init__(self) -> None:
+        for name in ("batches", "tokens", "contexts"):
+            v = getattr(self, name)
+            if not v or list(v) != sorted(set(v)) or min(v) < 0:
+                raise ProfileError(f"compute grid {name} must be non-empty, increasing, >= 0: {v}")
+        if (len(self.seconds) != len(self.batches) or any(len(r) != len(self.tokens) for r in self.seconds)
+                or any(len(c) != len(self.contexts) for r in self.seconds for c in r)):
+            raise ProfileError("compute grid seconds do not match its axes")
+        if any(t < 0 for r in self.seconds for c in r for t in c):
+            raise ProfileError("negative time in compute grid")
+
+    def plane(self, b: float) -> np.ndarray:
+        """The [tokens, context] grid interpolated at batch ``b`` (cached per batch)."""
+        return _plane(self, float(b))
+
+    def times(self, s, c, b: float):
+        """Seconds for slices of ``s`` tokens at contexts ``c`` (arrays of equal shape), batch ``b``."""
+        plane = self.plane(b)
+        s = np.asarray(s, dtype=float)
+        c = np.asarray(c, dtype=float)
+        per_context = np.stack([interp1(self.tokens, plane[:, j], s) for j in range(len(self.contexts))])
+        if len(self.contexts) == 1:
+            return per_context[0]
+        xs = np.asarray(self.contexts, dtype=float)
+        i = np.clip(np.searchsorted(xs, c), 1, len(xs) - 1)
+        x0, x1 = xs[i - 1], xs[i]
+        y0 = np.take_along_axis(per_context, (i - 1)[None, ...], 0)[0]
+        y1 = np.take_along_axis(per_context, i[None, ...], 0)[0]
+        return np.maximum(y0 + (y1 - y0) * (c - x0) / (x1 - x0), 0.0)
+
+    def time(self, s: float, c: float, b: float) -> float:
+        return float(self.times(np.array([s]), np.array([c]), b)[0])
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ComputeGrid":
+        return cls(tuple(d["batches"]), tuple(d["tokens"]), tuple(d["contexts"]),
+                   tuple(tuple(tuple(float(x) for x in c) for c in r) for r in d["seconds"]))
+
+
+@lru_cache(maxsize=4096)
+def _plane(grid: ComputeGrid, b: float) -> np.ndarray:
+    seconds = np.asarray(grid.seconds, dtype=float)  # [batch, tokens, context]
+    flat = seconds.reshape(len(grid.batches), -1)
+    return np.stack([interp1(grid.batches, flat[:, k], b) for k in range(flat.shape[1])]).reshape(
+        len(grid.tokens), len(grid.contexts))
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    address: str
+    device: str
+    memory_bytes: int  # what it can give to weights + KV cache + working space
+    compute: dict[str, ComputeGrid] = field(hash=False)
+    fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        missing = [k for k in UNIT_KINDS if k not in self.compute]
+        if missing:
+            raise ProfileError(f"device {self.name}: no compute grid for {missing}")
+        if self.memory_bytes <= 0:
+            raise ProfileError(f"device {self.name}: memory_bytes must be > 0")
+
+    def unit_time(self, kind: str, s: float, c: float, b: float) -> float:
+        return self.compute[kind].time(s, c, b)
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    src: str
+    dst: str
+    latency_s: float
+    bandwidth_Bps: float
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or self.bandwidth_Bps <= 0:
+            raise ProfileError(f"link {self.src}->{self.dst}: latency must be >= 0 and bandwidth > 0")
+
+    def time(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: ModelConfig
+    model_name: str
+    dtype: str
+    devices: tuple[DeviceProfile, ...]
+    links: tuple[LinkProfile, ...]
+    source: str = "measured"  # or "simulated"
+    version: int = FORMAT_VERSION
+    meta: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.version != FORMAT_VERSION:
+            raise ProfileError(f"profile format version {self.version} is not supported (expected {FORMAT_VERSION})")
+        if self.dtype not in DTYPE_BYTES:
+            raise ProfileError(f"profile dtype {self.dtype!r} unknown")
+        names = [d.name for d in self.devices]
+        if len(set(names)) != len(names):
+            raise ProfileError(f"duplicate device names in profile: {names}")
+        pairs = {(l.src, l.dst) for l in self.links}
+        missing = [(a, b) for a in names for b in names if a != b and (a, b) not in pairs]
+        if missing:
+            raise ProfileError(f"profile lacks links {missing[:4]}")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def device(self, name: str) -> DeviceProfile:
+        for d in self.devices:
+            if d.name == name:
+                return d
+        raise ProfileError(f"no device {name!r} in the profile")
+
+    def link(self, src: str, dst: str) -> LinkProfile:
+        for l in self.links:
+            if l.src == src and l.dst == dst:
+                return l
+        raise ProfileError(f"no link {src}->{dst} in the profile")
+
+    # --- memory, from the model shape ---------------------------------------------------
+    def unit_weight_bytes(self, kind: str) -> int:
+        m, it = self.model, self.itemsize
+        if kind == "embed":
+            return m.vocab_size * m.hidden_size * it
+        if kind == "head":
+            return (m.vocab_size * m.hidden_size + m.hidden_size) * it
+        if kind == "attn":
+            qkv = m.hidden_size * m.head_dim * (m.num_heads + 2 * m.num_kv_heads)
+            bias = m.head_dim * (m.num_heads + 2 * m.num_kv_heads) if m.qkv_bias else 0
+            return (qkv + bias + m.num_heads * m.head_dim * m.hidden_size + m.hidden_size) * it
+        return (3 * m.hidden_size * m.intermediate_size + m.hidden_size) * it
+
+    def kv_bytes_per_token_per_layer(self) -> int:
+        return 2 * self.model.num_kv_heads * self.model.head_dim * self.itemsize
+
+    def activation_bytes_per_token(self) -> int:
+        return self.model.hidden_size * self.itemsize
+
+    # --- JSON -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        model = asdict(self.model)
+        return {
+            "version": self.version, "source": self.source, "model_name": self.model_name, "dtype": self.dtype,
+            "model": model, "meta": self.meta,
+            "devices": [{"name": d.name, "address": d.address, "device": d.device, "memory_bytes": d.memory_bytes,
+                         "fingerprint": d.fingerprint,
+                         "compute": {k: asdict(g) for k, g in d.compute.items()}} for d in self.devices],
+            "links": [asdict(l) for l in self.links],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        try:
+            m = dict(d["model"])
+            m["rope"] = RopeConfig(**m["rope"])
+            m["sliding_windows"] = tuple(m["sliding_windows"])
+            devices = tuple(DeviceProfile(x["name"], x["address"], x["device"], int(x["memory_bytes"]),
+                                          {k: ComputeGrid.from_dict(g) for k, g in x["compute"].items()},
+                                          x.get("fingerprint", "")) for x in d["devices"])
+            links = tuple(LinkProfile(**l) for l in d["links"])
+            return cls(ModelConfig(**m), d["model_name"], d["dtype"], devices, links, d.get("source", "measured"),
+                       int(d["version"]), dict(d.get("meta", {})))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"not a valid hpipe profile: {e!r}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"profile is not valid JSON: {e}") from None

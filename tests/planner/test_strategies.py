@@ -1,0 +1,84 @@
+"""hpipe vs baselines on random clusters; plan files; infeasible requests."""
+
+import json
+import random
+
+import pytest
+
+from hpipe.cli import main
+from planner.costs import Workload
+from planner.cuts import InfeasibleError
+from planner.plan import Plan, PlanError
+from planner.strategies import plan
+from profiler.schema import Profile, ProfileError
+from tests.planner.synthetic import make_profile
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_hpipe_never_worse_than_any_baseline(seed):
+    rng = random.Random(seed)
+    batch = rng.choice([1, 2, 4, 6])
+    profile = make_profile(rng, n=rng.randint(1, 5), layers=rng.randint(1, 4), batches=tuple(
+        b for b in range(1, batch + 1) if batch % b == 0))
+    work = Workload(seq_len=rng.choice([100, 512, 1500]), batch=batch)
+    p = plan(profile, work)
+    hp = p.strategies["hpipe"].predicted_s
+    for name, sp in p.strategies.items():
+        assert hp <= sp.predicted_s * (1 + 1e-12), (name, hp, sp.predicted_s)
+        assert sum(sp.slices) == work.seq_len
+    assert p.ideal_s <= hp * (1 + 1e-9)  # nothing beats all devices sharing the work perfectly
+
+
+def test_plan_round_trip_and_slices_for_every_length():
+    profile = make_profile(random.Random(5), n=3, layers=3)
+    p = plan(profile, Workload(seq_len=400, max_len=1024))
+    again = Plan.from_json(p.to_json())
+    assert again.to_dict() == p.to_dict()
+    assert again.slices_for(400) == list(p.strategies["hpipe"].slices)
+    for length in (1, 15, 16, 17, 333, 1024):
+        sl = again.slices_for(length)
+        assert sum(sl) == length and min(sl) >= 1
+    with pytest.raises(PlanError, match="exceeds the plan's max length 1024"):
+        again.slices_for(1025)
+
+
+def test_infeasible_requests_are_clear():
+    profile = make_profile(random.Random(2), n=2, layers=2)
+    with pytest.raises(InfeasibleError, match="context of 4096"):
+        plan(profile, Workload(seq_len=5000))
+    with pytest.raises(InfeasibleError, match="does not fit"):
+        plan(make_profile(random.Random(2), n=2, layers=2, memory=10_000), Workload(seq_len=64))
+    with pytest.raises(ProfileError, match="lacks links"):
+        Profile.from_dict({**profile.to_dict(), "links": []})
+
+
+def test_profile_round_trip():
+    profile = make_profile(random.Random(9), n=3, layers=2, batches=(1, 2))
+    assert Profile.from_json(profile.to_json()) == profile
+    with pytest.raises(ProfileError, match="version"):
+        Profile.from_dict({**profile.to_dict(), "version": 99})
+
+
+def test_cli_plan(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    path.write_text(make_profile(random.Random(4), n=3, layers=2).to_json())
+    out, chart = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", "--profile", str(path), "--seq-len", "512", "-o", str(out), "--chart", str(chart),
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert set(summary["predicted"]) == {"hpipe", "base", "gpipe", "gp_b", "terapipe"}
+    assert sum(summary["slices"]) == 512 and isinstance(summary["cuts"], list)
+    assert chart.stat().st_size > 1000 and Plan.from_json(out.read_text()).seq_len == 512
+    assert main(["plan", "--profile", str(path), "--seq-len", "9000"]) == 1
+    assert "context" in capsys.readouterr().err
+
+
+def test_cli_what_if_profile(tmp_path, capsys):
+    out = tmp_path / "paper.json"
+    assert main(["profile", "--simulate", "--cluster", "clusters/paper-hpipe.yaml", "--model", "random:llama-7b",
+                 "--dtype", "float16", "--max-len", "2048", "--batch", "6", "-o", str(out)]) == 0
+    profile = Profile.from_json(out.read_text())
+    assert profile.source == "simulated" and len(profile.devices) == 6
+    assert profile.link("p100-0", "rtx3090-0").bandwidth_Bps == pytest.approx(125e6)
+    assert main(["profile", "--simulate", "--cluster", "clusters/local-3.yaml", "--model", "random:llama-7b"]) == 1
+    assert "needs a 'spec'" in capsys.readouterr().err
