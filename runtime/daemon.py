@@ -64,8 +64,9 @@ def _handled(method):
 
 
 class StageServicer(pb_grpc.StageServicer):
-    def __init__(self, server: StageServer):
+    def __init__(self, server: StageServer, security: Security = Security()):
         self.server = server
+        self.security = security  # for the daemon's own calls to other daemons (link probes)
 
     @_handled
     def Load(self, request, context):
@@ -106,6 +107,60 @@ class StageServicer(pb_grpc.StageServicer):
         return pb.CloseReply(existed=True, stats=pb.StageStats(**vars(stats)))
 
     @_handled
+    def GetDeviceInfo(self, request, context):
+        from profiler.device import available_bytes, fingerprint
+
+        dev = self.server.device
+        return pb.DeviceInfo(device=str(dev), fingerprint=fingerprint(dev), available_bytes=available_bytes(dev),
+                             memory_budget=self.server.memory_budget or 0, threads=torch.get_num_threads())
+
+    @_handled
+    def ProfileCompute(self, request, context):
+        import json
+        import time
+
+        from hpipe.config import ModelConfig
+        from profiler.device import measure_units
+
+        try:
+            cfg = ModelConfig.from_dict(json.loads(request.config_json))
+        except ValueError as e:
+            raise InputError(f"config_json is not valid JSON: {e}") from None
+        dtype = dtype_from_wire(request.dtype)
+        axes = (list(request.batches), list(request.tokens), list(request.contexts))
+        if any(not a or min(a) < (0 if i == 2 else 1) for i, a in enumerate(axes)):
+            raise InputError("profile grid axes must be non-empty (batches, tokens >= 1; contexts >= 0)")
+        if max(request.tokens) > request.max_len:
+            raise InputError(f"slice of {max(request.tokens)} tokens exceeds max_len {request.max_len}")
+        t0 = time.perf_counter()
+        times = measure_units(cfg, dtype, self.server.device, *axes, request.max_len, max(1, request.repeats))
+        units = [pb.UnitTimes(kind=k, batches=axes[0], tokens=axes[1],
+                              contexts=axes[2] if k == "attn" else [0],
+                              seconds=[t for plane in v for row in plane for t in row]) for k, v in times.items()]
+        return pb.ProfileReply(units=units, elapsed_s=time.perf_counter() - t0)
+
+    @_handled
+    def MeasureLink(self, request, context):
+        from profiler.links import time_probes
+
+        if not request.sizes or min(request.sizes) < 0 or max(request.sizes) > (256 << 20):
+            raise InputError("probe sizes must lie in [0, 256 MiB]")
+        client = StageClient(request.target_address, self.security)
+        try:
+            seconds = time_probes(lambda payload: client.call("Probe", pb.ProbeRequest(payload=payload),
+                                                              timeout=SEND_TIMEOUT_S),
+                                  list(request.sizes), max(1, request.repeats))
+        except grpc.RpcError as e:
+            raise StageError("UNAVAILABLE", f"cannot reach {request.target_address}: {e.code().name}: "
+                             f"{e.details()}") from None
+        finally:
+            client.close()
+        return pb.LinkReply(sizes=list(request.sizes), seconds=seconds)
+
+    def Probe(self, request, context):
+        return pb.Ack()
+
+    @_handled
     def Status(self, request, context):
         info = self.server.status(list(request.sequence_ids))
         seqs = [pb.SequenceState(**s) for s in info.pop("sequences")]
@@ -131,12 +186,14 @@ class TokenInterceptor(grpc.ServerInterceptor):
         return self._deny_stream if handler_call_details.method.endswith("/Results") else self._deny
 
 
-def _sender_factory(cfg: DaemonConfig):
-    security = Security(token=cfg.token, tls_ca=None)
-    if cfg.tls_cert:
-        from pathlib import Path
+def _outgoing_security(cfg: DaemonConfig) -> Security:
+    from pathlib import Path
 
-        security = Security(token=cfg.token, tls_ca=Path(cfg.tls_ca or cfg.tls_cert))
+    return Security(token=cfg.token, tls_ca=Path(cfg.tls_ca or cfg.tls_cert) if cfg.tls_cert else None)
+
+
+def _sender_factory(cfg: DaemonConfig):
+    security = _outgoing_security(cfg)
 
     def connect(address: str):
         client = StageClient(address, security)
@@ -158,7 +215,7 @@ def build_server(cfg: DaemonConfig) -> tuple[grpc.Server, StageServer, int]:
     interceptors = [TokenInterceptor(cfg.token)] if cfg.token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
                          interceptors=interceptors, options=CHANNEL_OPTIONS)
-    pb_grpc.add_StageServicer_to_server(StageServicer(stage), server)
+    pb_grpc.add_StageServicer_to_server(StageServicer(stage, _outgoing_security(cfg)), server)
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -276,11 +276,11 @@ class StageServer:
 
     # --- threads ------------------------------------------------------------------------------
     def _work_loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                seq, x, start, all_logits, want_logits = self._work.get(timeout=0.25)
-            except queue.Empty:
-                continue
+        while True:
+            item = self._work.get()  # blocks: an idle daemon uses no CPU
+            if item is _CLOSED:
+                return
+            seq, x, start, all_logits, want_logits = item
             if seq.closed or seq.error:
                 continue
             stage = self.stage
@@ -308,11 +308,11 @@ class StageServer:
     def _send_loop(self) -> None:
         from runtime.wire import tensor_bytes
 
-        while not self._stopping.is_set():
-            try:
-                seq, start, length, out = self._outbox.get(timeout=0.25)
-            except queue.Empty:
-                continue
+        while True:
+            item = self._outbox.get()
+            if item is _CLOSED:
+                return
+            seq, start, length, out = item
             if seq.closed or seq.error:
                 continue
             dep = self.deployment
@@ -329,7 +329,7 @@ class StageServer:
             seq.last_active = time.monotonic()
 
     def _reap_loop(self) -> None:
-        while not self._stopping.wait(0.25):
+        while not self._stopping.wait(0.5):
             now = time.monotonic()
             with self._lock:
                 idle = [s.id for s in self._sequences.values() if now - s.last_active > s.idle_timeout_s]
@@ -341,6 +341,8 @@ class StageServer:
         for seq_id in list(self._sequences):
             self.close(seq_id)
         self._stopping.set()
+        self._work.put(_CLOSED)
+        self._outbox.put(_CLOSED)
 
 
 def _unit_params(cfg, units: UnitRange):

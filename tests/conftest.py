@@ -3,6 +3,7 @@ import os
 import pytest
 import torch
 
+from tests.cluster_helpers import RunningCluster, write_cluster
 from tests.helpers import FAMILIES, make_tiny_model
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -37,3 +38,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cluster3(tmp_path_factory, smollm2):
+    """Three CPU daemons on loopback (real processes), shared by the runtime and profiler tests."""
+    with RunningCluster(write_cluster(tmp_path_factory.mktemp("cluster3"), 3)) as c:
+        yield c

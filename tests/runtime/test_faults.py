@@ -11,7 +11,7 @@ import torch
 from runtime import launcher
 from runtime.coordinator import Pipeline, StageFailure
 from runtime.wire import pb
-from tests.runtime.conftest import RunningCluster, write_cluster
+from tests.cluster_helpers import RunningCluster, write_cluster
 
 
 def test_killed_daemon_mid_prefill(tmp_path, smollm2):

@@ -1,8 +1,8 @@
+"""Start and stop real daemon processes for tests, on free loopback ports."""
+
 import socket
 import textwrap
 from pathlib import Path
-
-import pytest
 
 from runtime import launcher
 from runtime.cluster import ClusterSpec
@@ -39,10 +39,3 @@ class RunningCluster:
 
     def __exit__(self, *exc):
         launcher.down(self.spec)
-
-
-@pytest.fixture(scope="session")
-def cluster3(tmp_path_factory, smollm2):
-    """Three CPU daemons on loopback (real processes), shared by the pipeline tests."""
-    with RunningCluster(write_cluster(tmp_path_factory.mktemp("cluster3"), 3)) as c:
-        yield c

@@ -1,0 +1,163 @@
+"""``hpipe profile``: ask every daemon of a cluster to measure itself, then measure every link.
+
+Daemons are profiled one at a time: daemons that share a machine would otherwise slow each other
+down and the profile would describe a contention that does not exist when the pipeline runs
+(there, each daemon mostly waits while the others compute). Compute grids are cached per
+(device fingerprint, model dimensions, dtype, grid), so re-profiling an unchanged device is
+instant; ``force`` re-measures. A daemon that is down or answers badly fails the whole profile
+with its name: partial results are never written as if complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict
+
+import grpc
+from tqdm import tqdm
+
+from hpipe.config import ModelConfig
+from hpipe.errors import HpipeError
+from hpipe.sources import cache_root
+from profiler.links import fit_link
+from profiler.schema import DTYPE_BYTES, ComputeGrid, DeviceProfile, LinkProfile, Profile
+from runtime.channels import StageClient
+from runtime.cluster import ClusterSpec
+from runtime.wire import TO_WIRE, pb
+
+log = logging.getLogger(__name__)
+
+PROFILE_TIMEOUT_S = 900.0
+TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def grid_axes(max_len: int, batch: int) -> tuple[list[int], list[int], list[int]]:
+    # dense enough that piecewise-linear interpolation follows attention's s^2 term (~5% between points)
+    tokens = sorted({t for t in (1, 16, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192,
+                                 12288, 16384, 24576, 32768) if t <= max_len} | {max_len})
+    contexts = sorted({0, max_len // 8, max_len // 4, max_len // 2, (3 * max_len) // 4})
+    batches = sorted({1, batch} | {b for b in range(1, batch + 1) if batch % b == 0})
+    return batches, tokens, contexts
+
+
+def config_dict(cfg: ModelConfig) -> dict:
+    """A Hugging Face style config.json for ``cfg`` (what the daemon rebuilds the shapes from)."""
+    return {
+        "architectures": [cfg.architecture], "model_type": cfg.model_type, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": {"rope_type": cfg.rope.type, "rope_theta": cfg.rope.theta, "factor": cfg.rope.factor,
+                            "low_freq_factor": cfg.rope.low_freq_factor, "high_freq_factor": cfg.rope.high_freq_factor,
+                            "original_max_position_embeddings": cfg.rope.original_max_position_embeddings},
+        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias,
+    }
+
+
+def _fail(d, what: str, e: grpc.RpcError) -> HpipeError:
+    return HpipeError(f"daemon {d.name} ({d.address}) {what}: {e.code().name}: {e.details()}")
+
+
+def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, dtype: str = "float32",
+                    max_len: int | None = None, batch: int = 1, repeats: int = 3, force: bool = False,
+                    link_repeats: int = 21) -> Profile:
+    max_len = max_len or cfg.max_position_embeddings
+    if max_len > cfg.max_position_embeddings:
+        raise HpipeError(f"--max-len {max_len} exceeds the model's context of {cfg.max_position_embeddings}")
+    if dtype not in DTYPE_BYTES:
+        raise HpipeError(f"unknown dtype {dtype!r}")
+    security = cluster.security()
+    clients = {d.name: StageClient(d.address, security, d.name) for d in cluster.daemons}
+    batches, tokens, contexts = grid_axes(max_len, batch)
+    shape = config_dict(cfg)
+    t_start = time.perf_counter()
+    n = len(cluster.daemons)
+    bar = tqdm(total=n + n * (n - 1), desc="profiling", unit="step", file=sys.stderr, leave=False,
+               disable=not sys.stderr.isatty())
+    try:
+        infos = {}
+        for d in cluster.daemons:
+            try:
+                infos[d.name] = clients[d.name].call("GetDeviceInfo", pb.DeviceInfoRequest(), timeout=10.0)
+            except grpc.RpcError as e:
+                raise _fail(d, "is down or unreachable", e) from None
+        sharing = {}
+        for d in cluster.daemons:  # daemons on one host's CPU share its RAM
+            key = (d.host, infos[d.name].device) if infos[d.name].device == "cpu" else (d.host, d.device)
+            sharing[key] = sharing.get(key, 0) + 1
+        devices = []
+        for d in cluster.daemons:
+            info = infos[d.name]
+            key = hashlib.sha256(json.dumps([info.fingerprint, shape, dtype, batches, tokens, contexts, repeats],
+                                            sort_keys=True).encode()).hexdigest()[:20]
+            cached = cache_root() / "profiles" / f"{key}.json"
+            if cached.exists() and not force:
+                grids = {k: ComputeGrid.from_dict(g) for k, g in json.loads(cached.read_text()).items()}
+                log.info("%s: reusing cached compute profile %s", d.name, cached.name)
+            else:
+                bar.set_postfix_str(f"compute {d.name}")
+                try:
+                    reply = clients[d.name].call("ProfileCompute", pb.ProfileRequest(
+                        config_json=json.dumps(shape), dtype=TO_WIRE[_torch_dtype(dtype)], batches=batches,
+                        tokens=tokens, contexts=contexts, max_len=max_len, repeats=repeats), timeout=PROFILE_TIMEOUT_S)
+                except grpc.RpcError as e:
+                    raise _fail(d, "failed to profile itself", e) from None
+                grids = _grids(d, reply)
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                cached.write_text(json.dumps({k: asdict(g) for k, g in grids.items()}))
+            bar.update(1)
+            share = sharing[(d.host, info.device) if info.device == "cpu" else (d.host, d.device)]
+            memory = int(0.9 * info.available_bytes / share)
+            budget = d.memory_budget or info.memory_budget or None
+            if budget:
+                memory = min(memory, budget)
+            devices.append(DeviceProfile(d.name, d.address, info.device, memory, grids, info.fingerprint))
+        act = cfg.hidden_size * DTYPE_BYTES[dtype] * batch
+        sizes = sorted({act * t for t in (1, 16, 64, 256, 512, 1024, 2048, 4096) if t <= max_len} | {act * max_len})
+        links = []
+        for a in cluster.daemons:
+            for b in cluster.daemons:
+                if a is b:
+                    continue
+                bar.set_postfix_str(f"link {a.name}->{b.name}")
+                try:
+                    reply = clients[a.name].call("MeasureLink", pb.LinkRequest(
+                        target_address=b.address, sizes=sizes, repeats=link_repeats), timeout=300.0)
+                except grpc.RpcError as e:
+                    raise _fail(a, f"could not measure its link to {b.name} ({b.address})", e) from None
+                lat, bw = fit_link(list(reply.sizes), list(reply.seconds))
+                links.append(LinkProfile(a.name, b.name, lat, bw))
+                bar.update(1)
+    finally:
+        bar.close()
+        for c in clients.values():
+            c.close()
+    meta = {"max_len": max_len, "batch": batch, "repeats": repeats, "profiling_s": round(time.perf_counter() - t_start, 2),
+            "cluster": cluster.name}
+    return Profile(cfg, model_name, dtype, tuple(devices), tuple(links), source="measured", meta=meta)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _grids(d, reply) -> dict[str, ComputeGrid]:
+    grids = {}
+    for u in reply.units:
+        nb, nt, nc = len(u.batches), len(u.tokens), len(u.contexts)
+        if len(u.seconds) != nb * nt * nc or any(not (t >= 0) for t in u.seconds):
+            raise HpipeError(f"daemon {d.name} ({d.address}) returned a malformed {u.kind} profile")
+        secs = tuple(tuple(tuple(u.seconds[(i * nt + j) * nc + k] for k in range(nc)) for j in range(nt))
+                     for i in range(nb))
+        grids[u.kind] = ComputeGrid(tuple(u.batches), tuple(u.tokens), tuple(u.contexts), secs)
+    missing = {"embed", "attn", "mlp", "head"} - set(grids)
+    if missing:
+        raise HpipeError(f"daemon {d.name} ({d.address}) returned no profile for {sorted(missing)}")
+    return grids
