@@ -197,19 +197,113 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_INSTRUCTION = "What was the direct cause of the outage described in this report? Answer in one sentence."
+def _load_plan(path: str):
+    from planner.plan import Plan
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return Plan.from_json(f.read())
+    except OSError as e:
+        raise InputError(f"cannot read plan: {e}") from None
+
+
+def _cluster_for(plan, cluster_file: str | None):
+    """The cluster file if given, else one made of the plan's stage addresses (no token, no TLS)."""
+    from runtime.cluster import ClusterSpec, DaemonSpec
+
+    if cluster_file:
+        return ClusterSpec.load(cluster_file)
+    seen = {}
+    for sp in plan.strategies.values():
+        for st in sp.stages:
+            seen.setdefault(st.device, st.address)
+    return ClusterSpec("from-plan", tuple(DaemonSpec(n, a) for n, a in seen.items()))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hpipe.sources import resolve_model
+    from runtime.coordinator import Pipeline
+    from runtime.jobs import JobConfig, run_job
+
+    plan = _load_plan(args.plan)
+    if args.strategy and args.strategy.replace("-", "_") not in plan.strategies:
+        raise InputError(f"the plan has no strategy {args.strategy!r} (it has {', '.join(plan.strategies)})")
+    source = resolve_model(plan.model_name)
+    pipe = Pipeline(_cluster_for(plan, args.cluster))
+    job = JobConfig(instruction=args.instruction, chat=args.chat, max_new_tokens=args.max_new_tokens,
+                    truncate=args.truncate, parallel=args.parallel,
+                    strategy=args.strategy.replace("-", "_") if args.strategy else None)
+    try:
+        summary = run_job(plan, pipe, source, args.documents, Path(args.output), job)
+    finally:
+        pipe.close()
+    print(json.dumps(summary) if args.json else
+          f"{summary['documents']} analysed, {summary['skipped']} skipped, {len(summary['failed'])} failed; "
+          f"{summary['tokens_per_s']} tokens/s -> {args.output}", file=sys.stdout if args.json else sys.stderr)
+    if summary["failed"]:
+        print("hpipe: error: failed documents: " + "; ".join(f"{k}: {v}" for k, v in summary["failed"].items()),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from hpipe.shapes import model_shape
+    from runtime.bench import bench, table
+    from runtime.coordinator import Pipeline
+
+    plan = _load_plan(args.plan)
+    _, cfg = model_shape(plan.model_name)
+    strategies = [s.strip().replace("-", "_") for s in args.strategies.split(",")] if args.strategies else None
+    pipe = Pipeline(_cluster_for(plan, args.cluster))
+    try:
+        result = bench(plan, pipe, cfg.num_units, seq_len=args.seq_len, batch=args.batch, strategies=strategies,
+                       repeat=args.repeat)
+    finally:
+        pipe.close()
+    print(table(result), file=sys.stderr)
+    if args.chart:
+        _bench_chart(result, args.chart)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _bench_chart(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["strategies"])
+    meas = [result["strategies"][n]["latency_s"] for n in names]
+    pred = [result["strategies"][n]["predicted_s"] or 0 for n in names]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], meas, 0.4, label="measured")
+    ax.bar([i + 0.2 for i in x], pred, 0.4, label="predicted")
+    ax.axhline(result["ideal_s"], color="grey", linestyle="--", label="ideal")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("prefill latency (s)")
+    ax.set_title(f"{result['seq_len']} tokens x batch {result['batch']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job on built-in defaults: analyse the bundled sample report with SmolLM2."""
-    from importlib.resources import files
+    """The main job on built-in defaults (see hpipe.demo)."""
+    from pathlib import Path
 
-    document = files("hpipe").joinpath("data/sample_report.md").read_text(encoding="utf-8")
-    args.prompt = f"{args.instruction}\n\n{document}"
-    args.prompt_file = None
-    args.chat = True
-    print(f"instruction: {args.instruction}", file=sys.stderr)
-    return cmd_generate(args)
+    from hpipe.demo import run_demo
+
+    result = run_demo(Path(args.cluster), args.instruction, args.max_new_tokens, args.repeat)
+    if args.json:
+        print(json.dumps(result))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,12 +376,41 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
-    d = sub.add_parser("demo", help="analyse the bundled sample report with the bundled SmolLM2 model")
-    d.add_argument("--instruction", default=DEMO_INSTRUCTION)
-    d.add_argument("--max-new-tokens", type=int, default=64)
+    rn = sub.add_parser("run", help="analyse documents with one instruction on a deployed plan (JSONL out)")
+    rn.add_argument("--plan", required=True)
+    rn.add_argument("--cluster", help="cluster file (token, TLS); default: the plan's daemon addresses")
+    rn.add_argument("--instruction", required=True)
+    rn.add_argument("--chat", action="store_true")
+    rn.add_argument("--max-new-tokens", type=int, default=128)
+    rn.add_argument("--truncate", choices=["none", "head", "tail"], default="none",
+                    help="documents over the plan's max length: fail (none), keep the start (head) or end (tail)")
+    rn.add_argument("--parallel", type=int, default=2, help="documents in flight at once")
+    rn.add_argument("--strategy", help="run a baseline of the plan instead (base, gpipe, gp-b, terapipe)")
+    rn.add_argument("-o", "--output", default="results.jsonl")
+    rn.add_argument("--json", action="store_true")
+    rn.add_argument("documents", nargs="+", help="text or markdown files; '-' for stdin")
+    rn.set_defaults(func=cmd_run)
+
+    bn = sub.add_parser("bench", help="measure hpipe against the baselines on the live cluster")
+    bn.add_argument("--plan", required=True)
+    bn.add_argument("--cluster", help="cluster file (token, TLS); default: the plan's daemon addresses")
+    bn.add_argument("--seq-len", type=int, help="default: the plan's")
+    bn.add_argument("--batch", type=int, help="default: the plan's")
+    bn.add_argument("--strategies", help="comma-separated (default: all in the plan)")
+    bn.add_argument("--repeat", type=int, default=3)
+    bn.add_argument("--chart", help="bar chart of measured vs predicted latency (PNG)")
+    bn.add_argument("--json", action="store_true")
+    bn.set_defaults(func=cmd_bench)
+
+    from hpipe.demo import DEFAULT_CLUSTER, INSTRUCTION
+
+    d = sub.add_parser("demo", help="the main job on built-in defaults: local cluster, SmolLM2, sample report")
+    d.add_argument("--cluster", default=str(DEFAULT_CLUSTER))
+    d.add_argument("--instruction", default=INSTRUCTION)
+    d.add_argument("--max-new-tokens", type=int, default=48)
+    d.add_argument("--repeat", type=int, default=1, help="bench repeats per strategy")
     d.add_argument("--json", action="store_true")
-    d.set_defaults(func=cmd_demo, model="smollm2-135m", temperature=0.0, top_p=1.0, top_k=0, seed=None,
-                   dtype="float32", device="cpu", threads=None, cuts=None, slices=None, cluster=None)
+    d.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -179,6 +179,21 @@ def generate(
 ) -> GenerationResult:
     """Generate from ``prompt`` on whatever ``open_runner(max_len)`` opens (local or remote)."""
     prompt_ids = encode_prompt(tokenizer, prompt, chat)
+    return generate_ids(open_runner, tokenizer, prompt_ids, context=context, eos_ids=eos_ids,
+                        max_new_tokens=max_new_tokens, sampling=sampling, slices=slices)
+
+
+def generate_ids(
+    open_runner: Callable[[int], Runner],
+    tokenizer,
+    prompt_ids: list[int],
+    *,
+    context: int,
+    eos_ids: Sequence[int],
+    max_new_tokens: int = 128,
+    sampling: SamplingParams = SamplingParams(),
+    slices: Sequence[int] | None = None,
+) -> GenerationResult:
     slices = check_slices(slices, len(prompt_ids))
     max_new_tokens, max_len = plan_lengths(len(prompt_ids), max_new_tokens, context)
     new, prefill_s, decode_s, reason = decode_loop(

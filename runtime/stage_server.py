@@ -266,7 +266,15 @@ class StageServer:
                 "unit_start": dep.units.start if dep else 0, "unit_end": dep.units.end if dep else 0,
                 "device": str(self.device), "open_sequences": len(self._sequences), "kv_bytes": self.kv_bytes(),
                 "weight_bytes": self.weight_bytes, "memory_budget": self.memory_budget or 0, "sequences": states,
+                "peak_memory_bytes": self._peak_memory(),
             }
+
+    def _peak_memory(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
     def _fail(self, seq: Sequence, message: str) -> None:
         if not seq.error:

@@ -1,0 +1,125 @@
+"""``hpipe bench``: run the same input under each strategy of a plan on the live cluster.
+
+For each strategy: deploy its stages, then prefill a random prompt of ``seq_len`` tokens x
+``batch`` with its micro-batches and slices (micro-batch-major, all submitted before waiting,
+as the simulator assumes), ``repeat`` times; report the median latency next to the plan's
+prediction and ``ideal_s``. Peak memory per daemon is the daemon process's peak resident set
+(CPU) or CUDA peak allocation; energy is read from RAPL or NVML where the machine exposes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from hpipe.errors import HpipeError
+from planner.plan import Plan
+from runtime.coordinator import Pipeline
+from runtime.wire import pb
+
+log = logging.getLogger(__name__)
+
+
+def _energy_reader():
+    """A function returning joules so far, or None when no energy counter is readable."""
+    import glob
+
+    files = [f for f in glob.glob("/sys/class/powercap/intel-rapl:*/energy_uj") if f.count(":") == 1]
+    try:
+        if files:
+            [int(open(f).read()) for f in files]
+            return lambda: sum(int(open(f).read()) for f in files) / 1e6, "rapl"
+    except OSError:
+        pass
+    try:
+        import pynvml  # optional
+
+        pynvml.nvmlInit()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        return lambda: sum(pynvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in handles) / 1e3, "nvml"
+    except Exception:  # noqa: BLE001 - absent or unsupported: report unavailable
+        return None, "unavailable"
+
+
+def prefill_once(pipe: Pipeline, ids: torch.Tensor, micro_batches: int, slices: list[int]) -> float:
+    """Wall seconds to prefill ``ids [B, L]`` as ``micro_batches`` sequences sliced by ``slices``."""
+    b = ids.shape[0] // micro_batches
+    seqs = [pipe.open(ids.shape[1], batch=b) for _ in range(micro_batches)]
+    try:
+        t0 = time.perf_counter()
+        for u, seq in enumerate(seqs):
+            start = 0
+            for k, n in enumerate(slices):
+                seq.submit(ids[u * b:(u + 1) * b, start:start + n], want_logits=k == len(slices) - 1)
+                start += n
+        for seq in seqs:
+            for _ in slices:
+                seq.result()
+        return time.perf_counter() - t0
+    finally:
+        for seq in seqs:
+            seq.close()
+
+
+def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = None, batch: int | None = None,
+          strategies: list[str] | None = None, repeat: int = 3) -> dict:
+    seq_len = seq_len or plan.seq_len
+    batch = batch or plan.batch
+    names = strategies or list(plan.strategies)
+    missing = [n for n in names if n not in plan.strategies]
+    if missing:
+        raise HpipeError(f"the plan has no strategy {', '.join(missing)} (it has {', '.join(plan.strategies)})")
+    if batch != plan.batch and any(plan.strategies[n].micro_batches > 1 for n in names):
+        log.warning("batch %d differs from the plan's %d: micro-batch counts are kept", batch, plan.batch)
+    ids = torch.randint(0, plan.model.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    energy, energy_source = _energy_reader()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[plan.dtype]
+    rows = {}
+    bar = tqdm(total=len(names) * repeat, desc="bench", file=sys.stderr, disable=not sys.stderr.isatty())
+    for name in names:
+        sp = plan.strategies[name]
+        pipe.deploy(plan.model_name, sp.cuts, num_units, dtype, daemons=[s.device for s in sp.stages])
+        mb = sp.micro_batches if batch % sp.micro_batches == 0 else 1
+        slices = plan.slices_for(seq_len, name)
+        prefill_once(pipe, ids[:, : min(seq_len, 64)], 1, [min(seq_len, 64)])  # warm-up
+        times, joules = [], []
+        for _ in range(repeat):
+            e0 = energy() if energy else None
+            times.append(prefill_once(pipe, ids, mb, slices))
+            if energy:
+                joules.append(energy() - e0)
+            bar.update(1)
+        status = [c.call("Status", pb.StatusRequest(), timeout=10) for c in pipe.clients]
+        latency = statistics.median(times)
+        rows[name] = {
+            "latency_s": latency, "tokens_per_s": batch * seq_len / latency,
+            "predicted_s": sp.predicted_s if seq_len == plan.seq_len and batch == plan.batch else None,
+            "slices": len(slices), "micro_batches": mb, "cuts": sp.cuts,
+            "devices": [s.device for s in sp.stages], "runs_s": times,
+            "peak_memory_bytes": {s.device: st.peak_memory_bytes for s, st in zip(sp.stages, status)},
+            "energy_j": statistics.median(joules) if joules else None,
+        }
+    bar.close()
+    return {"seq_len": seq_len, "batch": batch, "ideal_s": plan.ideal_s, "energy_source": energy_source,
+            "strategies": rows}
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['seq_len']} tokens x batch {result['batch']}; ideal {result['ideal_s']:.3f} s; "
+             f"energy: {result['energy_source']}",
+             f"{'strategy':<10} {'measured s':>10} {'predicted s':>11} {'meas/pred':>9} {'tokens/s':>9} "
+             f"{'hpipe/it':>9} {'ideal/meas':>10}"]
+    rows = result["strategies"]
+    hp = rows.get("hpipe", {}).get("latency_s")
+    for name, r in rows.items():
+        pred = r["predicted_s"]
+        lines.append(f"{name:<10} {r['latency_s']:>10.3f} {pred if pred is not None else float('nan'):>11.3f} "
+                     f"{(r['latency_s'] / pred) if pred else float('nan'):>9.2f} {r['tokens_per_s']:>9.0f} "
+                     f"{(hp / r['latency_s']) if hp else float('nan'):>9.2f} "
+                     f"{result['ideal_s'] / r['latency_s']:>10.2f}")
+    return "\n".join(lines)

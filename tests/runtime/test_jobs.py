@@ -1,0 +1,67 @@
+"""hpipe run and hpipe bench on a live cluster, with a plan from a live profile."""
+
+import json
+
+import pytest
+
+from hpipe.cli import main
+from hpipe.generate import LocalModel, generate_ids
+from planner.costs import Workload
+from planner.strategies import plan as make_plan
+from profiler.measure import profile_cluster
+from runtime.jobs import build_prompt
+
+INSTRUCTION = "Summarize in one sentence."
+
+
+@pytest.fixture(scope="module")
+def plan_file(cluster3, smollm2, tmp_path_factory):
+    profile = profile_cluster(cluster3.spec, "smollm2-135m", smollm2.config, max_len=256, repeats=1)
+    plan = make_plan(profile, Workload(seq_len=192, max_len=256))
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    path.write_text(plan.to_json())
+    return path, plan
+
+
+def test_run_matches_single_process_and_resumes(cluster3, smollm2, plan_file, tmp_path, capsys):
+    path, plan = plan_file
+    docs = []
+    for i, text in enumerate(["The cat sat on the mat. " * (5 + 3 * i) for i in range(3)]):
+        p = tmp_path / f"doc{i}.md"
+        p.write_text(text)
+        docs.append(str(p))
+    long_doc = tmp_path / "long.txt"
+    long_doc.write_text("word " * 400)
+    out = tmp_path / "results.jsonl"
+    args = ["run", "--plan", str(path), "--cluster", str(cluster3.path), "--chat", "--instruction", INSTRUCTION,
+            "--max-new-tokens", "8", "-o", str(out)]
+    assert main(args + docs + [str(long_doc)]) == 1  # the long document fails, the others are done
+    err = capsys.readouterr().err
+    assert "long.txt" in err and "at most 256" in err
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert sorted(r["document"] for r in rows) == sorted(docs)
+    tok, model = smollm2.tokenizer(), LocalModel(smollm2)
+    for r in rows:
+        ids, _ = build_prompt(tok, INSTRUCTION, open(r["document"]).read(), True, 256, "none")
+        ref = generate_ids(model.open, tok, ids, context=smollm2.config.max_position_embeddings,
+                           eos_ids=smollm2.eos_token_ids(), max_new_tokens=8)
+        assert r["token_ids"] == ref.token_ids and r["prompt_tokens"] == len(ids)
+        assert r["slices"] == len(plan.slices_for(len(ids)))
+    # re-running skips what is done; --truncate head fits the long one
+    assert main(args + ["--truncate", "head", "--json"] + docs + [str(long_doc)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["skipped"] == 3 and summary["documents"] == 1
+    last = json.loads(out.read_text().splitlines()[-1])
+    assert last["document"] == str(long_doc) and last["truncated_tokens"] > 0 and last["prompt_tokens"] <= 256
+
+
+def test_bench_reports_every_strategy(cluster3, plan_file, capsys):
+    path, plan = plan_file
+    assert main(["bench", "--plan", str(path), "--cluster", str(cluster3.path), "--strategies", "hpipe,base",
+                 "--repeat", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["strategies"]) == {"hpipe", "base"} and out["ideal_s"] > 0
+    for r in out["strategies"].values():
+        assert r["latency_s"] > 0 and r["tokens_per_s"] > 0 and r["predicted_s"] > 0
+        assert all(v > 0 for v in r["peak_memory_bytes"].values())
+    assert out["energy_source"] in ("rapl", "nvml", "unavailable")
