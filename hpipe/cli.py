@@ -154,7 +154,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         from profiler.measure import profile_cluster
 
         profile = profile_cluster(cluster, name, cfg, dtype=args.dtype, max_len=max_len, batch=args.batch,
-                                  force=args.force, repeats=args.repeats)
+                                  force=args.force, repeats=args.repeats, colocation=not args.no_colocation)
     from profiler.report import summary
 
     print(summary(profile), file=sys.stderr)
@@ -360,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--simulate", action="store_true", help="derive the profile from the cluster file's specs")
     pr.add_argument("--force", action="store_true", help="re-measure even when a cached profile matches")
     pr.add_argument("--repeats", type=int, default=3, help="timed runs per grid point (median)")
+    pr.add_argument("--no-colocation", action="store_true",
+                    help="do not measure how daemons sharing a machine or GPU slow each other down")
     pr.add_argument("-o", "--output", default="profile.json")
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_profile)

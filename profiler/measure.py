@@ -1,8 +1,9 @@
 """``hpipe profile``: ask every daemon of a cluster to measure itself, then measure every link.
 
-Daemons are profiled one at a time: daemons that share a machine would otherwise slow each other
-down and the profile would describe a contention that does not exist when the pipeline runs
-(there, each daemon mostly waits while the others compute). Compute grids are cached per
+Daemons are profiled one at a time, so that each grid is clean; then daemons that share a machine
+(or a GPU) time one stage alone and all at once, and each one's grid is scaled by its slowdown:
+a pipeline keeps every stage busy at the same time, and the profile describes devices as they run
+then (``colocation=False`` skips this). Compute grids are cached per
 (device fingerprint, model dimensions, dtype, grid), so re-profiling an unchanged device is
 instant; ``force`` re-measures. A daemon that is down or answers badly fails the whole profile
 with its name: partial results are never written as if complete.
@@ -13,9 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import sys
 import time
-from dataclasses import asdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
 
 import grpc
 from tqdm import tqdm
@@ -32,6 +35,8 @@ from runtime.wire import TO_WIRE, pb
 log = logging.getLogger(__name__)
 
 PROFILE_TIMEOUT_S = 900.0
+#: bumped when how a daemon measures changes, so that cached grids measured the old way are not reused
+METHOD = 2
 TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -65,7 +70,7 @@ def _fail(d, what: str, e: grpc.RpcError) -> HpipeError:
 
 def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, dtype: str = "float32",
                     max_len: int | None = None, batch: int = 1, repeats: int = 3, force: bool = False,
-                    link_repeats: int = 21) -> Profile:
+                    link_repeats: int = 21, colocation: bool = True) -> Profile:
     max_len = max_len or cfg.max_position_embeddings
     if max_len > cfg.max_position_embeddings:
         raise HpipeError(f"--max-len {max_len} exceeds the model's context of {cfg.max_position_embeddings}")
@@ -86,19 +91,23 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
                 infos[d.name] = clients[d.name].call("GetDeviceInfo", pb.DeviceInfoRequest(), timeout=10.0)
             except grpc.RpcError as e:
                 raise _fail(d, "is down or unreachable", e) from None
+        def share_key(d):  # CPU daemons on one machine share its RAM; GPU daemons share their GPU
+            info = infos[d.name]
+            return (info.host_id or d.host, "cpu" if info.device == "cpu" else d.device)
+
         sharing = {}
-        for d in cluster.daemons:  # daemons on one host's CPU share its RAM
-            key = (d.host, infos[d.name].device) if infos[d.name].device == "cpu" else (d.host, d.device)
-            sharing[key] = sharing.get(key, 0) + 1
-        devices = []
+        for d in cluster.daemons:
+            sharing[share_key(d)] = sharing.get(share_key(d), 0) + 1
+        devices, from_cache = [], []
         for d in cluster.daemons:
             info = infos[d.name]
-            key = hashlib.sha256(json.dumps([info.fingerprint, shape, dtype, batches, tokens, contexts, repeats],
+            key = hashlib.sha256(json.dumps([METHOD, info.fingerprint, shape, dtype, batches, tokens, contexts, repeats],
                                             sort_keys=True).encode()).hexdigest()[:20]
             cached = cache_root() / "profiles" / f"{key}.json"
             if cached.exists() and not force:
                 grids = {k: ComputeGrid.from_dict(g) for k, g in json.loads(cached.read_text()).items()}
                 log.info("%s: reusing cached compute profile %s", d.name, cached.name)
+                from_cache.append(d.name)
             else:
                 bar.set_postfix_str(f"compute {d.name}")
                 try:
@@ -111,12 +120,21 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 cached.write_text(json.dumps({k: asdict(g) for k, g in grids.items()}))
             bar.update(1)
-            share = sharing[(d.host, info.device) if info.device == "cpu" else (d.host, d.device)]
+            share = sharing[share_key(d)]
             memory = int(0.9 * info.available_bytes / share)
             budget = d.memory_budget or info.memory_budget or None
             if budget:
                 memory = min(memory, budget)
             devices.append(DeviceProfile(d.name, d.address, info.device, memory, grids, info.fingerprint))
+        groups: dict[tuple, list] = {}
+        for d in cluster.daemons:
+            groups.setdefault(share_key(d), []).append(d)
+        factors = {}
+        for group in groups.values():
+            if len(group) > 1 and colocation:
+                bar.set_postfix_str("co-location: " + ", ".join(d.name for d in group))
+                factors.update(_colocation_factors(group, clients, cfg, shape, dtype, max_len, batch))
+        devices = [_scaled(dev, factors.get(dev.name, 1.0)) for dev in devices]
         act = cfg.hidden_size * DTYPE_BYTES[dtype] * batch
         sizes = sorted({act * t for t in (1, 16, 64, 256, 512, 1024, 2048, 4096) if t <= max_len} | {act * max_len})
         links = []
@@ -138,7 +156,8 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
         for c in clients.values():
             c.close()
     meta = {"max_len": max_len, "batch": batch, "repeats": repeats, "profiling_s": round(time.perf_counter() - t_start, 2),
-            "cluster": cluster.name}
+            "cluster": cluster.name, "colocation_factors": {k: round(v, 4) for k, v in factors.items()},
+            "cached": from_cache}
     return Profile(cfg, model_name, dtype, tuple(devices), tuple(links), source="measured", meta=meta)
 
 
@@ -161,3 +180,54 @@ def _grids(d, reply) -> dict[str, ComputeGrid]:
     if missing:
         raise HpipeError(f"daemon {d.name} ({d.address}) returned no profile for {sorted(missing)}")
     return grids
+
+
+def _time_stage(client, d, shape: dict, dtype: str, units: tuple[int, int], batch: int, tokens: int, context: int,
+                repeats: int) -> float:
+    try:
+        return client.call("TimeStage", pb.StageTimeRequest(
+            config_json=json.dumps(shape), dtype=TO_WIRE[_torch_dtype(dtype)], unit_start=units[0],
+            unit_end=units[1], batch=batch, tokens=tokens, context=context, repeats=repeats),
+            timeout=PROFILE_TIMEOUT_S).seconds
+    except grpc.RpcError as e:
+        raise _fail(d, "failed to time a stage", e) from None
+
+
+def _colocation_factors(group, clients, cfg: ModelConfig, shape: dict, dtype: str, max_len: int,
+                        batch: int) -> dict[str, float]:
+    """How much slower each daemon of ``group`` (sharing a machine or a GPU) computes while the others do too.
+
+    A pipeline keeps every stage busy at once, and co-located daemons then share cores, caches and
+    memory bandwidth; measured alone, they look faster than they run. Each daemon times the same
+    stage (a share of the model's blocks, a mid-sized slice) alone, then all together, each
+    repeating for about the same wall time so that the runs overlap from start to end. The ratio
+    (at least 1) scales that daemon's whole compute grid.
+    """
+    blocks = max(1, cfg.num_layers // len(group))
+    units = (1, 1 + 2 * blocks)
+    tokens, context = max(1, min(256, max_len // 4)), max_len // 4
+    def repeats(d, seconds):
+        return max(3, math.ceil(seconds / estimate[d.name]))
+
+    estimate = {d.name: _time_stage(clients[d.name], d, shape, dtype, units, batch, tokens, context, 1) for d in group}
+    # medians over >= 1.5 s alone and >= 3 s together: co-located daemons' speed drifts by several
+    # percent over seconds, as much as the effect measured here
+    alone = {d.name: _time_stage(clients[d.name], d, shape, dtype, units, batch, tokens, context,
+                                 repeats(d, 1.5)) for d in group}
+    span = max(3.0, 3 * max(alone.values()))
+    with ThreadPoolExecutor(max_workers=len(group)) as pool:
+        together = dict(zip([d.name for d in group], pool.map(
+            lambda d: _time_stage(clients[d.name], d, shape, dtype, units, batch, tokens, context,
+                                  repeats(d, span)), group)))
+    factors = {name: max(1.0, together[name] / alone[name]) for name in alone}
+    log.info("co-location slowdown: %s", ", ".join(f"{k} x{v:.2f}" for k, v in factors.items()))
+    return factors
+
+
+def _scaled(dev: DeviceProfile, factor: float) -> DeviceProfile:
+    if factor == 1.0:
+        return dev
+    grids = {k: ComputeGrid(g.batches, g.tokens, g.contexts,
+                            tuple(tuple(tuple(t * factor for t in row) for row in plane) for plane in g.seconds))
+             for k, g in dev.compute.items()}
+    return replace(dev, compute=grids)

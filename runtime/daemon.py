@@ -68,11 +68,17 @@ class StageServicer(pb_grpc.StageServicer):
         self.server = server
         self.security = security  # for the daemon's own calls to other daemons (link probes)
 
-    @_handled
-    def Load(self, request, context):
-        dtype = dtype_from_wire(request.dtype)
+    def _compute_dtype(self, code: int) -> torch.dtype:
+        from hpipe.model.stage import parse_dtype
+
+        dtype = dtype_from_wire(code)
         if dtype == torch.int64:
             raise InputError("a stage computes in float32, bfloat16 or float16")
+        return parse_dtype(dtype, self.server.device)
+
+    @_handled
+    def Load(self, request, context):
+        dtype = self._compute_dtype(request.dtype)
         info = self.server.load(request.model, request.unit_start, request.unit_end, dtype, request.next_address,
                                 request.next_name, request.stage_index)
         return pb.LoadReply(**info)
@@ -108,36 +114,52 @@ class StageServicer(pb_grpc.StageServicer):
 
     @_handled
     def GetDeviceInfo(self, request, context):
-        from profiler.device import available_bytes, fingerprint
+        from profiler.device import available_bytes, fingerprint, host_id
 
         dev = self.server.device
         return pb.DeviceInfo(device=str(dev), fingerprint=fingerprint(dev), available_bytes=available_bytes(dev),
-                             memory_budget=self.server.memory_budget or 0, threads=torch.get_num_threads())
+                             memory_budget=self.server.memory_budget or 0, threads=torch.get_num_threads(),
+                             host_id=host_id())
 
     @_handled
     def ProfileCompute(self, request, context):
-        import json
         import time
 
-        from hpipe.config import ModelConfig
         from profiler.device import measure_units
 
-        try:
-            cfg = ModelConfig.from_dict(json.loads(request.config_json))
-        except ValueError as e:
-            raise InputError(f"config_json is not valid JSON: {e}") from None
-        dtype = dtype_from_wire(request.dtype)
+        cfg = _config_from_json(request.config_json)
+        dtype = self._compute_dtype(request.dtype)
         axes = (list(request.batches), list(request.tokens), list(request.contexts))
         if any(not a or min(a) < (0 if i == 2 else 1) for i, a in enumerate(axes)):
             raise InputError("profile grid axes must be non-empty (batches, tokens >= 1; contexts >= 0)")
         if max(request.tokens) > request.max_len:
             raise InputError(f"slice of {max(request.tokens)} tokens exceeds max_len {request.max_len}")
+        _check_extent(cfg, max(request.batches), max(request.tokens), max(request.contexts))
+        if len(axes[0]) * len(axes[1]) * len(axes[2]) > 4096:
+            raise InputError("profile grid has more than 4096 points")
         t0 = time.perf_counter()
-        times = measure_units(cfg, dtype, self.server.device, *axes, request.max_len, max(1, request.repeats))
+        times = self.server.run_on_device(lambda: measure_units(cfg, dtype, self.server.device, *axes,
+                                                                request.max_len, max(1, request.repeats)))
         units = [pb.UnitTimes(kind=k, batches=axes[0], tokens=axes[1],
                               contexts=axes[2] if k == "attn" else [0],
                               seconds=[t for plane in v for row in plane for t in row]) for k, v in times.items()]
         return pb.ProfileReply(units=units, elapsed_s=time.perf_counter() - t0)
+
+    @_handled
+    def TimeStage(self, request, context):
+        from hpipe.units import UnitRange
+        from profiler.device import time_stage
+
+        cfg = _config_from_json(request.config_json)
+        units = UnitRange(request.unit_start, request.unit_end, cfg.num_layers)
+        if request.batch < 1 or request.tokens < 1 or request.context < 0:
+            raise InputError("batch and tokens must be >= 1 and context >= 0")
+        _check_extent(cfg, request.batch, request.tokens, request.context)
+        dtype = self._compute_dtype(request.dtype)
+        seconds = self.server.run_on_device(lambda: time_stage(
+            cfg, dtype, self.server.device, units, request.batch, request.tokens, request.context,
+            min(max(1, request.repeats), 50)))
+        return pb.StageTimeReply(seconds=seconds)
 
     @_handled
     def MeasureLink(self, request, context):
@@ -165,6 +187,28 @@ class StageServicer(pb_grpc.StageServicer):
         info = self.server.status(list(request.sequence_ids))
         seqs = [pb.SequenceState(**s) for s in info.pop("sequences")]
         return pb.StatusReply(sequences=seqs, **info)
+
+
+def _config_from_json(text: str):
+    import json
+
+    from hpipe.config import ModelConfig
+
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise InputError(f"config_json is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise InputError("config_json must be a JSON object")
+    return ModelConfig.from_dict(raw)
+
+
+def _check_extent(cfg, batch: int, tokens: int, context: int) -> None:
+    """Refuse profiling requests far beyond anything the model could run (they would only exhaust memory)."""
+    limit = 2 * cfg.max_position_embeddings
+    if tokens + context > limit or batch > 1024:
+        raise InputError(f"profiling {batch} x ({context} + {tokens}) tokens exceeds twice the model's context "
+                         f"({limit}) or batch 1024")
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -198,10 +242,12 @@ def _sender_factory(cfg: DaemonConfig):
     def connect(address: str):
         client = StageClient(address, security)
 
-        def send(seq_id: int, unit_start: int, start: int, length: int, payload: bytes) -> None:
+        def send(seq_id: int, unit_start: int, start: int, length: int, payload: bytes, all_logits: bool,
+                 want_logits: bool) -> None:
             try:
                 client.call("Submit", pb.Slice(sequence_id=seq_id, unit_start=unit_start, start=start, length=length,
-                                               payload=payload, want_logits=True), timeout=SEND_TIMEOUT_S)
+                                               payload=payload, all_logits=all_logits, want_logits=want_logits),
+                            timeout=SEND_TIMEOUT_S)
             except grpc.RpcError as e:
                 raise HpipeError(f"{e.code().name}: {e.details()}") from None
 
@@ -211,7 +257,10 @@ def _sender_factory(cfg: DaemonConfig):
 
 
 def build_server(cfg: DaemonConfig) -> tuple[grpc.Server, StageServer, int]:
-    stage = StageServer(cfg.device, cfg.memory_budget, connect=_sender_factory(cfg))
+    from runtime.emulate import WORKER_THREAD_NAME, name_this_thread
+
+    stage = StageServer(cfg.device, cfg.memory_budget, connect=_sender_factory(cfg),
+                        on_worker_start=lambda: name_this_thread(WORKER_THREAD_NAME))
     interceptors = [TokenInterceptor(cfg.token)] if cfg.token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
                          interceptors=interceptors, options=CHANNEL_OPTIONS)

@@ -62,14 +62,20 @@ def _pid_alive(pid: int) -> bool:
 
 def up(cluster: ClusterSpec, timeout_s: float = 180.0) -> dict[str, str]:
     """Start every local daemon that is not already serving; wait until all are healthy."""
-    remote = [d.name for d in cluster.daemons if not d.is_local]
+    from runtime import emulate
+
+    remote = [d.name for d in cluster.daemons if not (d.is_local or emulate.in_emulated_net(d.host))]
     if remote:
         raise HpipeError(f"cluster up starts local daemons only; start {', '.join(remote)} on their machines "
                          "with `hpipe daemon`")
-    if any(d.emulate for d in cluster.daemons):
-        raise HpipeError("this cluster file asks for emulated devices or links; emulation is not implemented yet")
     security = cluster.security()
     sdir = state_dir(cluster)
+    emu = None
+    if emulate.needed(cluster):
+        emulate.validate(cluster)
+        emulate.require_root()
+        emu = emulate.Emulation(cluster, sdir)
+        emu.setup_network()
     started: dict[str, subprocess.Popen] = {}
     status = {}
     for d in cluster.daemons:
@@ -80,9 +86,15 @@ def up(cluster: ClusterSpec, timeout_s: float = 180.0) -> dict[str, str]:
             continue
         client.close()
         logf = open(sdir / f"{d.name}.log", "ab")
-        proc = subprocess.Popen(daemon_command(cluster, d), stdout=logf, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ})
-        (sdir / f"{d.name}.pid").write_text(str(proc.pid))
+        prefix = emu.command_prefix(d) if emu else []
+        env = {**os.environ}
+        if d.emulate:
+            # part of the device fingerprint: a cached profile is reused only under the same limits
+            settings = {**d.emulate, **({"quota_period_us": emulate.QUOTA_PERIOD_US} if "cpu_quota" in d.emulate else {})}
+            env["HPIPE_EMULATION"] = ",".join(f"{k}={v}" for k, v in sorted(settings.items()))
+        proc = subprocess.Popen(prefix + daemon_command(cluster, d), stdout=logf, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        (sdir / f"{d.name}.pid").write_text(f"{proc.pid}\n")
         started[d.name] = proc
     deadline = time.monotonic() + timeout_s
     for name, proc in started.items():
@@ -100,6 +112,8 @@ def up(cluster: ClusterSpec, timeout_s: float = 180.0) -> dict[str, str]:
         finally:
             client.close()
         status[name] = f"started (pid {proc.pid})"
+        if emu and d.emulate.get("cpu_quota") is not None:
+            status[name] += f", {emu.limit_cpu(d, proc.pid)}"
     return status
 
 
@@ -128,6 +142,10 @@ def down(cluster: ClusterSpec, timeout_s: float = 15.0) -> dict[str, str]:
             status[name] = f"killed (pid {pid}, no exit after SIGTERM)"
         else:
             status[name] = f"stopped (pid {pid})"
+    from runtime.emulate import Emulation
+
+    for item in Emulation(cluster, sdir).teardown():
+        status[f"emulation {item}"] = "removed"
     return status
 
 

@@ -56,6 +56,22 @@ class SliceOutput:
 _CLOSED = object()  # sentinel that ends a results stream
 
 
+class _DeviceCall:
+    """A function queued for the worker thread, with its outcome."""
+
+    def __init__(self, fn):
+        self.fn, self.result, self.error = fn, None, None
+        self.event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except Exception as e:  # noqa: BLE001 - handed back to the caller's thread
+            self.error = e
+        finally:
+            self.event.set()
+
+
 @dataclass
 class Sequence:
     id: int
@@ -79,14 +95,17 @@ class Deployment:
     stage_index: int
 
 
-#: sends one slice to the successor: (sequence_id, unit_start, start, length, payload bytes) -> None
-SendFn = Callable[[int, int, int, int, bytes], None]
+#: sends one slice to the successor:
+#: (sequence_id, unit_start, start, length, payload bytes, all_logits, want_logits) -> None
+SendFn = Callable[[int, int, int, int, bytes, bool, bool], None]
 
 
 class StageServer:
     def __init__(self, device: str = "cpu", memory_budget: int | None = None,
-                 connect: Callable[[str], SendFn] | None = None):
+                 connect: Callable[[str], SendFn] | None = None,
+                 on_worker_start: Callable[[], None] | None = None):
         self.device = torch.device(device)
+        self._on_worker_start = on_worker_start  # e.g. join an emulated device's CPU quota
         self.memory_budget = memory_budget
         self._connect = connect  # opens a sender to the successor's address (gRPC in production)
         self.stage: StageModel | None = None
@@ -283,18 +302,37 @@ class StageServer:
             seq.results.put(SliceOutput(0, 0, error=message))
 
     # --- threads ------------------------------------------------------------------------------
+    def run_on_device(self, fn: Callable[[], object], timeout_s: float | None = None):
+        """Run ``fn`` on the worker thread, between slices, and return its result (or raise its error).
+
+        Profiling goes through here, so measurements run on the thread (and under the limits) that
+        runs slices, and never overlap a slice's compute.
+        """
+        done = _DeviceCall(fn)
+        self._work.put(done)
+        if not done.event.wait(timeout_s):
+            raise StageError("DEADLINE_EXCEEDED", "the device did not get to the request in time")
+        if done.error is not None:
+            raise done.error
+        return done.result
+
     def _work_loop(self) -> None:
+        if self._on_worker_start:
+            self._on_worker_start()
         while True:
             item = self._work.get()  # blocks: an idle daemon uses no CPU
             if item is _CLOSED:
                 return
+            if isinstance(item, _DeviceCall):
+                item.run()
+                continue
             seq, x, start, all_logits, want_logits = item
             if seq.closed or seq.error:
                 continue
             stage = self.stage
             try:
                 t0 = time.perf_counter()
-                out = stage(x, start, seq.cache, all_logits=all_logits)
+                out = stage(x, start, seq.cache, all_logits=all_logits, logits=want_logits)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 seq.stats.compute_s += time.perf_counter() - t0
@@ -308,10 +346,10 @@ class StageServer:
                 continue
             seq.last_active = time.monotonic()
             if stage.units.has_head:
-                logits = out.float() if want_logits else None
+                logits = out.float() if out is not None else None
                 seq.results.put(SliceOutput(start, x.shape[1], logits if all_logits or logits is None else logits[:, -1]))
             else:
-                self._outbox.put((seq, start, x.shape[1], out))
+                self._outbox.put((seq, start, x.shape[1], out, all_logits, want_logits))
 
     def _send_loop(self) -> None:
         from runtime.wire import tensor_bytes
@@ -320,14 +358,14 @@ class StageServer:
             item = self._outbox.get()
             if item is _CLOSED:
                 return
-            seq, start, length, out = item
+            seq, start, length, out, all_logits, want_logits = item
             if seq.closed or seq.error:
                 continue
             dep = self.deployment
             t0 = time.perf_counter()
             try:
                 payload = tensor_bytes(out)
-                self._send(seq.id, dep.units.end, start, length, payload)
+                self._send(seq.id, dep.units.end, start, length, payload, all_logits, want_logits)
             except HpipeError as e:
                 self._fail(seq, f"stage {dep.stage_index} could not send to stage {dep.stage_index + 1} "
                            f"({dep.next_name}): {e}")
