@@ -133,17 +133,17 @@ class LocalRunner:
         self.caches = [s.new_cache(batch, max_len) for s in stages]
         self.position = 0
 
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
         x = ids
         for stage, cache in zip(self.stages, self.caches):
-            x = stage(x, self.position, cache)
+            x = stage(x, self.position, cache, logits=logits)
         self.position += ids.shape[1]
-        return x[0, -1]
+        return x[0, -1] if logits else None
 
     def prefill(self, ids: torch.Tensor, slices: Sequence[int]) -> torch.Tensor:
         start, logits = 0, None
-        for n in slices:
-            logits = self._forward(ids[:, start:start + n])
+        for k, n in enumerate(slices):
+            logits = self._forward(ids[:, start:start + n], logits=k == len(slices) - 1)
             start += n
         return logits
 

@@ -2,8 +2,9 @@
 
 A stage holding units ``[a, b)`` runs, for a slice of ``s`` tokens at context ``c`` and batch
 ``B``: the embedding if ``a == 0``, one attention unit per attention unit in the range, one MLP
-per MLP unit, and the head if it holds the last unit. The head computes logits of the last
-position only (what the runtime does during prefill), so its cost is that of one token.
+per MLP unit, and the head if it holds the last unit. During prefill the runtime computes the
+head only for the last slice of a sequence, and only at its last position (the logits the next
+token is sampled from): ``head`` says which slices pay for it.
 """
 
 from __future__ import annotations
@@ -44,8 +45,12 @@ class CostModel:
         self.num_units = 2 * self.L + 2
         self._counts: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
-    def stage_times(self, dev: int, a: int, b: int, s, c, batch: int) -> np.ndarray:
-        """Vectorised: compute seconds of units [a, b) on ``dev`` for slices ``s`` at contexts ``c``."""
+    def stage_times(self, dev: int, a: int, b: int, s, c, batch: int, head=True) -> np.ndarray:
+        """Vectorised: compute seconds of units [a, b) on ``dev`` for slices ``s`` at contexts ``c``.
+
+        ``head`` (a bool, or a bool array shaped like ``s``): whether the slice computes the head's
+        one-token logits, if the range holds the head.
+        """
         key = (dev, a, b, batch)
         counts = self._counts.get(key[1:3])
         if counts is None:
@@ -62,11 +67,11 @@ class CostModel:
         if ml:
             t = t + ml * grids["mlp"].times(s, np.zeros_like(c), batch)
         if h:
-            t = t + grids["head"].time(1, 0, batch)
+            t = t + np.asarray(head, dtype=float) * grids["head"].time(1, 0, batch)
         return t
 
-    def stage_time(self, dev: int, a: int, bnd: int, s: int, c: int, batch: int) -> float:
-        return float(self.stage_times(dev, a, bnd, [s], [c], batch)[0])
+    def stage_time(self, dev: int, a: int, bnd: int, s: int, c: int, batch: int, head: bool = True) -> float:
+        return float(self.stage_times(dev, a, bnd, [s], [c], batch, head)[0])
 
     def comm_time(self, src: int, dst: int, s, batch: int):
         """Seconds to send slices of ``s`` tokens from device ``src`` to ``dst`` (``s`` may be an array)."""

@@ -33,10 +33,13 @@ class Stage:
 
 
 def slice_times(cost: CostModel, stages: list[Stage], s, c, batch: int) -> np.ndarray:
-    """Per-stage time (compute + outgoing transfer) of slices ``s`` at contexts ``c``: shape [stages, ...]."""
+    """Per-stage time (compute + outgoing transfer) of slices ``s`` at contexts ``c``: shape [stages, ...].
+
+    The head's one-time cost (last slice only) is left out: it does not depend on the slicing.
+    """
     out = []
     for st in stages:
-        t = cost.stage_times(st.device, st.start, st.end, s, c, batch)
+        t = cost.stage_times(st.device, st.start, st.end, s, c, batch, head=False)
         if st.next_device is not None:
             t = t + cost.comm_time(st.device, st.next_device, s, batch)
         out.append(t)

@@ -5,7 +5,8 @@
 - **gp_b**: hpipe's split (Algorithm 1), micro-batches as GPipe.
 - **terapipe**: even split, uniform token slices (best count).
 - **hpipe**: the best simulated schedule among: {Algorithm-1 split, even split} x {micro-batch
-  counts} x {Algorithm-2 slicing, uniform slicings}. Its candidates include every baseline's, so
+  counts} x {Algorithm-2 slicing, uniform slicings}, then polished by a local search over cuts and
+  slices under the simulator (:mod:`planner.refine`). Its candidates include every baseline's, so
   its prediction is never worse than theirs; the simulator, not the DP estimate, decides.
 """
 
@@ -20,11 +21,13 @@ from dataclasses import dataclass
 from planner.costs import CostModel, Workload
 from planner.cuts import Cuts, InfeasibleError, best_cuts, even_bounds
 from planner.plan import Plan, StagePlan, StrategyPlan
+from planner.refine import refine
 from planner.simulator import Timeline, simulate
 from planner.slicing import GRANULARITY, Stage, slicing_table, uniform
 from profiler.schema import Profile
 
 MAX_UNIFORM_SLICES = 64
+REFINE_BUDGET_S = 4.0  # wall-clock cap on the local search, over all splits
 
 
 @dataclass(frozen=True)
@@ -37,11 +40,12 @@ class Candidate:
 
 
 def items(slices, micro_batches: int):
+    """(tokens, context, is last slice of its micro-batch) of every item, in pipeline order."""
     out = []
     for _ in range(micro_batches):
         c = 0
-        for s in slices:
-            out.append((s, c))
+        for i, s in enumerate(slices):
+            out.append((s, c, i == len(slices) - 1))
             c += s
     return out
 
@@ -50,11 +54,12 @@ def simulate_schedule(cost: CostModel, work: Workload, bounds, devices, micro_ba
                       keep: bool = False) -> float | Timeline:
     b = work.batch // micro_batches
     its = items(slices, micro_batches)
-    s_arr = np.array([s for s, _ in its], dtype=float)
-    c_arr = np.array([c for _, c in its], dtype=float)
+    s_arr = np.array([s for s, _, _ in its], dtype=float)
+    c_arr = np.array([c for _, c, _ in its], dtype=float)
+    last = np.array([x for _, _, x in its], dtype=bool)
     comp, comm = [], []
     for j, (a, e) in enumerate(zip(bounds, bounds[1:])):
-        comp.append(cost.stage_times(devices[j], a, e, s_arr, c_arr, b).tolist())
+        comp.append(cost.stage_times(devices[j], a, e, s_arr, c_arr, b, head=last).tolist())
         if j + 1 < len(devices):
             comm.append(np.broadcast_to(cost.comm_time(devices[j], devices[j + 1], s_arr, b), s_arr.shape).tolist())
     return simulate(comp, comm, keep=keep)
@@ -128,7 +133,8 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
     results: dict[str, Candidate | None] = {}
     best_h = None
     for bounds, devices in splits:
-        c = _best(cost, work, bounds, devices, mbs, hpipe_slicings(bounds, devices))
+        c = _refined(cost, work, _best(cost, work, bounds, devices, mbs, hpipe_slicings(bounds, devices)),
+                     granularity, budget_s=REFINE_BUDGET_S / len(splits))
         if best_h is None or c.makespan < best_h.makespan:
             best_h = c
     results["hpipe"] = best_h
@@ -157,13 +163,26 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
                 strategy, strategies, schedule, ideal_seconds(cost, work), meta=meta)
 
 
+def _refined(cost: CostModel, work: Workload, cand: Candidate, granularity: int, budget_s: float) -> Candidate:
+    """``cand`` after local search over its cuts and slices (devices and micro-batches fixed)."""
+    def evaluate(bounds, slices):
+        return simulate_schedule(cost, work, bounds, cand.devices, cand.micro_batches, slices)
+
+    def feasible(bounds):
+        return _fits(cost, work, bounds, cand.devices)
+
+    makespan, bounds, slices = refine(evaluate, cand.bounds, cand.slices, granularity=granularity,
+                                      feasible=feasible, time_budget_s=budget_s)
+    return Candidate(bounds, cand.devices, cand.micro_batches, slices, makespan)
+
+
 def _stage_plans(cost: CostModel, work: Workload, cand: Candidate) -> tuple[StagePlan, ...]:
     out = []
     its = items(cand.slices, cand.micro_batches)
     for j, (a, b) in enumerate(zip(cand.bounds, cand.bounds[1:])):
         dev = cost.devices[cand.devices[j]]
-        compute = float(cost.stage_times(cand.devices[j], a, b, [s for s, _ in its], [c for _, c in its],
-                                         work.batch // cand.micro_batches).sum())
+        compute = float(cost.stage_times(cand.devices[j], a, b, [s for s, _, _ in its], [c for _, c, _ in its],
+                                         work.batch // cand.micro_batches, head=[x for _, _, x in its]).sum())
         out.append(StagePlan(dev.name, dev.address, a, b, cost.stage_memory(a, b, work, max(cand.slices)),
                              dev.memory_bytes, compute))
     return tuple(out)

@@ -2,7 +2,9 @@
 
 ``forward(x, start, cache)`` takes token ids (if the stage holds the embedding) or the residual
 stream ``[batch, tokens, hidden]``, for the positions ``start .. start+tokens-1`` of a sequence,
-and returns the residual stream or, if the stage holds the head, logits.
+and returns the residual stream or, if the stage holds the head, logits (``None`` when told that
+no logits are wanted: a prefill slice other than the last skips the LM head, the costliest unit
+for one token).
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ class StageModel(nn.Module):
 
     # --- forward --------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, start: int, cache: StageCache, *, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, cache: StageCache, *, all_logits: bool = False,
+                logits: bool = True) -> torch.Tensor | None:
         if self.units.has_embed:
             if x.dtype not in (torch.int64, torch.int32) or x.dim() != 2:
                 raise InputError(f"the first stage takes token ids [batch, tokens], got {x.dtype} {tuple(x.shape)}")
@@ -119,6 +122,9 @@ class StageModel(nn.Module):
             if isinstance(block, Attention):
                 x = block(x, start, cos, sin, cache.layers[block.layer])
             elif self.units.has_head and int(u) == self.units.end - 1:
+                if not logits:
+                    cache.length = start + tokens
+                    return None
                 x = block(x if all_logits else x[:, -1:])
             else:
                 x = block(x)

@@ -81,3 +81,28 @@ def test_cli_generate_on_cluster(cluster3, reference, capsys):
 def test_cli_slices_must_add_up(cluster3, capsys):
     code = main(["generate", "--cluster", str(cluster3.path), "--chat", "--prompt", PROMPTS[0], "--slices", "3,4"])
     assert code == 1 and "add up to 7" in capsys.readouterr().err
+
+
+def test_all_position_logits_through_three_daemons_equal_hf(cluster3, smollm2):
+    """The strongest check of the wire path: every position's logits, sliced over three processes."""
+    from hpipe.generate import encode_prompt
+    from tests.helpers import hf_model, max_rel_diff
+
+    tok = smollm2.tokenizer()
+    ids = torch.tensor([encode_prompt(tok, "Pipelines cut a model into stages and feed it slices of tokens", False)])
+    n = ids.shape[1]
+    with torch.no_grad():
+        ref = hf_model(smollm2.path)(ids).logits
+    pipe = Pipeline(cluster3.spec)
+    try:
+        pipe.deploy("smollm2-135m", [6, 31], smollm2.config.num_units, torch.float32)  # 6: attn_2 | mlp_2
+        with pipe.open(n) as seq:
+            slices, start = [4, 1, n - 5], 0
+            for k in slices:
+                seq.submit(ids[:, start:start + k], all_logits=True)
+                start += k
+            ours = torch.cat([seq.logits(seq.result()) for _ in slices], dim=1)
+    finally:
+        pipe.close()
+    assert ours.shape == ref.shape
+    assert max_rel_diff(ours, ref) <= 1e-4
