@@ -284,7 +284,8 @@ def _bench_chart(result: dict, path: str) -> None:
     x = range(len(names))
     ax.bar([i - 0.2 for i in x], meas, 0.4, label="measured")
     ax.bar([i + 0.2 for i in x], pred, 0.4, label="predicted")
-    ax.axhline(result["ideal_s"], color="grey", linestyle="--", label="ideal")
+    if result["ideal_s"]:
+        ax.axhline(result["ideal_s"], color="grey", linestyle="--", label="ideal")
     ax.set_xticks(list(x), names)
     ax.set_ylabel("prefill latency (s)")
     ax.set_title(f"{result['seq_len']} tokens x batch {result['batch']}")

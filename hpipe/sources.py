@@ -72,6 +72,9 @@ def resolve_model(spec: str) -> ModelSource:
     """Turn ``--model`` into a :class:`ModelSource`, importing a GGUF file on first use."""
     if spec in BUILTIN_MODELS:
         return import_gguf(_builtin_gguf(spec), name=spec)
+    if spec.startswith("random:"):
+        raise ModelSourceError(f"{spec} is a random-weight shape: it has no tokenizer and no checkpoint here; "
+                               "daemons run it (hpipe bench, hpipe profile), text generation needs a real model")
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return import_gguf(path)

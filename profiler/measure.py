@@ -35,6 +35,7 @@ from runtime.wire import TO_WIRE, pb
 log = logging.getLogger(__name__)
 
 PROFILE_TIMEOUT_S = 900.0
+MAX_PROBE_BYTES = 32 << 20
 #: bumped when how a daemon measures changes, so that cached grids measured the old way are not reused
 METHOD = 2
 TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -57,11 +58,28 @@ def config_dict(cfg: ModelConfig) -> dict:
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": {"rope_type": cfg.rope.type, "rope_theta": cfg.rope.theta, "factor": cfg.rope.factor,
-                            "low_freq_factor": cfg.rope.low_freq_factor, "high_freq_factor": cfg.rope.high_freq_factor,
-                            "original_max_position_embeddings": cfg.rope.original_max_position_embeddings},
+        "rope_parameters": _rope_dict(cfg),
         "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias,
+        **_windows_dict(cfg),
     }
+
+
+def _windows_dict(cfg: ModelConfig) -> dict:
+    windows = [w for w in cfg.sliding_windows if w is not None]
+    if not windows:
+        return {}
+    return {"sliding_window": windows[0],
+            "layer_types": ["sliding_attention" if w else "full_attention" for w in cfg.sliding_windows]}
+
+
+def _rope_dict(cfg: ModelConfig) -> dict:
+    rope = {"rope_type": cfg.rope.type, "rope_theta": cfg.rope.theta}
+    if cfg.rope.type in ("linear", "llama3"):
+        rope["factor"] = cfg.rope.factor
+    if cfg.rope.type == "llama3":
+        rope.update(low_freq_factor=cfg.rope.low_freq_factor, high_freq_factor=cfg.rope.high_freq_factor,
+                    original_max_position_embeddings=cfg.rope.original_max_position_embeddings)
+    return rope
 
 
 def _fail(d, what: str, e: grpc.RpcError) -> HpipeError:
@@ -136,7 +154,9 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
                 factors.update(_colocation_factors(group, clients, cfg, shape, dtype, max_len, batch))
         devices = [_scaled(dev, factors.get(dev.name, 1.0)) for dev in devices]
         act = cfg.hidden_size * DTYPE_BYTES[dtype] * batch
-        sizes = sorted({act * t for t in (1, 16, 64, 256, 512, 1024, 2048, 4096) if t <= max_len} | {act * max_len})
+        # activation-sized probes, capped: beyond a few tens of MB a transfer is all bandwidth
+        sizes = sorted({min(act * t, MAX_PROBE_BYTES)
+                        for t in (1, 16, 64, 256, 512, 1024, 2048, 4096, max_len) if t <= max_len})
         links = []
         for a in cluster.daemons:
             for b in cluster.daemons:

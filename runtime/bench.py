@@ -102,24 +102,33 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
             "slices": len(slices), "micro_batches": mb, "cuts": sp.cuts,
             "devices": [s.device for s in sp.stages], "runs_s": times,
             "peak_memory_bytes": {s.device: st.peak_memory_bytes for s, st in zip(sp.stages, status)},
+            "predicted_memory_bytes": {s.device: s.memory_bytes for s in sp.stages},
             "energy_j": statistics.median(joules) if joules else None,
         }
     bar.close()
-    return {"seq_len": seq_len, "batch": batch, "ideal_s": plan.ideal_s, "energy_source": energy_source,
-            "strategies": rows}
+    planned = seq_len == plan.seq_len and batch == plan.batch
+    return {"seq_len": seq_len, "batch": batch, "ideal_s": plan.ideal_s if planned else None,
+            "energy_source": energy_source, "strategies": rows}
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['seq_len']} tokens x batch {result['batch']}; ideal {result['ideal_s']:.3f} s; "
-             f"energy: {result['energy_source']}",
+    nan = float("nan")
+    ideal = result["ideal_s"]
+    lines = [f"{result['seq_len']} tokens x batch {result['batch']}; ideal "
+             f"{f'{ideal:.3f} s' if ideal else 'n/a (not the planned length)'}; energy: {result['energy_source']}",
              f"{'strategy':<10} {'measured s':>10} {'predicted s':>11} {'meas/pred':>9} {'tokens/s':>9} "
              f"{'hpipe/it':>9} {'ideal/meas':>10}"]
     rows = result["strategies"]
     hp = rows.get("hpipe", {}).get("latency_s")
     for name, r in rows.items():
         pred = r["predicted_s"]
-        lines.append(f"{name:<10} {r['latency_s']:>10.3f} {pred if pred is not None else float('nan'):>11.3f} "
-                     f"{(r['latency_s'] / pred) if pred else float('nan'):>9.2f} {r['tokens_per_s']:>9.0f} "
-                     f"{(hp / r['latency_s']) if hp else float('nan'):>9.2f} "
-                     f"{result['ideal_s'] / r['latency_s']:>10.2f}")
+        lines.append(f"{name:<10} {r['latency_s']:>10.3f} {pred if pred is not None else nan:>11.3f} "
+                     f"{(r['latency_s'] / pred) if pred else nan:>9.2f} {r['tokens_per_s']:>9.0f} "
+                     f"{(hp / r['latency_s']) if hp else nan:>9.2f} "
+                     f"{ideal / r['latency_s'] if ideal else nan:>10.2f}")
+    lines.append("peak memory GiB per daemon (measured / planned):")
+    for name, r in rows.items():
+        cells = [f"{d} {r['peak_memory_bytes'][d] / 2**30:.2f} / {r['predicted_memory_bytes'][d] / 2**30:.2f}"
+                 for d in r["peak_memory_bytes"]]
+        lines.append(f"  {name:<10} " + ", ".join(cells))
     return "\n".join(lines)

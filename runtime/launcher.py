@@ -73,9 +73,10 @@ def up(cluster: ClusterSpec, timeout_s: float = 180.0) -> dict[str, str]:
     emu = None
     if emulate.needed(cluster):
         emulate.validate(cluster)
-        emulate.require_root()
+        emulate.require_root(cluster)
         emu = emulate.Emulation(cluster, sdir)
         emu.setup_network()
+        emu.setup_mps()
     started: dict[str, subprocess.Popen] = {}
     status = {}
     for d in cluster.daemons:
@@ -87,7 +88,7 @@ def up(cluster: ClusterSpec, timeout_s: float = 180.0) -> dict[str, str]:
         client.close()
         logf = open(sdir / f"{d.name}.log", "ab")
         prefix = emu.command_prefix(d) if emu else []
-        env = {**os.environ}
+        env = {**os.environ, **(emu.daemon_env(d) if emu else {})}
         if d.emulate:
             # part of the device fingerprint: a cached profile is reused only under the same limits
             settings = {**d.emulate, **({"quota_period_us": emulate.QUOTA_PERIOD_US} if "cpu_quota" in d.emulate else {})}

@@ -24,6 +24,8 @@ import torch
 from hpipe.errors import HpipeError, InputError
 from hpipe.model import StageCache, StageModel
 from hpipe.units import UnitRange
+from runtime.device_io import DeviceIO, Pending
+from runtime.wire import checked_view, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class Stats:
 class SliceOutput:
     start: int
     length: int
-    logits: torch.Tensor | None = None
+    logits: "torch.Tensor | Pending | None" = None
     error: str = ""
 
 
@@ -83,6 +85,7 @@ class Sequence:
     closed: bool = False
     results: "queue.Queue" = field(default_factory=queue.Queue)
     stats: Stats = field(default_factory=Stats)
+    timers: list = field(default_factory=list)  # per-slice compute timers, read when stats are
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,8 @@ class StageServer:
                  connect: Callable[[str], SendFn] | None = None,
                  on_worker_start: Callable[[], None] | None = None):
         self.device = torch.device(device)
-        self._on_worker_start = on_worker_start  # e.g. join an emulated device's CPU quota
+        self.io = DeviceIO(self.device)
+        self._on_worker_start = on_worker_start  # e.g. name the thread an emulated device's CPU quota finds
         self.memory_budget = memory_budget
         self._connect = connect  # opens a sender to the successor's address (gRPC in production)
         self.stage: StageModel | None = None
@@ -126,11 +130,12 @@ class StageServer:
     # --- deployment -------------------------------------------------------------------------
     def load(self, model: str, unit_start: int, unit_end: int, dtype: torch.dtype, next_address: str,
              next_name: str, stage_index: int) -> dict:
+        from hpipe.shapes import is_random, model_shape
         from hpipe.sources import resolve_model
 
         t0 = time.perf_counter()
-        source = resolve_model(model)
-        cfg = source.config
+        source = None if is_random(model) else resolve_model(model)
+        cfg = model_shape(model)[1] if source is None else source.config
         units = UnitRange(unit_start, unit_end, cfg.num_layers)
         if units.has_head == bool(next_address):
             raise StageError("INVALID_ARGUMENT", f"stage {units}: a successor is required unless the stage holds "
@@ -143,10 +148,14 @@ class StageServer:
                 self.stage, self.deployment = None, None
                 weights = sum(p.numel() for p in _unit_params(cfg, units)) * torch.empty((), dtype=dtype).element_size()
                 self._check_memory(weights, what=f"the weights of units {units}")
-                stage = StageModel.from_checkpoint(source.weights(), cfg, units, dtype=dtype, device=self.device)
+                if source is None:  # random:NAME: this daemon creates its own units' weights
+                    stage = StageModel.random(cfg, units, dtype=dtype, device=self.device)
+                else:
+                    stage = StageModel.from_checkpoint(source.weights(), cfg, units, dtype=dtype, device=self.device)
                 self.weight_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
                 self._send = self._connect(next_address) if next_address and self._connect else None
                 self.stage, self.deployment = stage, dep
+                self._reset_peak_memory()  # peaks reported from now on are this deployment's
                 log.info("stage %d loaded units %s of %s (%s) in %.1fs", stage_index, units, model, dtype,
                          time.perf_counter() - t0)
         stage = self.stage
@@ -211,9 +220,7 @@ class StageServer:
 
     def submit(self, seq_id: int, unit_start: int, start: int, length: int, payload: bytes,
                all_logits: bool = False, want_logits: bool = True) -> None:
-        """Validate and decode one slice (in the caller's thread), then queue it for the worker."""
-        from runtime.wire import bytes_to_tensor
-
+        """Validate and decode one slice (in the caller's thread), start its upload, queue it for the worker."""
         stage = self._require_stage()
         if unit_start != stage.units.start:
             raise StageError("FAILED_PRECONDITION", f"this daemon holds units {stage.units}; the slice is for "
@@ -233,11 +240,12 @@ class StageServer:
             t0 = time.perf_counter()
             try:
                 if stage.units.has_embed:
-                    x = bytes_to_tensor(payload, (seq.cache.batch, length), torch.int64)
-                    if int(x.min()) < 0 or int(x.max()) >= stage.cfg.vocab_size:
+                    ids = checked_view(payload, (seq.cache.batch, length), torch.int64)
+                    if int(ids.min()) < 0 or int(ids.max()) >= stage.cfg.vocab_size:
                         raise InputError(f"token ids must lie in [0, {stage.cfg.vocab_size})")
+                    x = self.io.upload(payload, (seq.cache.batch, length), torch.int64)
                 else:
-                    x = bytes_to_tensor(payload, (seq.cache.batch, length, stage.cfg.hidden_size), stage.dtype)
+                    x = self.io.upload(payload, (seq.cache.batch, length, stage.cfg.hidden_size), stage.dtype)
             except InputError as e:
                 raise StageError("INVALID_ARGUMENT", f"sequence {seq_id}, slice at {start}: {e}") from None
             seq.stats.recv_decode_s += time.perf_counter() - t0
@@ -259,6 +267,8 @@ class StageServer:
                 continue
             if item is _CLOSED:
                 return
+            if isinstance(item.logits, Pending):
+                item.logits = item.logits.on_host()
             yield item
 
     def close(self, seq_id: int) -> Stats | None:
@@ -269,6 +279,7 @@ class StageServer:
         seq.closed = True
         seq.cache = StageCache(batch=seq.cache.batch, max_len=seq.cache.max_len)  # drop the tensors now
         seq.results.put(_CLOSED)
+        seq.stats.compute_s = sum(t.seconds() for t in list(seq.timers))
         log.debug("sequence %d closed", seq_id)
         return seq.stats
 
@@ -289,11 +300,28 @@ class StageServer:
             }
 
     def _peak_memory(self) -> int:
+        """Peak since the last deployment: CUDA allocations, or the process's resident set (VmHWM)."""
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
+        try:
+            for line in open("/proc/self/status"):
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
         import resource
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+    def _reset_peak_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:  # "5" resets the resident-set high-water mark (Linux)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
 
     def _fail(self, seq: Sequence, message: str) -> None:
         if not seq.error:
@@ -326,16 +354,17 @@ class StageServer:
             if isinstance(item, _DeviceCall):
                 item.run()
                 continue
-            seq, x, start, all_logits, want_logits = item
+            seq, pending, start, all_logits, want_logits = item
             if seq.closed or seq.error:
                 continue
             stage = self.stage
             try:
-                t0 = time.perf_counter()
+                x = pending.on_device()
+                timer = self.io.timer()
+                timer.start()
                 out = stage(x, start, seq.cache, all_logits=all_logits, logits=want_logits)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                seq.stats.compute_s += time.perf_counter() - t0
+                timer.stop()
+                seq.timers.append(timer)
                 seq.stats.slices += 1
             except HpipeError as e:
                 self._fail(seq, f"stage {self.deployment.stage_index}: {e}")
@@ -346,25 +375,25 @@ class StageServer:
                 continue
             seq.last_active = time.monotonic()
             if stage.units.has_head:
-                logits = out.float() if out is not None else None
-                seq.results.put(SliceOutput(start, x.shape[1], logits if all_logits or logits is None else logits[:, -1]))
+                logits = None
+                if out is not None:
+                    logits = self.io.download(out.float() if all_logits else out[:, -1].float())
+                seq.results.put(SliceOutput(start, x.shape[1], logits))
             else:
-                self._outbox.put((seq, start, x.shape[1], out, all_logits, want_logits))
+                self._outbox.put((seq, start, x.shape[1], self.io.download(out), all_logits, want_logits))
 
     def _send_loop(self) -> None:
-        from runtime.wire import tensor_bytes
-
         while True:
             item = self._outbox.get()
             if item is _CLOSED:
                 return
-            seq, start, length, out, all_logits, want_logits = item
+            seq, start, length, pending, all_logits, want_logits = item
             if seq.closed or seq.error:
                 continue
             dep = self.deployment
             t0 = time.perf_counter()
             try:
-                payload = tensor_bytes(out)
+                payload = tensor_bytes(pending.on_host())
                 self._send(seq.id, dep.units.end, start, length, payload, all_logits, want_logits)
             except HpipeError as e:
                 self._fail(seq, f"stage {dep.stage_index} could not send to stage {dep.stage_index + 1} "

@@ -7,6 +7,7 @@ truncated, padded or mistyped payload is refused before it reaches the model.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -50,20 +51,32 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes()
 
 
-def bytes_to_tensor(data: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``shape`` and ``dtype`` from ``data``, refusing any size mismatch."""
+def _check_size(data: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> int:
     if any(d < 0 for d in shape):
         raise InputError(f"negative dimension in shape {shape}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = math.prod(shape) * itemsize
+    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if len(data) != expected:
         raise InputError(
             f"payload has {len(data)} bytes; {list(shape)} {str(dtype).removeprefix('torch.')} needs {expected}"
         )
-    if expected == 0:
+    return expected
+
+
+def bytes_to_tensor(data: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` from ``data``, refusing any size mismatch."""
+    if _check_size(data, shape, dtype) == 0:
         return torch.empty(shape, dtype=dtype)
     # bytearray: a writable copy owned by the tensor (frombuffer on bytes would warn and alias).
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def checked_view(data: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A read-only view of ``data`` as ``shape`` and ``dtype`` (size-checked), to copy from once."""
+    if _check_size(data, shape, dtype) == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": we only read it
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:

@@ -1,11 +1,13 @@
-"""Start and stop real daemon processes for tests, on free loopback ports."""
+"""Daemons for tests: real processes on free loopback ports, or in-process servers."""
 
 import socket
 import textwrap
 from pathlib import Path
 
 from runtime import launcher
-from runtime.cluster import ClusterSpec
+from runtime.channels import Security, StageClient
+from runtime.cluster import ClusterSpec, DaemonSpec
+from runtime.daemon import DaemonConfig, build_server
 
 
 def free_ports(n):
@@ -39,3 +41,27 @@ class RunningCluster:
 
     def __exit__(self, *exc):
         launcher.down(self.spec)
+
+
+class Served:
+    """An in-process daemon on a free loopback port."""
+
+    def __init__(self, name: str = "d", **kw):
+        self.name = name
+        self.server, self.stage, port = build_server(DaemonConfig(port=0, **kw))
+        self.server.start()
+        self.address = f"127.0.0.1:{port}"
+
+    def client(self, security=Security()):
+        return StageClient(self.address, security)
+
+    def spec(self) -> DaemonSpec:
+        return DaemonSpec(self.name, self.address, str(self.stage.device))
+
+    def stop(self):
+        self.stage.shutdown()
+        self.server.stop(0)
+
+
+def cluster_of(*served: Served) -> ClusterSpec:
+    return ClusterSpec("in-process", tuple(s.spec() for s in served))

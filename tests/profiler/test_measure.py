@@ -60,3 +60,15 @@ def test_link_fit_recovers_latency_and_bandwidth():
     sizes = [1_000, 10_000, 100_000, 1_000_000]
     lat, bw = fit_link(sizes, [0.001 + n / 50e6 for n in sizes])
     assert lat == pytest.approx(0.001, rel=1e-6) and bw == pytest.approx(50e6, rel=1e-6)
+
+
+def test_config_dict_round_trips_every_family_and_shape(tiny_dirs):
+    """Daemons rebuild the model's shape from config_dict: it must lose nothing that changes the work."""
+    from hpipe.config import ModelConfig
+    from hpipe.shapes import SHAPES, model_shape
+    from profiler.measure import config_dict
+
+    configs = [ModelConfig.from_file(d / "config.json") for d in tiny_dirs.values()]
+    configs += [model_shape(f"random:{name}")[1] for name in SHAPES]
+    for cfg in configs:
+        assert ModelConfig.from_dict(config_dict(cfg)) == cfg, cfg.architecture

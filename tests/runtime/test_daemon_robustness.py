@@ -11,24 +11,8 @@ import torch
 from runtime.channels import Security, StageClient
 from runtime.cluster import ClusterSpec, DaemonSpec
 from runtime.coordinator import Pipeline, StageFailure
-from runtime.daemon import DaemonConfig, build_server
 from runtime.wire import pb, tensor_bytes
-
-
-class Served:
-    """An in-process daemon on a free loopback port."""
-
-    def __init__(self, **kw):
-        self.server, self.stage, port = build_server(DaemonConfig(port=0, **kw))
-        self.server.start()
-        self.address = f"127.0.0.1:{port}"
-
-    def client(self, security=Security()):
-        return StageClient(self.address, security)
-
-    def stop(self):
-        self.stage.shutdown()
-        self.server.stop(0)
+from tests.cluster_helpers import Served
 
 
 @pytest.fixture

@@ -1,0 +1,113 @@
+"""Activations between the wire and a stage's device, and compute timing that does not stall it.
+
+Design note. On a CUDA device a received slice is decoded straight into pinned host memory and
+copied to the GPU on an upload stream, in the gRPC thread that received it, while the worker
+computes the slice before it; the worker makes the compute stream wait for that copy only when it
+reaches the slice. An output is copied back on a download stream, into pinned memory, once the
+compute stream has produced it, and only the sender thread waits for that copy. Compute time is
+taken with CUDA events, so the worker never synchronises the device: it queues the next slice's
+kernels while the GPU still runs this one. On the CPU all of this reduces to decoding the bytes.
+Tensors that cross streams are handed to the caching allocator with ``record_stream`` so their
+memory is not reused before the other stream is done with them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from runtime.wire import bytes_to_tensor, checked_view
+
+
+class Pending:
+    """A tensor whose copy may still be in flight."""
+
+    def __init__(self, tensor: torch.Tensor, event: "torch.cuda.Event | None" = None):
+        self.tensor, self.event = tensor, event
+
+    def on_device(self) -> torch.Tensor:
+        """The tensor, usable by work queued on the current stream from now on."""
+        if self.event is not None:
+            stream = torch.cuda.current_stream(self.tensor.device)
+            stream.wait_event(self.event)
+            self.tensor.record_stream(stream)
+        return self.tensor
+
+    def on_host(self) -> torch.Tensor:
+        """The host tensor, once its copy from the device has finished (blocks this thread only)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tensor
+
+
+class Timer:
+    """Seconds of one slice's compute: CUDA events on a GPU (read later), a clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._t0 = self._s = 0.0
+        self._stopped = False
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._end.record()
+        else:
+            self._s = time.perf_counter() - self._t0
+        self._stopped = True
+
+    def seconds(self) -> float:
+        """The slice's compute seconds; 0 for a slice still being queued (a sequence closed mid-slice)."""
+        if not self._stopped:
+            return 0.0
+        if self.cuda:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1e3
+        return self._s
+
+
+class DeviceIO:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self._up = torch.cuda.Stream(device)
+            self._down = torch.cuda.Stream(device)
+
+    def upload(self, data: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> Pending:
+        """Decode ``data`` (size-checked) and start moving it to the device."""
+        if not self.cuda:
+            return Pending(bytes_to_tensor(data, shape, dtype))
+        host = torch.empty(shape, dtype=dtype, pin_memory=True)
+        host.copy_(checked_view(data, shape, dtype))
+        with torch.cuda.stream(self._up):
+            dev = host.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._up)
+        return Pending(dev, event)
+
+    def download(self, t: torch.Tensor) -> Pending:
+        """Start copying ``t`` (just produced on the current stream) to pinned host memory."""
+        if not self.cuda:
+            return Pending(t)
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._down):
+            self._down.wait_event(produced)
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            t.record_stream(self._down)
+            event = torch.cuda.Event()
+            event.record(self._down)
+        return Pending(host, event)
+
+    def timer(self) -> Timer:
+        return Timer(self.device)
