@@ -59,11 +59,11 @@ def median_time(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def through_daemon(args, cfg, ids, dtype) -> dict:
+def through_daemon(args, cfg, ids, dtype, graphs: bool = True, decode_only: bool = False) -> dict:
     work = Path(tempfile.mkdtemp(prefix="hpipe-gpu-"))
     cluster_file = work / "one.yaml"
     cluster_file.write_text(f"name: gpu-one\ndaemons:\n  - name: g0\n    address: 127.0.0.1:{free_port()}\n"
-                            f"    device: {args.device}\n    threads: 2\n")
+                            f"    device: {args.device}\n    threads: 2\n    cuda_graphs: {str(graphs).lower()}\n")
     cluster = ClusterSpec.load(cluster_file)
     launcher.up(cluster)
     out = {}
@@ -101,7 +101,8 @@ def through_daemon(args, cfg, ids, dtype) -> dict:
 
         out["one_slice_s"], out["decode_step_s"] = med([n])
         k = args.slices
-        out[f"{k}_slices_s"], _ = med([n // k] * (k - 1) + [n - (n // k) * (k - 1)])
+        if not decode_only:
+            out[f"{k}_slices_s"], _ = med([n // k] * (k - 1) + [n - (n // k) * (k - 1)])
         pipe.close()
     finally:
         launcher.down(cluster)
@@ -166,6 +167,7 @@ def main() -> int:
     result = {"model": args.model, "batch": args.batch, "seq_len": args.seq_len, "dtype": args.dtype,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
     result["daemon"] = through_daemon(args, cfg, ids, dtype)
+    result["daemon_eager_decode"] = through_daemon(args, cfg, ids, dtype, graphs=False, decode_only=True)
     result["in_process_s"] = in_process(cfg, ids.to(args.device), dtype)
     result["hf_s"] = huggingface(cfg, ids.to(args.device), dtype)
     d = result["daemon"]
@@ -179,7 +181,8 @@ def main() -> int:
     print(f"  hpipe daemon, {args.slices} slices    {d[f'{args.slices}_slices_s'] * 1e3:8.1f} ms")
     print(f"  hpipe stage in-process     {result['in_process_s'] * 1e3:8.1f} ms")
     print(f"  transformers forward       {result['hf_s'] * 1e3:8.1f} ms  {tokens / result['hf_s']:9.0f} tok/s")
-    print(f"  decode step (batch {args.batch})     {d['decode_step_s'] * 1e3:8.2f} ms")
+    print(f"  decode step (batch {args.batch})     {d['decode_step_s'] * 1e3:8.2f} ms with CUDA graphs, "
+          f"{result['daemon_eager_decode']['decode_step_s'] * 1e3:.2f} ms eager")
     print(f"  speed vs transformers: daemon {result['hf_over_daemon']:.3f}x, in-process "
           f"{result['hf_over_in_process']:.3f}x")
     return 0

@@ -98,7 +98,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     token = Security.from_files(args.token_file).token
     cfg = DaemonConfig(device=args.device, host=args.host, port=args.port, threads=args.threads,
                        memory_budget=parse_size(args.memory_budget), token=token, tls_cert=args.tls_cert,
-                       tls_key=args.tls_key, tls_ca=args.tls_ca, name=args.name)
+                       tls_key=args.tls_key, tls_ca=args.tls_ca, name=args.name,
+                       cuda_graphs=not args.no_cuda_graphs)
     return serve(cfg)
 
 
@@ -344,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--tls-key")
     dm.add_argument("--tls-ca", help="CA to verify the successor's certificate (default: --tls-cert)")
     dm.add_argument("--name", default="", help="name in logs")
+    dm.add_argument("--no-cuda-graphs", action="store_true", help="run GPU decode steps eagerly")
     dm.set_defaults(func=cmd_daemon)
 
     cl = sub.add_parser("cluster", help="start, stop or inspect the local daemons of a cluster file")

@@ -10,6 +10,7 @@ daemons:
     device: cpu               # cpu | cuda:N
     threads: 1                # torch CPU threads (optional)
     memory_budget: 2GiB       # optional cap on weights + KV cache
+    cuda_graphs: false        # optional: GPU decode steps eagerly instead of as CUDA graphs
     tls_cert: a.pem           # optional, with tls_key
     tls_key: a.key
 ```
@@ -59,6 +60,7 @@ class DaemonSpec:
     memory_budget: int | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    cuda_graphs: bool = True  # decode steps as CUDA graphs on a GPU daemon
     emulate: dict = field(default_factory=dict, hash=False, compare=False)
     #: published specs for what-if planning: peak_tflops, mem_bw_gbs, memory, efficiency, overhead_us
     spec: dict = field(default_factory=dict, hash=False, compare=False)
@@ -132,6 +134,7 @@ class ClusterSpec:
                 threads=int(d["threads"]) if d.get("threads") else None,
                 memory_budget=parse_size(d.get("memory_budget")),
                 tls_cert=rel(d.get("tls_cert")), tls_key=rel(d.get("tls_key")),
+                cuda_graphs=bool(d.get("cuda_graphs", True)),
                 emulate=dict(d.get("emulate") or {}),
                 spec=_spec(path, i, d.get("spec")),
             ))

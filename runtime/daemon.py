@@ -40,6 +40,7 @@ class DaemonConfig:
     tls_key: str | None = None
     tls_ca: str | None = None  # to verify the successor's certificate (defaults to our own cert)
     name: str = ""
+    cuda_graphs: bool = True  # decode steps as CUDA graphs (GPU daemons)
 
 
 def _status(e: Exception) -> grpc.StatusCode:
@@ -260,7 +261,7 @@ def build_server(cfg: DaemonConfig) -> tuple[grpc.Server, StageServer, int]:
     from runtime.emulate import WORKER_THREAD_NAME, name_this_thread
 
     stage = StageServer(cfg.device, cfg.memory_budget, connect=_sender_factory(cfg),
-                        on_worker_start=lambda: name_this_thread(WORKER_THREAD_NAME))
+                        on_worker_start=lambda: name_this_thread(WORKER_THREAD_NAME), cuda_graphs=cfg.cuda_graphs)
     interceptors = [TokenInterceptor(cfg.token)] if cfg.token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="grpc"),
                          interceptors=interceptors, options=CHANNEL_OPTIONS)

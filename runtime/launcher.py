@@ -37,6 +37,8 @@ def daemon_command(cluster: ClusterSpec, d: DaemonSpec) -> list[str]:
         cmd += ["--threads", str(d.threads)]
     if d.memory_budget:
         cmd += ["--memory-budget", str(d.memory_budget)]
+    if not d.cuda_graphs:
+        cmd += ["--no-cuda-graphs"]
     if cluster.token_file:
         cmd += ["--token-file", str(cluster.token_file)]
     if d.tls_cert:

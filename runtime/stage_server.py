@@ -86,6 +86,8 @@ class Sequence:
     results: "queue.Queue" = field(default_factory=queue.Queue)
     stats: Stats = field(default_factory=Stats)
     timers: list = field(default_factory=list)  # per-slice compute timers, read when stats are
+    decode: object = None  # DecodeStep (CUDA graph) once the sequence decodes on a GPU
+    decode_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,9 @@ SendFn = Callable[[int, int, int, int, bytes, bool, bool], None]
 class StageServer:
     def __init__(self, device: str = "cpu", memory_budget: int | None = None,
                  connect: Callable[[str], SendFn] | None = None,
-                 on_worker_start: Callable[[], None] | None = None):
+                 on_worker_start: Callable[[], None] | None = None, cuda_graphs: bool = True):
         self.device = torch.device(device)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.io = DeviceIO(self.device)
         self._on_worker_start = on_worker_start  # e.g. name the thread an emulated device's CPU quota finds
         self.memory_budget = memory_budget
@@ -277,6 +280,7 @@ class StageServer:
         if seq is None:
             return None
         seq.closed = True
+        seq.decode = None  # its graph holds the cache
         seq.cache = StageCache(batch=seq.cache.batch, max_len=seq.cache.max_len)  # drop the tensors now
         seq.results.put(_CLOSED)
         seq.stats.compute_s = sum(t.seconds() for t in list(seq.timers))
@@ -362,7 +366,9 @@ class StageServer:
                 x = pending.on_device()
                 timer = self.io.timer()
                 timer.start()
-                out = stage(x, start, seq.cache, all_logits=all_logits, logits=want_logits)
+                step = self._decode_step(seq, stage, x, start, want_logits)
+                out = step(x, start) if step else stage(x, start, seq.cache, all_logits=all_logits,
+                                                        logits=want_logits)
                 timer.stop()
                 seq.timers.append(timer)
                 seq.stats.slices += 1
@@ -381,6 +387,31 @@ class StageServer:
                 seq.results.put(SliceOutput(start, x.shape[1], logits))
             else:
                 self._outbox.put((seq, start, x.shape[1], self.io.download(out), all_logits, want_logits))
+
+    def _decode_step(self, seq: Sequence, stage: StageModel, x: torch.Tensor, start: int, want_logits: bool):
+        """The sequence's CUDA-graph decode step for this slice, if it is one (None: run eagerly).
+
+        A one-token slice after the prompt is a decode step. The first runs eagerly (it warms up
+        the kernels); the second captures the graph that the rest replay.
+        """
+        if not (self.cuda_graphs and x.shape[1] == 1 and start > 0 and (want_logits or not stage.units.has_head)):
+            return None
+        seq.decode_steps += 1
+        if seq.decode is None and seq.decode_steps >= 2:
+            from hpipe.model.graphs import DecodeStep
+
+            seq.decode = DecodeStep(stage, seq.cache, graph=True)
+        if seq.decode is None:
+            return None
+
+        def run(x, start):
+            try:
+                return seq.decode(x, start)
+            except RuntimeError as e:  # a capture this device or driver refuses: carry on eagerly
+                log.warning("CUDA graph decode failed (%s); decoding eagerly from now on", e)
+                self.cuda_graphs, seq.decode = False, None
+                return stage(x, start, seq.cache)
+        return run
 
     def _send_loop(self) -> None:
         while True:

@@ -91,3 +91,15 @@ def test_mps_daemons_of_unequal_shares(tmp_path):
         finally:
             pipe.close()
     assert len(out) == 4 and all(d.emulate["gpu_share"] == 40 for d in daemons)
+
+
+def test_cuda_graph_decode_equals_eager_decode(tiny_dirs):
+    name, units = str(tiny_dirs["llama3-rope"]), 2 * 3 + 2
+    graphs, eager = Served("graphs", device="cuda:0"), Served("eager", device="cuda:0", cuda_graphs=False)
+    try:
+        a = _greedy([graphs], name, [], units, torch.float32)
+        b = _greedy([eager], name, [], units, torch.float32)
+    finally:
+        graphs.stop(), eager.stop()
+    assert a == b
+    assert graphs.stage.cuda_graphs and not eager.stage.cuda_graphs  # the graph path ran and did not fall back
