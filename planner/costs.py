@@ -37,6 +37,26 @@ class Workload:
         return self.max_len or self.seq_len
 
 
+def working_bytes(p: Profile, batch: int, tokens: int, head: bool):
+    """Working space of a stage for one slice of ``tokens`` x ``batch`` (``tokens`` may be an array).
+
+    The peak of one unit's forward (residual, normed input and its float32 upcast, q/k/v and the
+    attention output; gate, up and their product), plus the slices in flight around it (one
+    uploaded ahead, one waiting to be sent), plus last-position logits in float32 at the head.
+    Measured on an H100 with 32k-token prefills, the peaks came within 1.5% of the old estimate
+    without the upcast and the in-flight slices, above it; this one stays above them.
+    """
+    m = p.model
+    per_token = (6 * m.hidden_size + 3 * m.intermediate_size) * p.itemsize + 2 * m.hidden_size * 4
+    return batch * tokens * per_token + (batch * m.vocab_size * 4 if head else 0)
+
+
+#: per stage, whatever the slice: library workspaces (cuBLAS keeps ~32 MiB per stream), position
+#: and mask buffers, allocator rounding. Measured 32k-token peaks on an H100 came within 1 MB of
+#: the estimate without it.
+FIXED_STAGE_BYTES = 64 << 20
+
+
 class CostModel:
     def __init__(self, profile: Profile):
         self.profile = profile
@@ -89,13 +109,7 @@ class CostModel:
         if e and h and p.model.tie_word_embeddings:
             weights -= p.model.vocab_size * p.model.hidden_size * p.itemsize
         kv = at * p.kv_bytes_per_token_per_layer() * work.kv_len * work.batch
-        s = slice_tokens or work.seq_len
-        m = p.model
-        # residual + normed input + q/k/v/attention out + gate/up/act: the peak of one unit's forward
-        work_bytes = work.batch * s * (4 * m.hidden_size + 3 * m.intermediate_size) * p.itemsize
-        if h:
-            work_bytes += work.batch * m.vocab_size * 4
-        return weights + kv + work_bytes
+        return weights + kv + working_bytes(p, work.batch, slice_tokens or work.seq_len, bool(h)) + FIXED_STAGE_BYTES
 
     def fits(self, dev: int, a: int, b: int, work: Workload) -> bool:
         return self.stage_memory(a, b, work) <= self.devices[dev].memory_bytes

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpipe.errors import HpipeError
-from planner.costs import CostModel, Workload
+from planner.costs import FIXED_STAGE_BYTES, CostModel, Workload, working_bytes
 
 EXACT_DEVICES = 8
 
@@ -62,10 +62,9 @@ def stage_table(cost: CostModel, work: Workload) -> np.ndarray:
                + h * p.unit_weight_bytes("head"))
     if p.model.tie_word_embeddings:
         weights = weights - e * h * p.model.vocab_size * p.model.hidden_size * p.itemsize
-    m_cfg = p.model
     memory = (weights + at * p.kv_bytes_per_token_per_layer() * work.kv_len * work.batch
-              + work.batch * work.seq_len * (4 * m_cfg.hidden_size + 3 * m_cfg.intermediate_size) * p.itemsize
-              + h * work.batch * m_cfg.vocab_size * 4)
+              + working_bytes(p, work.batch, work.seq_len, False)
+              + h * working_bytes(p, work.batch, 0, True) + FIXED_STAGE_BYTES)
     a_idx, b_idx = np.meshgrid(np.arange(u + 1), np.arange(u + 1), indexing="ij")
     table = np.full((n, u + 1, u + 1), math.inf)
     for m, dev in enumerate(cost.devices):

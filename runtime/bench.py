@@ -46,8 +46,9 @@ def _energy_reader():
         return None, "unavailable"
 
 
-def prefill_once(pipe: Pipeline, ids: torch.Tensor, micro_batches: int, slices: list[int]) -> float:
-    """Wall seconds to prefill ``ids [B, L]`` as ``micro_batches`` sequences sliced by ``slices``."""
+def prefill_once(pipe: Pipeline, ids: torch.Tensor, micro_batches: int, slices: list[int]) -> tuple[float, list]:
+    """Wall seconds to prefill ``ids [B, L]`` as ``micro_batches`` sequences sliced by ``slices``, and
+    per-stage statistics (compute, send, decode seconds) summed over the micro-batches."""
     b = ids.shape[0] // micro_batches
     seqs = [pipe.open(ids.shape[1], batch=b) for _ in range(micro_batches)]
     try:
@@ -60,10 +61,12 @@ def prefill_once(pipe: Pipeline, ids: torch.Tensor, micro_batches: int, slices: 
         for seq in seqs:
             for _ in slices:
                 seq.result()
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
     finally:
-        for seq in seqs:
-            seq.close()
+        stats = [seq.close() for seq in seqs]
+    per_stage = [{k: round(sum(s[j].get(k, 0) for s in stats), 6) for k in ("compute_s", "send_s", "recv_decode_s")}
+                 for j in range(len(stats[0]))]
+    return elapsed, per_stage
 
 
 def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = None, batch: int | None = None,
@@ -86,11 +89,14 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
         pipe.deploy(plan.model_name, sp.cuts, num_units, dtype, daemons=[s.device for s in sp.stages])
         mb = sp.micro_batches if batch % sp.micro_batches == 0 else 1
         slices = plan.slices_for(seq_len, name)
-        prefill_once(pipe, ids[:, : min(seq_len, 64)], 1, [min(seq_len, 64)])  # warm-up
-        times, joules = [], []
+        # warm-up with the real input: the first run of full-size shapes pays for allocator growth and
+        # kernel selection (on an H100, Base's first of three runs was 20% slower than the others)
+        prefill_once(pipe, ids, mb, slices)
+        times, joules, stages = [], [], []
         for _ in range(repeat):
             e0 = energy() if energy else None
-            times.append(prefill_once(pipe, ids, mb, slices))
+            elapsed, stages = prefill_once(pipe, ids, mb, slices)
+            times.append(elapsed)
             if energy:
                 joules.append(energy() - e0)
             bar.update(1)
@@ -104,6 +110,8 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
             "peak_memory_bytes": {s.device: st.peak_memory_bytes for s, st in zip(sp.stages, status)},
             "predicted_memory_bytes": {s.device: s.memory_bytes for s in sp.stages},
             "energy_j": statistics.median(joules) if joules else None,
+            "stages": [{"device": st.device, "units": [st.unit_start, st.unit_end], "predicted_compute_s": st.compute_s,
+                        **stats} for st, stats in zip(sp.stages, stages)],  # of the last run
         }
     bar.close()
     planned = seq_len == plan.seq_len and batch == plan.batch

@@ -357,36 +357,41 @@ class StageServer:
                 return
             if isinstance(item, _DeviceCall):
                 item.run()
-                continue
-            seq, pending, start, all_logits, want_logits = item
-            if seq.closed or seq.error:
-                continue
-            stage = self.stage
-            try:
-                x = pending.on_device()
-                timer = self.io.timer()
-                timer.start()
-                step = self._decode_step(seq, stage, x, start, want_logits)
-                out = step(x, start) if step else stage(x, start, seq.cache, all_logits=all_logits,
-                                                        logits=want_logits)
-                timer.stop()
-                seq.timers.append(timer)
-                seq.stats.slices += 1
-            except HpipeError as e:
-                self._fail(seq, f"stage {self.deployment.stage_index}: {e}")
-                continue
-            except Exception as e:  # noqa: BLE001 - a bug must fail the sequence, not kill the worker
-                log.exception("stage compute failed")
-                self._fail(seq, f"stage {self.deployment.stage_index}: internal error: {e!r}")
-                continue
-            seq.last_active = time.monotonic()
-            if stage.units.has_head:
-                logits = None
-                if out is not None:
-                    logits = self.io.download(out.float() if all_logits else out[:, -1].float())
-                seq.results.put(SliceOutput(start, x.shape[1], logits))
             else:
-                self._outbox.put((seq, start, x.shape[1], self.io.download(out), all_logits, want_logits))
+                # in a method of its own so that its locals (the stage model, activations) do not
+                # outlive the slice: a redeployment must not find the old model still referenced
+                self._run_slice(*item)
+            del item
+
+    def _run_slice(self, seq: Sequence, pending: Pending, start: int, all_logits: bool, want_logits: bool) -> None:
+        if seq.closed or seq.error:
+            return
+        stage = self.stage
+        try:
+            x = pending.on_device()
+            timer = self.io.timer()
+            timer.start()
+            step = self._decode_step(seq, stage, x, start, want_logits)
+            out = step(x, start) if step else stage(x, start, seq.cache, all_logits=all_logits,
+                                                    logits=want_logits)
+            timer.stop()
+            seq.timers.append(timer)
+            seq.stats.slices += 1
+        except HpipeError as e:
+            self._fail(seq, f"stage {self.deployment.stage_index}: {e}")
+            return
+        except Exception as e:  # noqa: BLE001 - a bug must fail the sequence, not kill the worker
+            log.exception("stage compute failed")
+            self._fail(seq, f"stage {self.deployment.stage_index}: internal error: {e!r}")
+            return
+        seq.last_active = time.monotonic()
+        if stage.units.has_head:
+            logits = None
+            if out is not None:
+                logits = self.io.download(out.float() if all_logits else out[:, -1].float())
+            seq.results.put(SliceOutput(start, x.shape[1], logits))
+        else:
+            self._outbox.put((seq, start, x.shape[1], self.io.download(out), all_logits, want_logits))
 
     def _decode_step(self, seq: Sequence, stage: StageModel, x: torch.Tensor, start: int, want_logits: bool):
         """The sequence's CUDA-graph decode step for this slice, if it is one (None: run eagerly).
