@@ -302,7 +302,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from hpipe.demo import run_demo
 
-    result = run_demo(Path(args.cluster), args.instruction, args.max_new_tokens, args.repeat)
+    result = run_demo(Path(args.cluster) if args.cluster else None, args.instruction, args.max_new_tokens,
+                      args.repeat)
     if args.json:
         print(json.dumps(result))
     return 0
@@ -407,10 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--json", action="store_true")
     bn.set_defaults(func=cmd_bench)
 
-    from hpipe.demo import DEFAULT_CLUSTER, INSTRUCTION
+    from hpipe.demo import INSTRUCTION
 
     d = sub.add_parser("demo", help="the main job on built-in defaults: local cluster, SmolLM2, sample report")
-    d.add_argument("--cluster", default=str(DEFAULT_CLUSTER))
+    d.add_argument("--cluster", help="default: clusters/emulated-hetero.yaml as root, else clusters/local-3.yaml")
     d.add_argument("--instruction", default=INSTRUCTION)
     d.add_argument("--max-new-tokens", type=int, default=48)
     d.add_argument("--repeat", type=int, default=1, help="bench repeats per strategy")

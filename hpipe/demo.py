@@ -2,6 +2,8 @@
 
 cluster up -> profile -> plan (for the sample's length) -> run (answer) -> bench (hpipe vs the
 baselines, measured) -> cluster down. Every step is the same library call the CLI commands make.
+The cluster is clusters/emulated-hetero.yaml (three CPU daemons of different speeds, 1 Gbit/s
+links) where the machine can emulate it (root), else clusters/local-3.yaml.
 """
 
 from __future__ import annotations
@@ -13,15 +15,27 @@ from importlib.resources import files
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_CLUSTER = REPO / "clusters" / "local-3.yaml"
+EMULATED_CLUSTER = REPO / "clusters" / "emulated-hetero.yaml"
+LOCAL_CLUSTER = REPO / "clusters" / "local-3.yaml"
 INSTRUCTION = "What was the direct cause of the outage described in this report? Answer in one sentence."
+
+
+def default_cluster() -> Path:
+    """The emulated heterogeneous cluster where this machine can emulate one (root), else plain local daemons."""
+    from runtime.emulate import unavailable
+
+    why = unavailable()
+    if why is None:
+        return EMULATED_CLUSTER
+    say(f"emulating devices of different speeds {why}; using {LOCAL_CLUSTER.name} (three equal local daemons)")
+    return LOCAL_CLUSTER
 
 
 def say(msg: str) -> None:
     print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
 
-def run_demo(cluster_file: Path = DEFAULT_CLUSTER, instruction: str = INSTRUCTION, max_new_tokens: int = 48,
+def run_demo(cluster_file: Path | None = None, instruction: str = INSTRUCTION, max_new_tokens: int = 48,
              bench_repeat: int = 1) -> dict:
     from hpipe.sources import resolve_model
     from planner.costs import Workload
@@ -35,6 +49,7 @@ def run_demo(cluster_file: Path = DEFAULT_CLUSTER, instruction: str = INSTRUCTIO
     from runtime.coordinator import Pipeline
     from runtime.jobs import JobConfig, build_prompt, run_job
 
+    cluster_file = cluster_file or default_cluster()
     source = resolve_model("smollm2-135m")
     cfg = source.config
     document = files("hpipe").joinpath("data/sample_report.md").read_text(encoding="utf-8")

@@ -132,6 +132,24 @@ def uses_mps(cluster: ClusterSpec) -> bool:
     return any("gpu_share" in d.emulate for d in cluster.daemons)
 
 
+def unavailable() -> str | None:
+    """Why this machine cannot emulate CPU quotas and shaped links, or None if it can."""
+    import shutil
+    import uuid
+
+    if os.geteuid() != 0:
+        return "needs root"
+    if not all(shutil.which(t) for t in ("ip", "tc", "taskset")):
+        return "needs ip, tc and taskset (iproute2, util-linux)"
+    if not (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists() or Path("/sys/fs/cgroup/cgroup.controllers").exists()):
+        return "needs cgroup CPU quotas"
+    probe = f"hpprobe{uuid.uuid4().hex[:6]}"
+    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
+        return "cannot create network namespaces here"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
 def require_root(cluster: ClusterSpec) -> None:
     if needs_root(cluster) and os.geteuid() != 0:
         raise HpipeError("this cluster emulates devices or links (cgroups, network namespaces, tc), which needs "

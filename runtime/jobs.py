@@ -1,7 +1,8 @@
 """``hpipe run``: analyse many documents with one instruction on a deployed plan.
 
-Each document becomes one prompt (instruction, blank line, document; in the chat template with
-``--chat``), sliced by the plan's schedule for its length, prefilled through the pipeline and
+Each document becomes one prompt (document, blank line, instruction; in the chat template with
+``--chat``: small models answer a question asked after the text far better than one asked before
+it), sliced by the plan's schedule for its length, prefilled through the pipeline and
 decoded greedily. Several documents are in flight at once so that every stage has work while
 another document's slices or decode steps are elsewhere in the pipeline. Results are appended
 to a JSONL file one line per document as they finish; documents already in it are skipped, so
@@ -49,9 +50,13 @@ def read_document(name: str) -> str:
         raise InputError(f"cannot read {name}: {e}") from None
 
 
+def prompt_text(instruction: str, document: str) -> str:
+    return f"{document}\n\n{instruction}"
+
+
 def build_prompt(tokenizer, instruction: str, document: str, chat: bool, limit: int, truncate: str) -> tuple[list[int], int]:
     """Prompt ids within ``limit`` tokens (truncating the document if asked) and tokens dropped."""
-    ids = encode_prompt(tokenizer, f"{instruction}\n\n{document}", chat)
+    ids = encode_prompt(tokenizer, prompt_text(instruction, document), chat)
     if len(ids) <= limit:
         return ids, 0
     if truncate == "none":
@@ -61,7 +66,7 @@ def build_prompt(tokenizer, instruction: str, document: str, chat: bool, limit: 
     over = len(ids) - limit
     for _ in range(4):  # re-tokenising the cut text can shift the count by a few tokens
         keep = doc_ids[: max(0, len(doc_ids) - over)] if truncate == "head" else doc_ids[over:]
-        ids = encode_prompt(tokenizer, f"{instruction}\n\n{tokenizer.decode(keep)}", chat)
+        ids = encode_prompt(tokenizer, prompt_text(instruction, tokenizer.decode(keep)), chat)
         if len(ids) <= limit:
             return ids, len(doc_ids) - len(keep)
         over += len(ids) - limit

@@ -51,6 +51,9 @@ MEMORY_PROBE = textwrap.dedent("""
     start, end = int(sys.argv[1]), int(sys.argv[2])
     gc.collect(); before = psutil.Process().memory_info().rss
     stage = StageModel.from_checkpoint(store, cfg, UnitRange(start, end, cfg.num_layers))
+    # touch every weight, as a forward does: safetensors may hand back memory-mapped tensors
+    # whose pages are not resident until read
+    total = sum(float(p.detach().sum()) for p in stage.parameters())
     gc.collect(); after = psutil.Process().memory_info().rss
     print(json.dumps({"params": stage.parameter_count(), "rss": after - before}))
 """)
