@@ -26,6 +26,7 @@ MAX_MESSAGE_BYTES = 1 << 30
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.lookahead_bytes", 16 << 20),
 ]
 
 
