@@ -26,7 +26,11 @@ MAX_MESSAGE_BYTES = 1 << 30
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A fixed 16 MiB HTTP/2 stream window. With the default 64 KB window and bandwidth-delay probing,
+    # a 100 Mbit/s tc-shaped link carried gRPC at 7.8-11.7 MB/s from run to run while raw TCP held
+    # 11.3-12.0; with this, five runs measured 11.57-11.65.
     ("grpc.http2.lookahead_bytes", 16 << 20),
+    ("grpc.http2.bdp_probe", 0),
 ]
 
 
