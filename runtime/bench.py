@@ -108,6 +108,7 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
             "slices": len(slices), "micro_batches": mb, "cuts": sp.cuts,
             "devices": [s.device for s in sp.stages], "runs_s": times,
             "peak_memory_bytes": {s.device: st.peak_memory_bytes for s, st in zip(sp.stages, status)},
+            "baseline_memory_bytes": {s.device: st.baseline_memory_bytes for s, st in zip(sp.stages, status)},
             "predicted_memory_bytes": {s.device: s.memory_bytes for s in sp.stages},
             "energy_j": statistics.median(joules) if joules else None,
             "stages": [{"device": st.device, "units": [st.unit_start, st.unit_end], "predicted_compute_s": st.compute_s,
@@ -134,9 +135,9 @@ def table(result: dict) -> str:
                      f"{(r['latency_s'] / pred) if pred else nan:>9.2f} {r['tokens_per_s']:>9.0f} "
                      f"{(hp / r['latency_s']) if hp else nan:>9.2f} "
                      f"{ideal / r['latency_s'] if ideal else nan:>10.2f}")
-    lines.append("peak memory GiB per daemon (measured / planned):")
+    lines.append("memory GiB per daemon: peak above what the daemon held before the deployment / planned:")
     for name, r in rows.items():
-        cells = [f"{d} {r['peak_memory_bytes'][d] / 2**30:.2f} / {r['predicted_memory_bytes'][d] / 2**30:.2f}"
-                 for d in r["peak_memory_bytes"]]
+        cells = [f"{d} {(r['peak_memory_bytes'][d] - r['baseline_memory_bytes'][d]) / 2**30:.2f} / "
+                 f"{r['predicted_memory_bytes'][d] / 2**30:.2f}" for d in r["peak_memory_bytes"]]
         lines.append(f"  {name:<10} " + ", ".join(cells))
     return "\n".join(lines)

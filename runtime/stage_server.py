@@ -118,6 +118,7 @@ class StageServer:
         self.stage: StageModel | None = None
         self.deployment: Deployment | None = None
         self.weight_bytes = 0
+        self._baseline_memory = 0
         self._sequences: dict[int, Sequence] = {}
         self._lock = threading.RLock()
         self._work: queue.Queue = queue.Queue()
@@ -149,6 +150,7 @@ class StageServer:
                 for seq_id in list(self._sequences):
                     self.close(seq_id)
                 self.stage, self.deployment = None, None
+                self._baseline_memory = self._current_memory()
                 weights = sum(p.numel() for p in _unit_params(cfg, units)) * torch.empty((), dtype=dtype).element_size()
                 self._check_memory(weights, what=f"the weights of units {units}")
                 if source is None:  # random:NAME: this daemon creates its own units' weights
@@ -300,7 +302,7 @@ class StageServer:
                 "unit_start": dep.units.start if dep else 0, "unit_end": dep.units.end if dep else 0,
                 "device": str(self.device), "open_sequences": len(self._sequences), "kv_bytes": self.kv_bytes(),
                 "weight_bytes": self.weight_bytes, "memory_budget": self.memory_budget or 0, "sequences": states,
-                "peak_memory_bytes": self._peak_memory(),
+                "peak_memory_bytes": self._peak_memory(), "baseline_memory_bytes": self._baseline_memory,
             }
 
     def _peak_memory(self) -> int:
@@ -316,6 +318,15 @@ class StageServer:
         import resource
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+    def _current_memory(self) -> int:
+        """What the daemon holds now, in the measure of :meth:`_peak_memory`."""
+        import gc
+
+        gc.collect()
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return int(psutil.Process().memory_info().rss)
 
     def _reset_peak_memory(self) -> None:
         if self.device.type == "cuda":
