@@ -47,6 +47,13 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def free() -> None:
+    """Give a deleted model's memory back before the next one is built."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def median_time(fn, repeat: int) -> float:
     fn()
     sync()
@@ -119,9 +126,7 @@ def in_process(cfg, ids, dtype) -> float:
 
     t = median_time(run, ARGS.repeat)
     del stage
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free()
     return t
 
 
@@ -139,9 +144,7 @@ def huggingface(cfg, ids, dtype) -> float:
 
     t = median_time(run, ARGS.repeat)
     del model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free()
     return t
 
 

@@ -54,6 +54,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
 
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries, keys and values ``[batch, heads, tokens, head_dim]`` of ``x``, rotated."""
+        b, s, _ = x.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
     def forward(
         self,
         x: torch.Tensor,
@@ -63,11 +72,7 @@ class Attention(nn.Module):
         cache: LayerCache,
     ) -> torch.Tensor:
         b, s, _ = x.shape
-        h = self.input_layernorm(x)
-        q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self._qkv(x, cos, sin)
         keys, values = cache.update(start, k, v)
         # A lower-right causal mask: query i (position start+i) sees keys 0..start+i. Relying on
         # is_causal would align the triangle top-left and drop the cached prefix.
@@ -100,11 +105,7 @@ class Attention(nn.Module):
         CUDA graph needs (see :mod:`hpipe.model.graphs`).
         """
         b, s, _ = x.shape
-        h = self.input_layernorm(x)
-        q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self._qkv(x, cos, sin)
         at = pos.view(1)
         cache.k.index_copy_(2, at, k)
         cache.v.index_copy_(2, at, v)
