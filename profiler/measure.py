@@ -226,6 +226,7 @@ def _colocation_factors(group, clients, cfg: ModelConfig, shape: dict, dtype: st
     blocks = max(1, cfg.num_layers // len(group))
     units = (1, 1 + 2 * blocks)
     tokens, context = max(1, min(256, max_len // 4)), max_len // 4
+
     def repeats(d, seconds):
         return max(3, math.ceil(seconds / estimate[d.name]))
 

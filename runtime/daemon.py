@@ -159,7 +159,7 @@ class StageServicer(pb_grpc.StageServicer):
         dtype = self._compute_dtype(request.dtype)
         seconds = self.server.run_on_device(lambda: time_stage(
             cfg, dtype, self.server.device, units, request.batch, request.tokens, request.context,
-            min(max(1, request.repeats), 50)))
+            min(max(1, request.repeats), 500)))
         return pb.StageTimeReply(seconds=seconds)
 
     @_handled
