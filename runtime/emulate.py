@@ -110,17 +110,24 @@ def validate(cluster: ClusterSpec) -> None:
         if share is not None:
             if not d.device.startswith("cuda"):
                 raise HpipeError(f"daemon {d.name}: gpu_share needs a CUDA device, not {d.device}")
-            if not 0 < float(share) <= 100:
+            if not 0 < _number(d, "gpu_share", share) <= 100:
                 raise HpipeError(f"daemon {d.name}: gpu_share is a percentage in (0, 100], got {share}")
         q = d.emulate.get("cpu_quota")
-        if q is not None and not 0 < float(q) <= 64:
-            raise HpipeError(f"daemon {d.name}: cpu_quota must be a positive fraction of a core")
+        if q is not None and not 0 < _number(d, "cpu_quota", q) <= 64:
+            raise HpipeError(f"daemon {d.name}: cpu_quota must be a positive fraction of a core, got {q}")
         if d.emulate.get("rate") and not re.match(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit)$", str(d.emulate["rate"])):
             raise HpipeError(f"daemon {d.name}: rate {d.emulate['rate']!r} is not like 100mbit or 1gbit")
     netns = [d for d in cluster.daemons if in_emulated_net(d.host)]
     if netns and len(netns) != len(cluster.daemons):
         raise HpipeError("daemons in emulated network namespaces cannot reach loopback daemons: put every daemon "
                          f"of the cluster in {EMULATED_NET}, or none")
+
+
+def _number(d: DaemonSpec, key: str, value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise HpipeError(f"daemon {d.name}: {key} must be a number, got {value!r}") from None
 
 
 def needs_root(cluster: ClusterSpec) -> bool:
