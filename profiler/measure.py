@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from hpipe.config import ModelConfig
 from hpipe.errors import HpipeError
+from hpipe.model.stage import DTYPES
 from hpipe.sources import cache_root
 from profiler.links import fit_link
 from profiler.schema import DTYPE_BYTES, ComputeGrid, DeviceProfile, LinkProfile, Profile
@@ -38,7 +39,6 @@ PROFILE_TIMEOUT_S = 900.0
 MAX_PROBE_BYTES = 32 << 20
 #: bumped when how a daemon measures changes, so that cached grids measured the old way are not reused
 METHOD = 2
-TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def grid_axes(max_len: int, batch: int) -> tuple[list[int], list[int], list[int]]:
@@ -130,7 +130,7 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
                 bar.set_postfix_str(f"compute {d.name}")
                 try:
                     reply = clients[d.name].call("ProfileCompute", pb.ProfileRequest(
-                        config_json=json.dumps(shape), dtype=TO_WIRE[_torch_dtype(dtype)], batches=batches,
+                        config_json=json.dumps(shape), dtype=TO_WIRE[DTYPES[dtype]], batches=batches,
                         tokens=tokens, contexts=contexts, max_len=max_len, repeats=repeats), timeout=PROFILE_TIMEOUT_S)
                 except grpc.RpcError as e:
                     raise _fail(d, "failed to profile itself", e) from None
@@ -181,12 +181,6 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
     return Profile(cfg, model_name, dtype, tuple(devices), tuple(links), source="measured", meta=meta)
 
 
-def _torch_dtype(name: str):
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 def _grids(d, reply) -> dict[str, ComputeGrid]:
     grids = {}
     for u in reply.units:
@@ -206,7 +200,7 @@ def _time_stage(client, d, shape: dict, dtype: str, units: tuple[int, int], batc
                 repeats: int) -> float:
     try:
         return client.call("TimeStage", pb.StageTimeRequest(
-            config_json=json.dumps(shape), dtype=TO_WIRE[_torch_dtype(dtype)], unit_start=units[0],
+            config_json=json.dumps(shape), dtype=TO_WIRE[DTYPES[dtype]], unit_start=units[0],
             unit_end=units[1], batch=batch, tokens=tokens, context=context, repeats=repeats),
             timeout=PROFILE_TIMEOUT_S).seconds
     except grpc.RpcError as e:

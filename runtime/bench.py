@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from hpipe.errors import HpipeError
+from hpipe.model.stage import DTYPES
 from planner.plan import Plan
 from runtime.coordinator import Pipeline
 from runtime.wire import pb
@@ -81,7 +82,7 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
         log.warning("batch %d differs from the plan's %d: micro-batch counts are kept", batch, plan.batch)
     ids = torch.randint(0, plan.model.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
     energy, energy_source = _energy_reader()
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[plan.dtype]
+    dtype = DTYPES[plan.dtype]
     rows = {}
     bar = tqdm(total=len(names) * repeat, desc="bench", file=sys.stderr, disable=not sys.stderr.isatty())
     for name in names:

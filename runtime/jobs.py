@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from hpipe.errors import HpipeError, InputError
 from hpipe.generate import encode_prompt, generate_ids
+from hpipe.model.stage import DTYPES
 from hpipe.sampling import SamplingParams
 from planner.plan import Plan
 from runtime.coordinator import Pipeline, RemoteRunner
@@ -93,7 +94,7 @@ def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: P
     context = source.config.max_position_embeddings
     strategy = job.strategy or plan.strategy
     sp = plan.strategies[strategy]
-    pipe.deploy(plan.model_name, sp.cuts, source.config.num_units, _dtype(plan.dtype),
+    pipe.deploy(plan.model_name, sp.cuts, source.config.num_units, DTYPES[plan.dtype],
                 daemons=[s.device for s in sp.stages])
     skip = done_documents(results)
     todo = [d for d in documents if d not in skip]
@@ -153,9 +154,3 @@ def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: P
     return {**stats, "skipped": len(documents) - len(todo), "failed": failures, "elapsed_s": round(elapsed, 3),
             "tokens_per_s": round((stats["prompt_tokens"] + stats["new_tokens"]) / elapsed, 1) if elapsed else None,
             "strategy": strategy}
-
-
-def _dtype(name: str):
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
