@@ -261,7 +261,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     pipe = Pipeline(_cluster_for(plan, args.cluster))
     try:
         result = bench(plan, pipe, cfg.num_units, seq_len=args.seq_len, batch=args.batch, strategies=strategies,
-                       repeat=args.repeat)
+                       repeat=args.repeat, interleave=args.interleave)
     finally:
         pipe.close()
     print(table(result), file=sys.stderr)
@@ -404,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--batch", type=int, help="default: the plan's")
     bn.add_argument("--strategies", help="comma-separated (default: all in the plan)")
     bn.add_argument("--repeat", type=int, default=3)
+    bn.add_argument("--interleave", action="store_true",
+                    help="run the strategies round by round (redeploying each time) rather than one after another, "
+                         "so a drifting machine speed hits them alike")
     bn.add_argument("--chart", help="bar chart of measured vs predicted latency (PNG)")
     bn.add_argument("--json", action="store_true")
     bn.set_defaults(func=cmd_bench)

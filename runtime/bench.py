@@ -2,9 +2,10 @@
 
 For each strategy: deploy its stages, then prefill a random prompt of ``seq_len`` tokens x
 ``batch`` with its micro-batches and slices (micro-batch-major, all submitted before waiting,
-as the simulator assumes), ``repeat`` times; report the median latency next to the plan's
-prediction and ``ideal_s``. Peak memory per daemon is the daemon process's peak resident set
-(CPU) or CUDA peak allocation; energy is read from RAPL or NVML where the machine exposes them.
+as the simulator assumes), ``repeat`` times (one strategy after another, or round by round with
+``interleave``); report the median latency next to the plan's prediction and ``ideal_s``. Peak
+memory per daemon is the daemon process's peak resident set (CPU) or CUDA peak allocation; energy
+is read from RAPL or NVML where the machine exposes them.
 """
 
 from __future__ import annotations
@@ -71,21 +72,28 @@ def prefill_once(pipe: Pipeline, ids: torch.Tensor, micro_batches: int, slices: 
 
 
 def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = None, batch: int | None = None,
-          strategies: list[str] | None = None, repeat: int = 3) -> dict:
+          strategies: list[str] | None = None, repeat: int = 3, interleave: bool = False) -> dict:
+    """Measure each strategy ``repeat`` times. By default a strategy's runs follow one another; with
+    ``interleave`` they go round by round (deploy, warm up, one timed run; next strategy), so that a
+    machine whose speed drifts over minutes slows every strategy alike, at twice the runs."""
     seq_len = seq_len or plan.seq_len
     batch = batch or plan.batch
     names = strategies or list(plan.strategies)
     missing = [n for n in names if n not in plan.strategies]
     if missing:
         raise HpipeError(f"the plan has no strategy {', '.join(missing)} (it has {', '.join(plan.strategies)})")
+    if repeat < 1:
+        raise HpipeError("--repeat must be at least 1")
     if batch != plan.batch and any(plan.strategies[n].micro_batches > 1 for n in names):
         log.warning("batch %d differs from the plan's %d: micro-batch counts are kept", batch, plan.batch)
     ids = torch.randint(0, plan.model.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
     energy, energy_source = _energy_reader()
     dtype = DTYPES[plan.dtype]
-    rows = {}
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     bar = tqdm(total=len(names) * repeat, desc="bench", file=sys.stderr, disable=not sys.stderr.isatty())
-    for name in names:
+
+    def measure(name: str, count: int) -> None:
+        """Deploy ``name``, warm up on the real input, then time ``count`` runs."""
         sp = plan.strategies[name]
         pipe.deploy(plan.model_name, sp.cuts, num_units, dtype, daemons=[s.device for s in sp.stages])
         mb = sp.micro_batches if batch % sp.micro_batches == 0 else 1
@@ -93,32 +101,50 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
         # warm-up with the real input: the first run of full-size shapes pays for allocator growth and
         # kernel selection (on an H100, Base's first of three runs was 20% slower than the others)
         prefill_once(pipe, ids, mb, slices)
-        times, joules, stages = [], [], []
-        for _ in range(repeat):
+        for _ in range(count):
             e0 = energy() if energy else None
             elapsed, stages = prefill_once(pipe, ids, mb, slices)
-            times.append(elapsed)
-            if energy:
-                joules.append(energy() - e0)
+            joules = energy() - e0 if energy else None
+            status = [c.call("Status", pb.StatusRequest(), timeout=10) for c in pipe.clients]
+            runs[name].append({"s": elapsed, "j": joules, "stages": stages, "mb": mb, "slices": len(slices),
+                               "peak": {s.device: st.peak_memory_bytes for s, st in zip(sp.stages, status)},
+                               "base": {s.device: st.baseline_memory_bytes for s, st in zip(sp.stages, status)}})
             bar.update(1)
-        status = [c.call("Status", pb.StatusRequest(), timeout=10) for c in pipe.clients]
-        latency = statistics.median(times)
-        rows[name] = {
-            "latency_s": latency, "tokens_per_s": batch * seq_len / latency,
-            "predicted_s": sp.predicted_s if seq_len == plan.seq_len and batch == plan.batch else None,
-            "slices": len(slices), "micro_batches": mb, "cuts": sp.cuts,
-            "devices": [s.device for s in sp.stages], "runs_s": times,
-            "peak_memory_bytes": {s.device: st.peak_memory_bytes for s, st in zip(sp.stages, status)},
-            "baseline_memory_bytes": {s.device: st.baseline_memory_bytes for s, st in zip(sp.stages, status)},
-            "predicted_memory_bytes": {s.device: s.memory_bytes for s in sp.stages},
-            "energy_j": statistics.median(joules) if joules else None,
-            "stages": [{"device": st.device, "units": [st.unit_start, st.unit_end], "predicted_compute_s": st.compute_s,
-                        **stats} for st, stats in zip(sp.stages, stages)],  # of the last run
-        }
+
+    if interleave:
+        for _ in range(repeat):
+            for name in names:
+                measure(name, 1)
+    else:
+        for name in names:
+            measure(name, repeat)
     bar.close()
     planned = seq_len == plan.seq_len and batch == plan.batch
+    rows = {name: _row(plan.strategies[name], runs[name], batch * seq_len, planned) for name in names}
     return {"seq_len": seq_len, "batch": batch, "ideal_s": plan.ideal_s if planned else None,
-            "energy_source": energy_source, "strategies": rows}
+            "energy_source": energy_source, "order": "interleaved" if interleave else "blocks", "strategies": rows}
+
+
+def _row(sp, runs: list[dict], tokens: int, planned: bool) -> dict:
+    """One strategy's report from its timed runs: median latency, the highest memory peak."""
+    times = [r["s"] for r in runs]
+    joules = [r["j"] for r in runs if r["j"] is not None]
+    latency = statistics.median(times)
+    devices = [s.device for s in sp.stages]
+    # per device, the run (deployment) whose peak rose most above what the daemon held before it
+    worst = {d: max(runs, key=lambda r: r["peak"][d] - r["base"][d]) for d in devices}
+    return {
+        "latency_s": latency, "tokens_per_s": tokens / latency,
+        "predicted_s": sp.predicted_s if planned else None,
+        "slices": runs[-1]["slices"], "micro_batches": runs[-1]["mb"], "cuts": sp.cuts,
+        "devices": devices, "runs_s": times,
+        "peak_memory_bytes": {d: worst[d]["peak"][d] for d in devices},
+        "baseline_memory_bytes": {d: worst[d]["base"][d] for d in devices},
+        "predicted_memory_bytes": {s.device: s.memory_bytes for s in sp.stages},
+        "energy_j": statistics.median(joules) if joules else None,
+        "stages": [{"device": st.device, "units": [st.unit_start, st.unit_end], "predicted_compute_s": st.compute_s,
+                    **stats} for st, stats in zip(sp.stages, runs[-1]["stages"])],  # of the last run
+    }
 
 
 def table(result: dict) -> str:

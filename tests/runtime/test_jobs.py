@@ -55,13 +55,16 @@ def test_run_matches_single_process_and_resumes(cluster3, smollm2, plan_file, tm
     assert last["document"] == str(long_doc) and last["truncated_tokens"] > 0 and last["prompt_tokens"] <= 256
 
 
-def test_bench_reports_every_strategy(cluster3, plan_file, capsys):
+@pytest.mark.parametrize("order", ["blocks", "interleaved"])
+def test_bench_reports_every_strategy(cluster3, plan_file, capsys, order):
     path, plan = plan_file
+    repeat = 1 if order == "blocks" else 2
     assert main(["bench", "--plan", str(path), "--cluster", str(cluster3.path), "--strategies", "hpipe,base",
-                 "--repeat", "1", "--json"]) == 0
+                 "--repeat", str(repeat), "--json"] + (["--interleave"] if order == "interleaved" else [])) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out["strategies"]) == {"hpipe", "base"} and out["ideal_s"] > 0
-    for r in out["strategies"].values():
-        assert r["latency_s"] > 0 and r["tokens_per_s"] > 0 and r["predicted_s"] > 0
+    assert set(out["strategies"]) == {"hpipe", "base"} and out["ideal_s"] > 0 and out["order"] == order
+    for name, r in out["strategies"].items():
+        assert len(r["runs_s"]) == repeat and r["latency_s"] > 0 and r["tokens_per_s"] > 0 and r["predicted_s"] > 0
         assert all(v > 0 for v in r["peak_memory_bytes"].values())
+        assert r["devices"] == [s.device for s in plan.strategies[name].stages]
     assert out["energy_source"] in ("rapl", "nvml", "unavailable")
