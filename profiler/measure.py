@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 PROFILE_TIMEOUT_S = 900.0
 MAX_PROBE_BYTES = 32 << 20
+LINK_PROBE_TOKENS = 2048  # link probes reach at least this many tokens' activations
 #: bumped when how a daemon measures changes, so that cached grids measured the old way are not reused
 METHOD = 2
 
@@ -154,9 +155,13 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
                 factors.update(_colocation_factors(group, clients, cfg, shape, dtype, max_len, batch))
         devices = [_scaled(dev, factors.get(dev.name, 1.0)) for dev in devices]
         act = cfg.hidden_size * DTYPE_BYTES[dtype] * batch
-        # activation-sized probes, capped: beyond a few tens of MB a transfer is all bandwidth
-        sizes = sorted({min(act * t, MAX_PROBE_BYTES)
-                        for t in (1, 16, 64, 256, 512, 1024, 2048, 4096, max_len) if t <= max_len})
+        # activation-sized probes, capped: beyond a few tens of MB a transfer is all bandwidth. They go
+        # up to 2048 tokens' worth whatever max_len is: the bandwidth fit needs transfers long enough
+        # for TCP to settle (with max_len 512 the largest probes were 0.15-1.2 MB, and a 100 Mbit/s
+        # link once measured 9.9 MB/s from them instead of its 11.5-12.5)
+        top = max(max_len, LINK_PROBE_TOKENS)
+        sizes = sorted({min(act * t, MAX_PROBE_BYTES) for t in (1, 16, 64, 256, 512, 1024, 2048, 4096, max_len)
+                        if t <= top})
         links = []
         for a in cluster.daemons:
             for b in cluster.daemons:
