@@ -1,8 +1,11 @@
 """What a daemon measures about itself: device identity, free memory, and per-unit compute times.
 
 Compute is timed on units with random weights of the model's real shape, so profiling needs no
-checkpoint. Each grid point gets one warm-up run and at least ``repeats`` timed runs (more for
-short ones); the median is kept. GPU work is synchronised before the clock is read.
+checkpoint. The grid is swept ``repeats`` times, each point timed once per sweep (several runs for
+short points), after one warm-up run; the median of a point's runs is kept. Sweeping rather than
+timing each point's runs back to back spreads a point's samples over the whole measurement, so a
+few seconds of machine slowdown spoil one sample of many points, which the median drops, rather
+than every sample of one point, which it keeps. GPU work is synchronised before the clock is read.
 """
 
 from __future__ import annotations
@@ -101,13 +104,38 @@ def _median_time(fn, device: torch.device, repeats: int) -> float:
     """Median seconds of ``fn()`` after one warm-up: at least ``repeats`` runs, more for short calls."""
     fn()
     _sync(device)
+    return statistics.median(_runs(fn, device, repeats, MIN_MEASURED_S, MAX_REPEATS))
+
+
+def _runs(fn, device: torch.device, at_least: int, min_total_s: float, at_most: int) -> list[float]:
+    """Seconds of successive ``fn()`` calls: ``at_least`` runs, more while under ``min_total_s`` (to ``at_most``)."""
     times: list[float] = []
-    while len(times) < repeats or (sum(times) < MIN_MEASURED_S and len(times) < MAX_REPEATS):
+    while len(times) < at_least or (sum(times) < min_total_s and len(times) < at_most):
         t0 = time.perf_counter()
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def swept_medians(points, sweeps: int, device: torch.device, min_total_s: float = MIN_MEASURED_S,
+                  max_runs: int = MAX_REPEATS) -> dict:
+    """Median seconds per point, measured over ``sweeps`` passes of the whole grid.
+
+    ``points(sweep)`` yields ``(key, fn)`` for every point, the same keys each sweep. The first
+    sweep warms each point up once. Each sweep times a point once, or, for a short point, until it
+    has its share (``1 / sweeps``) of ``min_total_s`` or ``max_runs``.
+    """
+    sweeps = max(1, sweeps)
+    per_sweep_s, per_sweep_runs = min_total_s / sweeps, max(1, max_runs // sweeps)
+    samples: dict = {}
+    for sweep in range(sweeps):
+        for key, fn in points(sweep):
+            if sweep == 0:  # warm-up: first-call allocations and kernel selection
+                fn()
+                _sync(device)
+            samples.setdefault(key, []).extend(_runs(fn, device, 1, per_sweep_s, per_sweep_runs))
+    return {key: statistics.median(t) for key, t in samples.items()}
 
 
 class _Rotation:
@@ -155,22 +183,25 @@ def measure_units(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ba
         caches = [StageCache.allocate([0], b, longest, cfg.num_kv_heads, cfg.head_dim, dtype, device).layers[0]
                   for _ in range(n)]
         kv = list(zip(attns, caches))
-        planes = {k: [] for k in out}
-        for s in tokens:
-            ids = torch.randint(0, cfg.vocab_size, (b, s), device=device)
-            x = torch.randn(b, s, cfg.hidden_size, device=device, dtype=dtype)
-            planes["embed"].append([_median_time(lambda: embed(ids), device, repeats)])
-            planes["mlp"].append([_median_time(_Rotation(mlps, lambda m: m(x)), device, repeats)])
-            planes["head"].append([_median_time(lambda: head_unit(x[:, -1:]), device, repeats)])
-            row = []
-            for c in contexts:
-                cos, sin = cos_sin(body.inv_freq, torch.arange(c, c + s, device=device), dtype)
-                row.append(_median_time(_Rotation(kv, lambda ac: ac[0](x, c, cos, sin, ac[1])), device, repeats))
+
+        def points(sweep: int, b=b, kv=kv):
+            # alternate direction, so that a slow drift does not always favour the same end of the grid
+            for i, s in list(enumerate(tokens))[::(-1 if sweep % 2 else 1)]:
+                ids = torch.randint(0, cfg.vocab_size, (b, s), device=device)
+                x = torch.randn(b, s, cfg.hidden_size, device=device, dtype=dtype)
+                yield ("embed", i, 0), lambda: embed(ids)
+                yield ("mlp", i, 0), _Rotation(mlps, lambda m: m(x))
+                yield ("head", i, 0), lambda: head_unit(x[:, -1:])
+                for j, c in enumerate(contexts):
+                    cos, sin = cos_sin(body.inv_freq, torch.arange(c, c + s, device=device), dtype)
+                    yield ("attn", i, j), _Rotation(kv, lambda ac, c=c, cos=cos, sin=sin: ac[0](x, c, cos, sin, ac[1]))
                 if progress:
                     progress()
-            planes["attn"].append(row)
+
+        medians = swept_medians(points, repeats, device)
         for k in out:
-            out[k].append(planes[k])
+            width = len(contexts) if k == "attn" else 1
+            out[k].append([[medians[(k, i, j)] for j in range(width)] for i in range(len(tokens))])
         del caches, kv
     return out
 

@@ -39,7 +39,7 @@ PROFILE_TIMEOUT_S = 900.0
 MAX_PROBE_BYTES = 32 << 20
 LINK_PROBE_TOKENS = 2048  # link probes reach at least this many tokens' activations
 #: bumped when how a daemon measures changes, so that cached grids measured the old way are not reused
-METHOD = 2
+METHOD = 3
 
 
 def grid_axes(max_len: int, batch: int) -> tuple[list[int], list[int], list[int]]:

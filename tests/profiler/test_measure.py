@@ -72,3 +72,38 @@ def test_config_dict_round_trips_every_family_and_shape(tiny_dirs):
     configs += [model_shape(f"random:{name}")[1] for name in SHAPES]
     for cfg in configs:
         assert ModelConfig.from_dict(config_dict(cfg)) == cfg, cfg.architecture
+
+
+def _bursty_points(n_points: int, burst: range):
+    """Points that each take 2 ms, except every call whose global index is in ``burst`` (40 ms):
+    the machine slowing down for a few consecutive calls, whatever point is running then."""
+    calls = [0]
+
+    def run():
+        i = calls[0]
+        calls[0] += 1
+        time.sleep(0.04 if i in burst else 0.002)
+
+    def points(sweep):
+        for k in range(n_points):
+            yield k, run
+    return points
+
+
+def test_sweeps_keep_a_slowdown_out_of_the_medians():
+    """A burst of slowness spoils one sample of several points, which the median across sweeps drops.
+
+    Timed back to back, as profiles were before, the same burst spoils every sample of one point.
+    """
+    import torch
+
+    from profiler.device import _median_time, swept_medians
+
+    burst = range(6, 9)  # three consecutive calls, after the 5 warm-up calls of the first sweep
+    medians = swept_medians(_bursty_points(5, burst), 3, torch.device("cpu"), min_total_s=0.0, max_runs=3)
+    assert sorted(medians) == list(range(5))
+    assert max(medians.values()) < 0.02, medians
+
+    calls = _bursty_points(1, range(1, 4))  # warm-up, then the three timed runs all in the burst
+    run = next(iter(calls(0)))[1]
+    assert _median_time(run, torch.device("cpu"), 3) > 0.03
