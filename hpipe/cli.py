@@ -171,13 +171,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from planner.report import plan_table
     from planner.strategies import plan as make_plan
     from planner.strategies import timeline
-    from profiler.schema import Profile
-
-    try:
-        with open(args.profile, encoding="utf-8") as f:
-            profile = Profile.from_json(f.read())
-    except OSError as e:
-        raise InputError(f"cannot read profile: {e}") from None
+    profile = _load_profile(args.profile)
     work = Workload(args.seq_len, args.batch, args.max_len)
     strategy = args.strategy.replace("-", "_")
     plan = make_plan(profile, work, strategy=strategy, granularity=args.granularity)
@@ -196,6 +190,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "planning_s": plan.meta["planning_s"], "plan": args.output,
         }))
     return 0
+
+
+def _load_profile(path: str):
+    from profiler.schema import Profile
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return Profile.from_json(f.read())
+    except OSError as e:
+        raise InputError(f"cannot read profile: {e}") from None
 
 
 def _load_plan(path: str):
@@ -258,10 +262,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     plan = _load_plan(args.plan)
     _, cfg = model_shape(plan.model_name)
     strategies = [s.strip().replace("-", "_") for s in args.strategies.split(",")] if args.strategies else None
+    profile = _load_profile(args.profile) if args.profile else None
     pipe = Pipeline(_cluster_for(plan, args.cluster))
     try:
         result = bench(plan, pipe, cfg.num_units, seq_len=args.seq_len, batch=args.batch, strategies=strategies,
-                       repeat=args.repeat, interleave=args.interleave)
+                       repeat=args.repeat, interleave=args.interleave, profile=profile)
     finally:
         pipe.close()
     print(table(result), file=sys.stderr)
@@ -407,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--interleave", action="store_true",
                     help="run the strategies round by round (redeploying each time) rather than one after another, "
                          "so a drifting machine speed hits them alike")
+    bn.add_argument("--profile", help="the profile the plan came from: every daemon re-times its reference stage "
+                                      "before and after, and predictions are re-simulated at today's speeds "
+                                      "(predicted_now_s)")
     bn.add_argument("--chart", help="bar chart of measured vs predicted latency (PNG)")
     bn.add_argument("--json", action="store_true")
     bn.set_defaults(func=cmd_bench)

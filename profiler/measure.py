@@ -1,11 +1,12 @@
 """``hpipe profile``: ask every daemon of a cluster to measure itself, then measure every link.
 
-Daemons are profiled one at a time, so that each grid is clean; then daemons that share a machine
-(or a GPU) time one stage alone and all at once, and each one's grid is scaled by its slowdown:
-a pipeline keeps every stage busy at the same time, and the profile describes devices as they run
-then (``colocation=False`` skips this). Compute grids are cached per
-(device fingerprint, model dimensions, dtype, grid), so re-profiling an unchanged device is
-instant; ``force`` re-measures. A daemon that is down or answers badly fails the whole profile
+Daemons are profiled one at a time, so that each grid is clean. Then every daemon times a
+reference stage alone (kept in ``meta.reference``: ``hpipe bench --profile`` times it again to
+tell machine drift from model error), and daemons that share a machine (or a GPU) time it all at
+once; each one's grid is scaled by its slowdown: a pipeline keeps every stage busy at the same
+time, and the profile describes devices as they run then (``colocation=False`` skips this).
+Compute grids are cached per (device fingerprint, model dimensions, dtype, grid), so
+re-profiling an unchanged device is instant; ``force`` re-measures. A daemon that is down or answers badly fails the whole profile
 with its name: partial results are never written as if complete.
 """
 
@@ -18,7 +19,7 @@ import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import grpc
 from tqdm import tqdm
@@ -148,12 +149,15 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
         groups: dict[tuple, list] = {}
         for d in cluster.daemons:
             groups.setdefault(share_key(d), []).append(d)
+        ref = reference_stage(cfg, n, max_len, batch)
+        bar.set_postfix_str("reference stage")
+        alone = {d.name: _time_reference(clients[d.name], d, shape, dtype, ref, 1.5) for d in cluster.daemons}
         factors = {}
         for group in groups.values():
             if len(group) > 1 and colocation:
                 bar.set_postfix_str("co-location: " + ", ".join(d.name for d in group))
-                factors.update(_colocation_factors(group, clients, cfg, shape, dtype, max_len, batch))
-        devices = [_scaled(dev, factors.get(dev.name, 1.0)) for dev in devices]
+                factors.update(_colocation_factors(group, clients, shape, dtype, ref, alone))
+        devices = [dev.scaled(factors.get(dev.name, 1.0)) for dev in devices]
         act = cfg.hidden_size * DTYPE_BYTES[dtype] * batch
         # activation-sized probes, capped: beyond a few tens of MB a transfer is all bandwidth. They go
         # up to 2048 tokens' worth whatever max_len is: the bandwidth fit needs transfers long enough
@@ -182,6 +186,7 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
             c.close()
     meta = {"max_len": max_len, "batch": batch, "repeats": repeats, "profiling_s": round(time.perf_counter() - t_start, 2),
             "cluster": cluster.name, "colocation_factors": {k: round(v, 4) for k, v in factors.items()},
+            "reference": {**ref, "seconds": {k: round(v, 7) for k, v in alone.items()}},
             "cached": from_cache}
     return Profile(cfg, model_name, dtype, tuple(devices), tuple(links), source="measured", meta=meta)
 
@@ -212,42 +217,68 @@ def _time_stage(client, d, shape: dict, dtype: str, units: tuple[int, int], batc
         raise _fail(d, "failed to time a stage", e) from None
 
 
-def _colocation_factors(group, clients, cfg: ModelConfig, shape: dict, dtype: str, max_len: int,
-                        batch: int) -> dict[str, float]:
+def reference_stage(cfg: ModelConfig, n_devices: int, max_len: int, batch: int) -> dict:
+    """The stage every daemon times to compare speeds across time and co-location: a 1/n share of the
+    model's blocks over a mid-sized slice at a mid context."""
+    blocks = max(1, cfg.num_layers // max(1, n_devices))
+    return {"units": [1, 1 + 2 * blocks], "tokens": max(1, min(256, max_len // 4)), "context": max_len // 4,
+            "batch": batch}
+
+
+def _time_reference(client, d, shape: dict, dtype: str, ref: dict, seconds: float) -> float:
+    """Median seconds of the reference stage on ``d``, over about ``seconds`` of runs."""
+    args = (shape, dtype, tuple(ref["units"]), ref["batch"], ref["tokens"], ref["context"])
+    estimate = _time_stage(client, d, *args, 1)
+    return _time_stage(client, d, *args, max(3, math.ceil(seconds / max(estimate, 1e-6))))
+
+
+def _colocation_factors(group, clients, shape: dict, dtype: str, ref: dict, alone: dict[str, float]) -> dict[str, float]:
     """How much slower each daemon of ``group`` (sharing a machine or a GPU) computes while the others do too.
 
     A pipeline keeps every stage busy at once, and co-located daemons then share cores, caches and
-    memory bandwidth; measured alone, they look faster than they run. Each daemon times the same
-    stage (a share of the model's blocks, a mid-sized slice) alone, then all together, each
-    repeating for about the same wall time so that the runs overlap from start to end. The ratio
-    (at least 1) scales that daemon's whole compute grid.
+    memory bandwidth; measured alone, they look faster than they run. Each daemon has timed the
+    reference stage alone (``alone``); here all time it together, each repeating for about the same
+    wall time so that the runs overlap from start to end. The ratio (at least 1) scales that
+    daemon's whole compute grid.
     """
-    blocks = max(1, cfg.num_layers // len(group))
-    units = (1, 1 + 2 * blocks)
-    tokens, context = max(1, min(256, max_len // 4)), max_len // 4
-
-    def repeats(d, seconds):
-        return max(3, math.ceil(seconds / estimate[d.name]))
-
-    estimate = {d.name: _time_stage(clients[d.name], d, shape, dtype, units, batch, tokens, context, 1) for d in group}
-    # medians over >= 1.5 s alone and >= 3 s together: co-located daemons' speed drifts by several
-    # percent over seconds, as much as the effect measured here
-    alone = {d.name: _time_stage(clients[d.name], d, shape, dtype, units, batch, tokens, context,
-                                 repeats(d, 1.5)) for d in group}
-    span = max(3.0, 3 * max(alone.values()))
+    # >= 3 s together: co-located daemons' speed drifts by several percent over seconds, as much as
+    # the effect measured here
+    span = max(3.0, 3 * max(alone[d.name] for d in group))
     with ThreadPoolExecutor(max_workers=len(group)) as pool:
         together = dict(zip([d.name for d in group], pool.map(
-            lambda d: _time_stage(clients[d.name], d, shape, dtype, units, batch, tokens, context,
-                                  repeats(d, span)), group)))
-    factors = {name: max(1.0, together[name] / alone[name]) for name in alone}
+            lambda d: _time_reference(clients[d.name], d, shape, dtype, ref, span), group)))
+    factors = {d.name: max(1.0, together[d.name] / alone[d.name]) for d in group}
     log.info("co-location slowdown: %s", ", ".join(f"{k} x{v:.2f}" for k, v in factors.items()))
     return factors
 
 
-def _scaled(dev: DeviceProfile, factor: float) -> DeviceProfile:
-    if factor == 1.0:
-        return dev
-    grids = {k: ComputeGrid(g.batches, g.tokens, g.contexts,
-                            tuple(tuple(tuple(t * factor for t in row) for row in plane) for plane in g.seconds))
-             for k, g in dev.compute.items()}
-    return replace(dev, compute=grids)
+def calibrate(cluster: ClusterSpec, profile: Profile, names: list[str] | None = None,
+              seconds: float = 3.0) -> dict[str, float]:
+    """How much slower (> 1) or faster each daemon computes now than when ``profile`` was measured.
+
+    Each daemon times the profile's reference stage again, alone; the factor is now / then. Machines
+    drift: on the emulated cluster, stages ran 10-24% off a profile taken minutes earlier, in
+    either direction. Scaling the profile by these factors separates that drift from model error.
+    Each timing spans ``seconds`` (twice the profile's): on a VM one 1.5 s timing once read a
+    device 1.40x slower than another taken a minute before, while a bench in between ran at the
+    profile's speed.
+    """
+    ref = profile.meta.get("reference")
+    if not ref or not ref.get("seconds"):
+        raise HpipeError("the profile has no reference timings (it predates them, or was simulated): re-profile")
+    names = names or [d.name for d in profile.devices]
+    daemons = {d.name: d for d in cluster.daemons}
+    missing = [n for n in names if n not in daemons or n not in ref["seconds"]]
+    if missing:
+        raise HpipeError(f"cannot calibrate {', '.join(missing)}: not in both the cluster and the profile")
+    shape = config_dict(profile.model)
+    security = cluster.security()
+    factors = {}
+    for name in names:
+        client = StageClient(daemons[name].address, security, name)
+        try:
+            now = _time_reference(client, daemons[name], shape, profile.dtype, ref, seconds)
+        finally:
+            client.close()
+        factors[name] = now / ref["seconds"][name]
+    return factors

@@ -16,7 +16,8 @@ Format version 1. ``Profile.from_dict(p.to_dict()) == p``.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -126,6 +127,17 @@ class DeviceProfile:
     def unit_time(self, kind: str, s: float, c: float, b: float) -> float:
         return self.compute[kind].time(s, c, b)
 
+    def scaled(self, factor: float) -> "DeviceProfile":
+        """This device computing ``factor`` times slower (every grid point scaled; links untouched)."""
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ProfileError(f"device {self.name}: speed factor must be finite and > 0, got {factor}")
+        if factor == 1.0:
+            return self
+        grids = {k: ComputeGrid(g.batches, g.tokens, g.contexts,
+                                tuple(tuple(tuple(t * factor for t in row) for row in plane) for plane in g.seconds))
+                 for k, g in self.compute.items()}
+        return replace(self, compute=grids)
+
 
 @dataclass(frozen=True)
 class LinkProfile:
@@ -175,6 +187,13 @@ class Profile:
             if d.name == name:
                 return d
         raise ProfileError(f"no device {name!r} in the profile")
+
+    def scaled(self, factors: dict[str, float]) -> "Profile":
+        """The profile with each named device's compute scaled by its factor (> 1: slower)."""
+        unknown = sorted(set(factors) - {d.name for d in self.devices})
+        if unknown:
+            raise ProfileError(f"no device {', '.join(unknown)} in the profile")
+        return replace(self, devices=tuple(d.scaled(factors.get(d.name, 1.0)) for d in self.devices))
 
     def link(self, src: str, dst: str) -> LinkProfile:
         for l in self.links:

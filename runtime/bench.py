@@ -20,7 +20,10 @@ from tqdm import tqdm
 
 from hpipe.errors import HpipeError
 from hpipe.model.stage import DTYPES
+from planner.costs import Workload
 from planner.plan import Plan
+from planner.strategies import timeline
+from profiler.schema import Profile
 from runtime.coordinator import Pipeline
 from runtime.wire import pb
 
@@ -72,10 +75,15 @@ def prefill_once(pipe: Pipeline, ids: torch.Tensor, micro_batches: int, slices: 
 
 
 def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = None, batch: int | None = None,
-          strategies: list[str] | None = None, repeat: int = 3, interleave: bool = False) -> dict:
+          strategies: list[str] | None = None, repeat: int = 3, interleave: bool = False,
+          profile: Profile | None = None) -> dict:
     """Measure each strategy ``repeat`` times. By default a strategy's runs follow one another; with
     ``interleave`` they go round by round (deploy, warm up, one timed run; next strategy), so that a
-    machine whose speed drifts over minutes slows every strategy alike, at twice the runs."""
+    machine whose speed drifts over minutes slows every strategy alike, at twice the runs.
+
+    With the ``profile`` the plan was made from, every daemon also times the profile's reference
+    stage before and after the runs; each strategy's schedule is re-simulated on the profile scaled
+    by the mean of the two (``predicted_now_s``), which tells machine drift from model error."""
     seq_len = seq_len or plan.seq_len
     batch = batch or plan.batch
     names = strategies or list(plan.strategies)
@@ -86,6 +94,11 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
         raise HpipeError("--repeat must be at least 1")
     if batch != plan.batch and any(plan.strategies[n].micro_batches > 1 for n in names):
         log.warning("batch %d differs from the plan's %d: micro-batch counts are kept", batch, plan.batch)
+    planned = seq_len == plan.seq_len and batch == plan.batch
+    used = sorted({s.device for n in names for s in plan.strategies[n].stages})
+    if profile is not None:
+        _check_profile(plan, profile, used)
+        before = _calibrate(pipe, profile, used)
     ids = torch.randint(0, plan.model.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
     energy, energy_source = _energy_reader()
     dtype = DTYPES[plan.dtype]
@@ -119,10 +132,37 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
         for name in names:
             measure(name, repeat)
     bar.close()
-    planned = seq_len == plan.seq_len and batch == plan.batch
     rows = {name: _row(plan.strategies[name], runs[name], batch * seq_len, planned) for name in names}
-    return {"seq_len": seq_len, "batch": batch, "ideal_s": plan.ideal_s if planned else None,
-            "energy_source": energy_source, "order": "interleaved" if interleave else "blocks", "strategies": rows}
+    result = {"seq_len": seq_len, "batch": batch, "ideal_s": plan.ideal_s if planned else None,
+              "energy_source": energy_source, "order": "interleaved" if interleave else "blocks", "strategies": rows}
+    if profile is not None:
+        after = _calibrate(pipe, profile, used)
+        factors = {d: (before[d] + after[d]) / 2 for d in used}
+        result["calibration"] = {"before": before, "after": after, "factors": factors}
+        if planned:
+            scaled = profile.scaled(factors)
+            work = Workload(plan.seq_len, plan.batch, plan.max_len)
+            for name, row in rows.items():
+                row["predicted_now_s"] = timeline(scaled, work, plan.strategies[name]).makespan
+    return result
+
+
+def _check_profile(plan: Plan, profile: Profile, devices: list[str]) -> None:
+    if (profile.model_name, profile.dtype) != (plan.model_name, plan.dtype):
+        raise HpipeError(f"the profile is of {profile.model_name} {profile.dtype}; the plan is of {plan.model_name} "
+                         f"{plan.dtype}")
+    missing = [d for d in devices if d not in {x.name for x in profile.devices}]
+    if missing:
+        raise HpipeError(f"the profile has no device {', '.join(missing)}: not the profile this plan came from")
+
+
+def _calibrate(pipe: Pipeline, profile: Profile, devices: list[str]) -> dict[str, float]:
+    """Each device's speed factor against the profile (now / then; > 1 is slower now)."""
+    from profiler.measure import calibrate
+
+    factors = calibrate(pipe.cluster, profile, devices)
+    log.info("speed now vs profile: %s", ", ".join(f"{d} x{f:.3f}" for d, f in factors.items()))
+    return factors
 
 
 def _row(sp, runs: list[dict], tokens: int, planned: bool) -> dict:
@@ -130,6 +170,9 @@ def _row(sp, runs: list[dict], tokens: int, planned: bool) -> dict:
     times = [r["s"] for r in runs]
     joules = [r["j"] for r in runs if r["j"] is not None]
     latency = statistics.median(times)
+    # per-stage statistics of the median run (the lower middle one for an even count), so that they
+    # explain the latency reported, not an outlier
+    middle = sorted(runs, key=lambda r: r["s"])[(len(runs) - 1) // 2]
     devices = [s.device for s in sp.stages]
     # per device, the run (deployment) whose peak rose most above what the daemon held before it
     worst = {d: max(runs, key=lambda r: r["peak"][d] - r["base"][d]) for d in devices}
@@ -143,25 +186,34 @@ def _row(sp, runs: list[dict], tokens: int, planned: bool) -> dict:
         "predicted_memory_bytes": {s.device: s.memory_bytes for s in sp.stages},
         "energy_j": statistics.median(joules) if joules else None,
         "stages": [{"device": st.device, "units": [st.unit_start, st.unit_end], "predicted_compute_s": st.compute_s,
-                    **stats} for st, stats in zip(sp.stages, runs[-1]["stages"])],  # of the last run
+                    **stats} for st, stats in zip(sp.stages, middle["stages"])],
+        "stages_run_s": middle["s"],
     }
 
 
 def table(result: dict) -> str:
     nan = float("nan")
     ideal = result["ideal_s"]
-    lines = [f"{result['seq_len']} tokens x batch {result['batch']}; ideal "
-             f"{f'{ideal:.3f} s' if ideal else 'n/a (not the planned length)'}; energy: {result['energy_source']}",
-             f"{'strategy':<10} {'measured s':>10} {'predicted s':>11} {'meas/pred':>9} {'tokens/s':>9} "
-             f"{'hpipe/it':>9} {'ideal/meas':>10}"]
     rows = result["strategies"]
+    now = any("predicted_now_s" in r for r in rows.values())
+    lines = [f"{result['seq_len']} tokens x batch {result['batch']}; ideal "
+             f"{f'{ideal:.3f} s' if ideal else 'n/a (not the planned length)'}; energy: {result['energy_source']}"]
+    cal = result.get("calibration")
+    if cal:
+        lines.append("speed vs profile (reference stage now / then, before and after the runs; > 1 is slower): "
+                     + ", ".join(f"{d} {cal['before'][d]:.2f}/{cal['after'][d]:.2f}" for d in cal["factors"]))
+    lines.append(f"{'strategy':<10} {'measured s':>10} {'predicted s':>11} {'meas/pred':>9} "
+                 + (f"{'pred now s':>10} {'meas/now':>8} " if now else "")
+                 + f"{'tokens/s':>9} {'hpipe/it':>9} {'ideal/meas':>10}")
     hp = rows.get("hpipe", {}).get("latency_s")
     for name, r in rows.items():
-        pred = r["predicted_s"]
-        lines.append(f"{name:<10} {r['latency_s']:>10.3f} {pred if pred is not None else nan:>11.3f} "
-                     f"{(r['latency_s'] / pred) if pred else nan:>9.2f} {r['tokens_per_s']:>9.0f} "
-                     f"{(hp / r['latency_s']) if hp else nan:>9.2f} "
-                     f"{ideal / r['latency_s'] if ideal else nan:>10.2f}")
+        pred, lat = r["predicted_s"], r["latency_s"]
+        cells = f"{name:<10} {lat:>10.3f} {pred if pred is not None else nan:>11.3f} {(lat / pred) if pred else nan:>9.2f} "
+        if now:
+            pn = r.get("predicted_now_s")
+            cells += f"{pn if pn else nan:>10.3f} {(lat / pn) if pn else nan:>8.2f} "
+        lines.append(cells + f"{r['tokens_per_s']:>9.0f} {(hp / lat) if hp else nan:>9.2f} "
+                     f"{ideal / lat if ideal else nan:>10.2f}")
     lines.append("memory GiB per daemon: peak above what the daemon held before the deployment / planned:")
     for name, r in rows.items():
         cells = [f"{d} {(r['peak_memory_bytes'][d] - r['baseline_memory_bytes'][d]) / 2**30:.2f} / "

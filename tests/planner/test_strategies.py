@@ -52,6 +52,28 @@ def test_infeasible_requests_are_clear():
         Profile.from_dict({**profile.to_dict(), "links": []})
 
 
+def test_a_scaled_profile_re_predicts_a_plan():
+    """bench --profile re-simulates each schedule on the profile scaled by each device's drift."""
+    from planner.strategies import timeline
+
+    profile = make_profile(random.Random(7), n=3, layers=3)
+    work = Workload(seq_len=600, max_len=1024)
+    p = plan(profile, work)
+    for sp in p.strategies.values():  # unscaled: exactly the plan's prediction
+        assert timeline(profile.scaled({}), work, sp).makespan == pytest.approx(sp.predicted_s, rel=1e-12)
+    hp = p.strategies["hpipe"]
+    slower = profile.scaled({d.name: 2.0 for d in profile.devices})
+    t = timeline(slower, work, hp).makespan
+    assert hp.predicted_s < t < 2 * hp.predicted_s + 1e-12  # compute doubles, links do not
+    # only one device slower: only schedules using it change
+    one = hp.stages[0].device
+    assert timeline(profile.scaled({one: 1.5}), work, hp).makespan > hp.predicted_s
+    with pytest.raises(ProfileError, match="no device nope"):
+        profile.scaled({"nope": 1.0})
+    with pytest.raises(ProfileError, match="finite and > 0"):
+        profile.scaled({one: 0.0})
+
+
 def test_profile_round_trip():
     profile = make_profile(random.Random(9), n=3, layers=2, batches=(1, 2))
     assert Profile.from_json(profile.to_json()) == profile

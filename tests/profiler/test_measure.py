@@ -38,6 +38,20 @@ def test_profile_live_cluster_and_cache(cluster3, smollm2, tmp_path, capsys):
     # they share this machine, so each was also timed while the others computed
     assert set(again.meta["colocation_factors"]) == {"s0", "s1", "s2"}
     assert all(f >= 1.0 for f in again.meta["colocation_factors"].values())
+    # every daemon's reference stage time, measured fresh even with cached grids, for bench --profile
+    ref = again.meta["reference"]
+    assert set(ref["seconds"]) == {"s0", "s1", "s2"} and all(t > 0 for t in ref["seconds"].values())
+    assert ref["tokens"] == 32 and ref["context"] == 32 and ref["units"] == [1, 1 + 2 * (30 // 3)]
+
+
+def test_calibration_needs_a_profile_with_reference_timings(cluster3):
+    import random
+
+    from profiler.measure import calibrate
+    from tests.planner.synthetic import make_profile
+
+    with pytest.raises(HpipeError, match="no reference timings"):  # synthetic and simulated profiles have none
+        calibrate(cluster3.spec, make_profile(random.Random(0), n=3))
 
 
 def test_a_down_daemon_is_named(tmp_path, smollm2):

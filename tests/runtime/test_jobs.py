@@ -20,6 +20,7 @@ def plan_file(cluster3, smollm2, tmp_path_factory):
     plan = make_plan(profile, Workload(seq_len=192, max_len=256))
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     path.write_text(plan.to_json())
+    (path.parent / "profile.json").write_text(profile.to_json())
     return path, plan
 
 
@@ -59,12 +60,28 @@ def test_run_matches_single_process_and_resumes(cluster3, smollm2, plan_file, tm
 def test_bench_reports_every_strategy(cluster3, plan_file, capsys, order):
     path, plan = plan_file
     repeat = 1 if order == "blocks" else 2
+    # blocks: also re-time the profile's reference stage, before and after, to re-predict at today's speed
+    extra = ["--interleave"] if order == "interleaved" else ["--profile", str(path.parent / "profile.json")]
     assert main(["bench", "--plan", str(path), "--cluster", str(cluster3.path), "--strategies", "hpipe,base",
-                 "--repeat", str(repeat), "--json"] + (["--interleave"] if order == "interleaved" else [])) == 0
-    out = json.loads(capsys.readouterr().out)
+                 "--repeat", str(repeat), "--json"] + extra) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
     assert set(out["strategies"]) == {"hpipe", "base"} and out["ideal_s"] > 0 and out["order"] == order
+    if order == "blocks":
+        cal = out["calibration"]
+        devices = {s.device for n in ("hpipe", "base") for s in plan.strategies[n].stages}
+        assert set(cal["factors"]) == devices
+        # same machine, minutes apart: a factor far from 1 would be a broken measurement, not drift
+        assert all(0.3 < f < 3 for f in cal["factors"].values()), cal
+        for r in out["strategies"].values():
+            assert r["predicted_now_s"] > 0
+        assert "speed vs profile" in captured.err and "pred now s" in captured.err
+    else:
+        assert "calibration" not in out
     for name, r in out["strategies"].items():
         assert len(r["runs_s"]) == repeat and r["latency_s"] > 0 and r["tokens_per_s"] > 0 and r["predicted_s"] > 0
         assert all(v > 0 for v in r["peak_memory_bytes"].values())
+        # per-stage statistics come from the median run
+        assert r["stages_run_s"] == sorted(r["runs_s"])[(repeat - 1) // 2] and len(r["stages"]) == len(r["devices"])
         assert r["devices"] == [s.device for s in plan.strategies[name].stages]
     assert out["energy_source"] in ("rapl", "nvml", "unavailable")
