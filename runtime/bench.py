@@ -5,7 +5,9 @@ For each strategy: deploy its stages, then prefill a random prompt of ``seq_len`
 as the simulator assumes), ``repeat`` times (one strategy after another, or round by round with
 ``interleave``); report the median latency next to the plan's prediction and ``ideal_s``. Peak
 memory per daemon is the daemon process's peak resident set (CPU) or CUDA peak allocation; energy
-is read from RAPL or NVML where the machine exposes them.
+is read from RAPL or NVML where the machine exposes them. Given the profile the plan came from,
+the daemons re-time its reference stage before and after, and every schedule is re-predicted at
+the speeds found (``predicted_now_s``).
 """
 
 from __future__ import annotations
