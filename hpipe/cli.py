@@ -30,11 +30,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
         return args.prompt
     if args.prompt_file == "-":
         return sys.stdin.read()
-    try:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            return f.read()
-    except OSError as e:
-        raise InputError(f"cannot read prompt file: {e}") from None
+    return _read_text(args.prompt_file, "prompt file")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -192,24 +188,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_text(path: str, what: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise InputError(f"cannot read {what}: {e}") from None
+
+
 def _load_profile(path: str):
     from profiler.schema import Profile
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            return Profile.from_json(f.read())
-    except OSError as e:
-        raise InputError(f"cannot read profile: {e}") from None
+    return Profile.from_json(_read_text(path, "profile"))
 
 
 def _load_plan(path: str):
     from planner.plan import Plan
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            return Plan.from_json(f.read())
-    except OSError as e:
-        raise InputError(f"cannot read plan: {e}") from None
+    return Plan.from_json(_read_text(path, "plan"))
 
 
 def _cluster_for(plan, cluster_file: str | None):
