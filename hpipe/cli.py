@@ -25,6 +25,16 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
@@ -151,7 +161,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         from profiler.measure import profile_cluster
 
         profile = profile_cluster(cluster, name, cfg, dtype=args.dtype, max_len=max_len, batch=args.batch,
-                                  force=args.force, repeats=args.repeats, colocation=not args.no_colocation)
+                                  force=args.force, repeats=args.repeats, colocation=not args.no_colocation,
+                                  colocation_rounds=args.colocation_rounds)
     from profiler.report import summary
 
     print(summary(profile), file=sys.stderr)
@@ -367,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--repeats", type=int, default=3, help="timed runs per grid point (median)")
     pr.add_argument("--no-colocation", action="store_true",
                     help="do not measure how daemons sharing a machine or GPU slow each other down")
+    pr.add_argument("--colocation-rounds", type=_positive, default=3,
+                    help="rounds (each alone, then all together) behind each co-location factor (median)")
     pr.add_argument("-o", "--output", default="profile.json")
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_profile)

@@ -206,20 +206,46 @@ def measure_units(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ba
     return out
 
 
+#: the random-weight stages time_stage built last, kept for the next call with the same shape:
+#: ``(key, [(stage, cache)])``. Co-located daemons time a stage together for a few seconds, and
+#: building the weights anew each call (up to ~1 s on a throttled CPU) would leave them timing
+#: while others still build. One entry: a different stage replaces it; ``release_timed_stages``
+#: frees it (a daemon does, on deploying).
+_built: tuple | None = None
+
+
+def release_timed_stages() -> None:
+    global _built
+    _built = None
+
+
+def _stages_for(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, units: UnitRange, batch: int,
+                length: int) -> list:
+    global _built
+    key = (cfg, dtype, str(device), units, batch, length)
+    if _built is not None and _built[0] == key:
+        return _built[1]
+    _built = None  # free the old stage before building the new one
+    first = StageModel.random(cfg, units, dtype=dtype, device=device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in first.parameters())
+    n = max(1, min(8, WORKING_SET_BYTES // max(weight_bytes, 1)))
+    stages = [first] + [StageModel.random(cfg, units, dtype=dtype, device=device, seed=i) for i in range(1, n)]
+    caches = [StageCache.allocate(units.attention_layers(), batch, length, cfg.num_kv_heads,
+                                  cfg.head_dim, dtype, device) for _ in stages]
+    _built = (key, list(zip(stages, caches)))
+    return _built[1]
+
+
 @torch.inference_mode()
 def time_stage(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, units: UnitRange, batch: int,
                tokens: int, context: int, repeats: int = 5) -> float:
     """Median seconds of one forward of a random-weight stage over ``units`` (a direct measurement).
 
     Like :func:`measure_units`, it rotates through distinct copies of the stage up to about
-    ``WORKING_SET_BYTES``, so a small stage is not timed with its weights hot in the cache.
+    ``WORKING_SET_BYTES``, so a small stage is not timed with its weights hot in the cache. The
+    copies are kept for the next call of the same shape (see ``_built``).
     """
-    first = StageModel.random(cfg, units, dtype=dtype, device=device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in first.parameters())
-    n = max(1, min(8, WORKING_SET_BYTES // max(weight_bytes, 1)))
-    stages = [first] + [StageModel.random(cfg, units, dtype=dtype, device=device, seed=i) for i in range(1, n)]
-    caches = [StageCache.allocate(units.attention_layers(), batch, context + tokens, cfg.num_kv_heads,
-                                  cfg.head_dim, dtype, device) for _ in stages]
+    pairs = _stages_for(cfg, dtype, device, units, batch, context + tokens)
     if units.has_embed:
         x = torch.randint(0, cfg.vocab_size, (batch, tokens), device=device)
     else:
@@ -230,4 +256,4 @@ def time_stage(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, units
         cache.length = context  # the prefix's values do not change the work
         stage(x, context, cache)
 
-    return _median_time(_Rotation(list(zip(stages, caches)), run), device, repeats)
+    return _median_time(_Rotation(pairs, run), device, repeats)

@@ -2,9 +2,10 @@
 
 Daemons are profiled one at a time, so that each grid is clean. Then every daemon times a
 reference stage alone (kept in ``meta.reference``: ``hpipe bench --profile`` times it again to
-tell machine drift from model error), and daemons that share a machine (or a GPU) time it all at
-once; each one's grid is scaled by its slowdown: a pipeline keeps every stage busy at the same
-time, and the profile describes devices as they run then (``colocation=False`` skips this).
+tell machine drift from model error), and daemons that share a machine (or a GPU) time it in
+rounds, each alone and then all at once; each one's grid is scaled by its slowdown: a pipeline
+keeps every stage busy at the same time, and the profile describes devices as they run then
+(``colocation=False`` skips this).
 Compute grids are cached per (device fingerprint, model dimensions, dtype, grid), so
 re-profiling an unchanged device is instant; ``force`` re-measures. A daemon that is down or answers badly fails the whole profile
 with its name: partial results are never written as if complete.
@@ -16,6 +17,7 @@ import hashlib
 import json
 import logging
 import math
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +43,8 @@ MAX_PROBE_BYTES = 32 << 20
 LINK_PROBE_TOKENS = 2048  # link probes reach at least this many tokens' activations
 #: bumped when how a daemon measures changes, so that cached grids measured the old way are not reused
 METHOD = 3
+#: rounds of (each alone, then all together) behind a co-location factor
+COLOCATION_ROUNDS = 3
 
 
 def grid_axes(max_len: int, batch: int) -> tuple[list[int], list[int], list[int]]:
@@ -90,7 +94,8 @@ def _fail(d, what: str, e: grpc.RpcError) -> HpipeError:
 
 def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, dtype: str = "float32",
                     max_len: int | None = None, batch: int = 1, repeats: int = 3, force: bool = False,
-                    link_repeats: int = 21, colocation: bool = True) -> Profile:
+                    link_repeats: int = 21, colocation: bool = True,
+                    colocation_rounds: int = COLOCATION_ROUNDS) -> Profile:
     max_len = max_len or cfg.max_position_embeddings
     if max_len > cfg.max_position_embeddings:
         raise HpipeError(f"--max-len {max_len} exceeds the model's context of {cfg.max_position_embeddings}")
@@ -150,13 +155,17 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
         for d in cluster.daemons:
             groups.setdefault(share_key(d), []).append(d)
         ref = reference_stage(cfg, n, max_len, batch)
-        bar.set_postfix_str("reference stage")
-        alone = {d.name: _time_reference(clients[d.name], d, shape, dtype, ref, 1.5) for d in cluster.daemons}
-        factors = {}
+        alone, factors = {}, {}
         for group in groups.values():
             if len(group) > 1 and colocation:
                 bar.set_postfix_str("co-location: " + ", ".join(d.name for d in group))
-                factors.update(_colocation_factors(group, clients, shape, dtype, ref, alone))
+                group_factors, first_alone = _colocation_factors(group, clients, shape, dtype, ref,
+                                                                colocation_rounds)
+                factors.update(group_factors)
+                alone.update(first_alone)
+            else:
+                bar.set_postfix_str("reference stage")
+                alone.update({d.name: _time_reference(clients[d.name], d, shape, dtype, ref, 1.5) for d in group})
         devices = [dev.scaled(factors.get(dev.name, 1.0)) for dev in devices]
         act = cfg.hidden_size * DTYPE_BYTES[dtype] * batch
         # activation-sized probes, capped: beyond a few tens of MB a transfer is all bandwidth. They go
@@ -219,9 +228,15 @@ def _time_stage(client, d, shape: dict, dtype: str, units: tuple[int, int], batc
 
 def reference_stage(cfg: ModelConfig, n_devices: int, max_len: int, batch: int) -> dict:
     """The stage every daemon times to compare speeds across time and co-location: a 1/n share of the
-    model's blocks over a mid-sized slice at a mid context."""
+    model's blocks over a slice of the size pipelines use (128 tokens) at a mid context.
+
+    The slice size matters: co-located daemons that take turns on one core evict each other's
+    cache, which costs a small slice more than a large one (on one core shared 60/30%, a matrix
+    product whose weights fit the L2 cache ran 1.32x slower beside the other daemon; one that
+    streams its weights from memory, 1.03x).
+    """
     blocks = max(1, cfg.num_layers // max(1, n_devices))
-    return {"units": [1, 1 + 2 * blocks], "tokens": max(1, min(256, max_len // 4)), "context": max_len // 4,
+    return {"units": [1, 1 + 2 * blocks], "tokens": max(1, min(128, max_len // 4)), "context": max_len // 2,
             "batch": batch}
 
 
@@ -232,24 +247,37 @@ def _time_reference(client, d, shape: dict, dtype: str, ref: dict, seconds: floa
     return _time_stage(client, d, *args, max(3, math.ceil(seconds / max(estimate, 1e-6))))
 
 
-def _colocation_factors(group, clients, shape: dict, dtype: str, ref: dict, alone: dict[str, float]) -> dict[str, float]:
+def _colocation_factors(group, clients, shape: dict, dtype: str, ref: dict,
+                        rounds: int = COLOCATION_ROUNDS) -> tuple[dict[str, float], dict[str, float]]:
     """How much slower each daemon of ``group`` (sharing a machine or a GPU) computes while the others do too.
 
     A pipeline keeps every stage busy at once, and co-located daemons then share cores, caches and
-    memory bandwidth; measured alone, they look faster than they run. Each daemon has timed the
-    reference stage alone (``alone``); here all time it together, each repeating for about the same
-    wall time so that the runs overlap from start to end. The ratio (at least 1) scales that
-    daemon's whole compute grid.
+    memory bandwidth; measured alone, they look faster than they run. Each round times every
+    daemon alone, one after another, then all together, each repeating for about the same wall
+    time so that the runs overlap from start to end (daemons keep the stage they built, so none is
+    still building while others time). A daemon's factor is the median of its rounds' ratios, at
+    least 1; it scales that daemon's whole compute grid. Returns the factors, and the first round's
+    times alone (the profile's reference timings).
+
+    Rounds, because one ratio is as noisy as the effect: on a 2-core VM, single 3 s measurements of
+    the same daemon's factor ranged 1.04-1.24, and one profile's factor (1.07) was a quarter of the
+    slowdown its stage showed in the pipeline.
     """
-    # >= 3 s together: co-located daemons' speed drifts by several percent over seconds, as much as
-    # the effect measured here
-    span = max(3.0, 3 * max(alone[d.name] for d in group))
-    with ThreadPoolExecutor(max_workers=len(group)) as pool:
-        together = dict(zip([d.name for d in group], pool.map(
-            lambda d: _time_reference(clients[d.name], d, shape, dtype, ref, span), group)))
-    factors = {d.name: max(1.0, together[d.name] / alone[d.name]) for d in group}
-    log.info("co-location slowdown: %s", ", ".join(f"{k} x{v:.2f}" for k, v in factors.items()))
-    return factors
+    ratios: dict[str, list[float]] = {d.name: [] for d in group}
+    first: dict[str, float] = {}
+    for _ in range(max(1, rounds)):
+        alone = {d.name: _time_reference(clients[d.name], d, shape, dtype, ref, 1.5) for d in group}
+        first = first or alone
+        span = max(2.0, 3 * max(alone.values()))
+        with ThreadPoolExecutor(max_workers=len(group)) as pool:
+            together = dict(zip([d.name for d in group], pool.map(
+                lambda d: _time_reference(clients[d.name], d, shape, dtype, ref, span), group)))
+        for name in ratios:
+            ratios[name].append(together[name] / alone[name])
+    factors = {name: max(1.0, statistics.median(r)) for name, r in ratios.items()}
+    log.info("co-location slowdown: %s", ", ".join(
+        f"{k} x{v:.2f} (rounds {', '.join(f'{x:.2f}' for x in ratios[k])})" for k, v in factors.items()))
+    return factors, first
 
 
 def calibrate(cluster: ClusterSpec, profile: Profile, names: list[str] | None = None,

@@ -79,7 +79,10 @@ class StageServicer(pb_grpc.StageServicer):
 
     @_handled
     def Load(self, request, context):
+        from profiler.device import release_timed_stages
+
         dtype = self._compute_dtype(request.dtype)
+        release_timed_stages()  # the profiler's random stages are not needed once a stage is deployed
         info = self.server.load(request.model, request.unit_start, request.unit_end, dtype, request.next_address,
                                 request.next_name, request.stage_index)
         return pb.LoadReply(**info)

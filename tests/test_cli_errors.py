@@ -58,3 +58,9 @@ def test_json_output_fields(capsys, tiny_chat_model):
     data = json.loads(out)
     assert code == 0 and {"text", "token_ids", "prompt_tokens"} <= set(data)
     assert 1 <= len(data["token_ids"]) <= 5
+
+
+def test_colocation_rounds_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["profile", "--cluster", "c.yaml", "--colocation-rounds", "0"])
+    assert e.value.code == 2 and "expected a positive integer, got '0'" in capsys.readouterr().err
