@@ -57,12 +57,25 @@ def working_bytes(p: Profile, batch: int, tokens: int, head: bool):
 FIXED_STAGE_BYTES = 64 << 20
 
 
+def _factor(value) -> float:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return 1.0
+    return f if f >= 1.0 and f < float("inf") else 1.0
+
+
 class CostModel:
     def __init__(self, profile: Profile):
         self.profile = profile
         self.devices = list(profile.devices)
         self.L = profile.model.num_layers
         self.num_units = 2 * self.L + 2
+        # A measured profile's grids describe each device slowed by its co-located neighbours (all
+        # busy at once, as in a pipeline); this takes that factor back out, for schedules in which
+        # a device computes alone.
+        factors = profile.meta.get("colocation_factors") or {}
+        self.alone_scale = [1.0 / _factor(factors.get(d.name, 1.0)) for d in self.devices]
         self._counts: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
     def stage_times(self, dev: int, a: int, b: int, s, c, batch: int, head=True) -> np.ndarray:

@@ -74,6 +74,24 @@ def test_a_scaled_profile_re_predicts_a_plan():
         profile.scaled({one: 0.0})
 
 
+def test_one_item_schedules_run_at_the_devices_speed_alone():
+    """A measured profile is slowed by co-location; Base (one item) never has two stages busy at once."""
+    from dataclasses import replace
+
+    profile = make_profile(random.Random(7), n=3, layers=3)
+    work = Workload(seq_len=600, max_len=1024)
+    factors = {d.name: 1.5 for d in profile.devices}
+    colocated = replace(profile.scaled(factors), meta={**profile.meta, "colocation_factors": factors})
+    alone, together = plan(profile, work), plan(colocated, work)
+    base0, base1 = alone.strategies["base"], together.strategies["base"]
+    assert base1.predicted_s == pytest.approx(base0.predicted_s, rel=1e-9)
+    assert [s.compute_s for s in base1.stages] == pytest.approx([s.compute_s for s in base0.stages], rel=1e-9)
+    # sliced, the stages overlap: they compute at co-located speed
+    tera0, tera1 = alone.strategies["terapipe"], together.strategies["terapipe"]
+    assert len(tera1.slices) > 1 and tera1.predicted_s > 1.2 * tera0.predicted_s
+    assert together.ideal_s == pytest.approx(1.5 * alone.ideal_s, rel=1e-9)
+
+
 def test_profile_round_trip():
     profile = make_profile(random.Random(9), n=3, layers=2, batches=(1, 2))
     assert Profile.from_json(profile.to_json()) == profile
