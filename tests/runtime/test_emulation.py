@@ -87,3 +87,12 @@ def test_emulation_settings_are_checked(tmp_path, monkeypatch):
     with pytest.raises(HpipeError, match="needs root"):
         emulate.require_root(quota)
     emulate.require_root(mps)
+
+
+def test_a_quota_the_threads_cannot_exceed_is_not_applied(tmp_path):
+    """A whole core for a one-thread daemon: a cgroup would only add throttling at period edges."""
+    path = tmp_path / "c.yaml"
+    path.write_text("daemons:\n  - {name: a, address: '198.18.0.41:1', threads: 1, emulate: {cpus: '0', cpu_quota: 1.0}}\n")
+    emu = emulate.Emulation(ClusterSpec.load(path), tmp_path)
+    assert emu.limit_cpu(emu.cluster.daemons[0], os.getpid()) == "100% of a core: no quota needed for 1 thread(s)"
+    assert emu._state()["cgroups"] == []  # nothing created, nothing to remove
