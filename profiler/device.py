@@ -216,7 +216,12 @@ _built: tuple | None = None
 
 def release_timed_stages() -> None:
     global _built
+    if _built is None:
+        return
+    on_gpu = _built[0][2].startswith("cuda")
     _built = None
+    if on_gpu:
+        torch.cuda.empty_cache()  # give the memory back for the stage being deployed
 
 
 def _stages_for(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, units: UnitRange, batch: int,
