@@ -5,7 +5,8 @@
 Compute: random devices, unit ranges, slice lengths and context offsets that are not grid points;
 the prediction is the planner's (sum of interpolated unit times), the measurement a forward of
 that stage with random weights timed by the daemon itself (``TimeStage``), so a throttled or
-remote device is measured at its own speed. Links: random activation-sized payloads between every
+remote device is measured at its own speed. The daemon times it alone, so the prediction leaves
+out the profile's co-location factor. Links: random activation-sized payloads between every
 directed pair, predicted by the fitted latency + bytes/bandwidth, measured by the daemons over
 gRPC. Prints the median absolute relative error of each.
 """
@@ -50,7 +51,8 @@ def main() -> int:
         s = rng.randint(2, max_len // 2)
         c = rng.randint(0, max_len - s)
         dev = rng.randrange(len(cost.devices))
-        pred = cost.stage_time(dev, a, b, s, c, 1)
+        # the daemon times the stage alone: predict at its speed alone (without its co-location factor)
+        pred = cost.stage_time(dev, a, b, s, c, 1) * cost.alone_scale[dev]
         name = cost.devices[dev].name
         meas = clients[name].call("TimeStage", pb.StageTimeRequest(
             config_json=json.dumps(config_dict(cfg)), dtype=wire_dtype, unit_start=a, unit_end=b, batch=1,
