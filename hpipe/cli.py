@@ -434,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--cluster", help="default: clusters/emulated-hetero.yaml as root, else clusters/local-3.yaml")
     d.add_argument("--instruction", default=INSTRUCTION)
     d.add_argument("--max-new-tokens", type=int, default=48)
-    d.add_argument("--repeat", type=int, default=1, help="bench repeats per strategy")
+    d.add_argument("--repeat", type=_positive, default=3, help="bench runs per strategy (median)")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_demo)
     return parser

@@ -122,3 +122,11 @@ def test_cli_what_if_profile(tmp_path, capsys):
     assert profile.link("p100-0", "rtx3090-0").bandwidth_Bps == pytest.approx(125e6)
     assert main(["profile", "--simulate", "--cluster", "clusters/local-3.yaml", "--model", "random:llama-7b"]) == 1
     assert "needs a 'spec'" in capsys.readouterr().err
+
+
+def test_the_demo_benches_each_distinct_baseline_once():
+    from hpipe.demo import distinct_strategies
+
+    p = plan(make_profile(random.Random(3), n=3, layers=2), Workload(seq_len=512))
+    assert p.strategies["gpipe"].micro_batches == 1  # batch 1: GPipe's schedule is Base's
+    assert distinct_strategies(p) == ["hpipe", "base", "gp_b", "terapipe"]
