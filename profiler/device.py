@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from hpipe.config import ModelConfig
-from hpipe.model import StageCache, StageModel
+from hpipe.model import StageCache, StageModel, packed
 from hpipe.model.layers import Attention
 from hpipe.model.rope import cos_sin
 from hpipe.units import UnitRange
@@ -75,7 +75,9 @@ def fingerprint(device: torch.device) -> str:
         # HPIPE_EMULATION: the limits `hpipe cluster up` applied (a network namespace may hide the cgroup files)
         hw = (f"{cpu}/{psutil.cpu_count()}cpu/affinity={len(os.sched_getaffinity(0))}/quota={_cgroup_quota()}"
               f"/emulation={os.environ.get('HPIPE_EMULATION', '')}")
-    sw = f"torch={torch.__version__}/threads={torch.get_num_threads()}"
+    # the kernels a stage runs: float32 CPU projections are packed for MKL where the build allows
+    packs = device.type == "cpu" and packed.available()
+    sw = f"torch={torch.__version__}/threads={torch.get_num_threads()}/mkl_packed={int(packs)}"
     return hashlib.sha256(f"{hw}|{sw}".encode()).hexdigest()[:16] + f" {hw}"
 
 
@@ -232,7 +234,7 @@ def _stages_for(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, unit
         return _built[1]
     _built = None  # free the old stage before building the new one
     first = StageModel.random(cfg, units, dtype=dtype, device=device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in first.parameters())
+    weight_bytes = first.weight_bytes()
     n = max(1, min(8, WORKING_SET_BYTES // max(weight_bytes, 1)))
     stages = [first] + [StageModel.random(cfg, units, dtype=dtype, device=device, seed=i) for i in range(1, n)]
     caches = [StageCache.allocate(units.attention_layers(), batch, length, cfg.num_kv_heads,

@@ -157,7 +157,7 @@ class StageServer:
                     stage = StageModel.random(cfg, units, dtype=dtype, device=self.device)
                 else:
                     stage = StageModel.from_checkpoint(source.weights(), cfg, units, dtype=dtype, device=self.device)
-                self.weight_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
+                self.weight_bytes = stage.weight_bytes()
                 self._send = self._connect(next_address) if next_address and self._connect else None
                 self.stage, self.deployment = stage, dep
                 self._reset_peak_memory()  # peaks reported from now on are this deployment's

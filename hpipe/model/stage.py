@@ -17,7 +17,8 @@ from torch import nn
 from hpipe.config import ModelConfig
 from hpipe.errors import InputError
 from hpipe.model.kvcache import StageCache
-from hpipe.model.layers import Attention, build_unit, checkpoint_names
+from hpipe.model import packed
+from hpipe.model.layers import Attention, FeedForward, build_unit, checkpoint_names
 from hpipe.model.rope import cos_sin, inverse_frequencies
 from hpipe.units import UnitRange
 from hpipe.weights import WeightStore
@@ -52,8 +53,13 @@ class StageModel(nn.Module):
     # --- construction -------------------------------------------------------------------
     @classmethod
     def from_checkpoint(cls, store: WeightStore, cfg: ModelConfig, units: UnitRange, *,
-                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "StageModel":
-        """Build the stage and read only its own tensors from ``store``."""
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        pack: bool = True) -> "StageModel":
+        """Build the stage and read only its own tensors from ``store``.
+
+        ``pack``: pack float32 CPU projections for MKL (:mod:`hpipe.model.packed`); off only to
+        compare against the plain layout.
+        """
         stage = cls(cfg, units, dtype=dtype, device=device)
         for u, module in stage.blocks.items():
             names = checkpoint_names(cfg, int(u), module)
@@ -61,7 +67,20 @@ class StageModel(nn.Module):
             state = {p: tensors[n].to(device=stage.device, dtype=dtype) for p, n in names.items()}
             module.load_state_dict(state, assign=True, strict=True)
         stage._tie_embeddings()
+        if pack:
+            stage._pack()
         return stage.eval()
+
+    def _pack(self) -> None:
+        # float32 on the CPU: the block projections' weights packed once for MKL (see
+        # :mod:`hpipe.model.packed`); the LM head runs on one position and shares the embedding
+        if not packed.applies(self.device, self.dtype):
+            return
+        for block in self.blocks.values():
+            if isinstance(block, Attention):
+                packed.pack_linears(block, ("q_proj", "k_proj", "v_proj", "o_proj"))
+            elif isinstance(block, FeedForward):
+                packed.pack_linears(block, ("gate_proj", "up_proj", "down_proj"))
 
     def _tie_embeddings(self) -> None:
         # One tensor for embedding and LM head when the model ties them and this stage has both.
@@ -71,7 +90,7 @@ class StageModel(nn.Module):
 
     @classmethod
     def random(cls, cfg: ModelConfig, units: UnitRange, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", seed: int = 0) -> "StageModel":
+               device: str | torch.device = "cpu", seed: int = 0, pack: bool = True) -> "StageModel":
         """Random weights that depend only on (seed, unit): any split gives the same model."""
         stage = cls(cfg, units, dtype=dtype, device=device)
         for u, module in stage.blocks.items():
@@ -88,6 +107,8 @@ class StageModel(nn.Module):
                 state[p] = t
             module.load_state_dict(state, assign=True, strict=True)
         stage._tie_embeddings()
+        if pack:
+            stage._pack()
         return stage.eval()
 
     # --- caches ---------------------------------------------------------------------------
@@ -132,4 +153,9 @@ class StageModel(nn.Module):
         return x
 
     def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Parameters of the stage's units, packed weights included."""
+        packed_numel = sum(m.weight_numel for m in self.modules() if isinstance(m, packed.PackedLinear))
+        return sum(p.numel() for p in self.parameters()) + packed_numel
+
+    def weight_bytes(self) -> int:
+        return self.parameter_count() * torch.empty((), dtype=self.dtype).element_size()
