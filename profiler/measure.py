@@ -159,13 +159,13 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
         for group in groups.values():
             if len(group) > 1 and colocation:
                 bar.set_postfix_str("co-location: " + ", ".join(d.name for d in group))
-                group_factors, first_alone = _colocation_factors(group, clients, shape, dtype, ref,
+                group_factors, group_alone = _colocation_factors(group, clients, shape, dtype, ref,
                                                                 colocation_rounds)
                 factors.update(group_factors)
-                alone.update(first_alone)
+                alone.update(group_alone)
             else:
                 bar.set_postfix_str("reference stage")
-                alone.update({d.name: _time_reference(clients[d.name], d, shape, dtype, ref, 1.5) for d in group})
+                alone.update({d.name: _time_reference(clients[d.name], d, shape, dtype, ref, 3.0) for d in group})
         devices = [dev.scaled(factors.get(dev.name, 1.0)) for dev in devices]
         act = cfg.hidden_size * DTYPE_BYTES[dtype] * batch
         # activation-sized probes, capped: beyond a few tens of MB a transfer is all bandwidth. They go
@@ -256,18 +256,19 @@ def _colocation_factors(group, clients, shape: dict, dtype: str, ref: dict,
     daemon alone, one after another, then all together, each repeating for about the same wall
     time so that the runs overlap from start to end (daemons keep the stage they built, so none is
     still building while others time). A daemon's factor is the median of its rounds' ratios, at
-    least 1; it scales that daemon's whole compute grid. Returns the factors, and the first round's
-    times alone (the profile's reference timings).
+    least 1; it scales that daemon's whole compute grid. Returns the factors, and each daemon's
+    median time alone over the rounds (the profile's reference timings).
 
     Rounds, because one ratio is as noisy as the effect: on a 2-core VM, single 3 s measurements of
     the same daemon's factor ranged 1.04-1.24, and one profile's factor (1.07) was a quarter of the
     slowdown its stage showed in the pipeline.
     """
     ratios: dict[str, list[float]] = {d.name: [] for d in group}
-    first: dict[str, float] = {}
+    alones: dict[str, list[float]] = {d.name: [] for d in group}
     for _ in range(max(1, rounds)):
         alone = {d.name: _time_reference(clients[d.name], d, shape, dtype, ref, 1.5) for d in group}
-        first = first or alone
+        for name, t in alone.items():
+            alones[name].append(t)
         span = max(2.0, 3 * max(alone.values()))
         with ThreadPoolExecutor(max_workers=len(group)) as pool:
             together = dict(zip([d.name for d in group], pool.map(
@@ -277,7 +278,7 @@ def _colocation_factors(group, clients, shape: dict, dtype: str, ref: dict,
     factors = {name: max(1.0, statistics.median(r)) for name, r in ratios.items()}
     log.info("co-location slowdown: %s", ", ".join(
         f"{k} x{v:.2f} (rounds {', '.join(f'{x:.2f}' for x in ratios[k])})" for k, v in factors.items()))
-    return factors, first
+    return factors, {name: statistics.median(t) for name, t in alones.items()}
 
 
 def calibrate(cluster: ClusterSpec, profile: Profile, names: list[str] | None = None,
