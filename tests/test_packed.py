@@ -1,11 +1,13 @@
+"""Packed linears compute what nn.Linear does; float32 CPU stages use them and count the same weights."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hpipe.model import StageModel, packed
-from hpipe.units import UnitRange
 from hpipe.shapes import model_shape
+from hpipe.units import UnitRange
 
 pytestmark = pytest.mark.skipif(not packed.available(), reason="this PyTorch build has no MKL packed GEMM")
 

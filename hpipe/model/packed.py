@@ -35,7 +35,7 @@ class PackedLinear(nn.Module):
         w = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # the packed layout of B does not depend on the row count it is given here (checked by
-        # tests/model/test_packed.py at several row counts)
+        # tests/test_packed.py at several row counts)
         self.register_buffer("packed", torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), 128),
                              persistent=False)
         # _mkl_linear reads only the shape of the original weight: a zero-byte stand-in
@@ -65,4 +65,3 @@ def pack_linears(module: nn.Module, names: tuple[str, ...]) -> int:
             setattr(module, name, PackedLinear(child))
             n += 1
     return n
-
