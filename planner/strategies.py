@@ -50,6 +50,13 @@ def items(slices, micro_batches: int):
     return out
 
 
+def _item_arrays(slices, micro_batches: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`items` as arrays: tokens, context, and whether each is its micro-batch's last slice."""
+    its = items(slices, micro_batches)
+    return (np.array([s for s, _, _ in its], dtype=float), np.array([c for _, c, _ in its], dtype=float),
+            np.array([x for _, _, x in its], dtype=bool))
+
+
 def stage_computes(cost: CostModel, work: Workload, bounds, devices, micro_batches: int, slices) -> list[np.ndarray]:
     """Compute seconds of every item on every stage: ``[stage][item]``.
 
@@ -57,21 +64,21 @@ def stage_computes(cost: CostModel, work: Workload, bounds, devices, micro_batch
     runs at its speed alone: its co-location factor is taken out. At co-located speeds, Base ran
     0.84-0.88x its prediction on the emulated cluster.
     """
-    its = items(slices, micro_batches)
-    s_arr = np.array([s for s, _, _ in its], dtype=float)
-    c_arr = np.array([c for _, c, _ in its], dtype=float)
-    last = np.array([x for _, _, x in its], dtype=bool)
+    return _computes(cost, work, bounds, devices, micro_batches, *_item_arrays(slices, micro_batches))
+
+
+def _computes(cost: CostModel, work: Workload, bounds, devices, micro_batches: int, s_arr, c_arr, last):
     out = []
     for j, (a, e) in enumerate(zip(bounds, bounds[1:])):
         t = cost.stage_times(devices[j], a, e, s_arr, c_arr, work.batch // micro_batches, head=last)
-        out.append(t * cost.alone_scale[devices[j]] if len(its) == 1 else t)
+        out.append(t * cost.alone_scale[devices[j]] if len(s_arr) == 1 else t)
     return out
 
 
 def simulate_schedule(cost: CostModel, work: Workload, bounds, devices, micro_batches: int, slices,
                       keep: bool = False) -> float | Timeline:
-    s_arr = np.array(list(slices) * micro_batches, dtype=float)
-    comp = [t.tolist() for t in stage_computes(cost, work, bounds, devices, micro_batches, slices)]
+    s_arr, c_arr, last = _item_arrays(slices, micro_batches)
+    comp = [t.tolist() for t in _computes(cost, work, bounds, devices, micro_batches, s_arr, c_arr, last)]
     comm = [np.broadcast_to(cost.comm_time(devices[j], devices[j + 1], s_arr, work.batch // micro_batches),
                             s_arr.shape).tolist() for j in range(len(devices) - 1)]
     return simulate(comp, comm, keep=keep)

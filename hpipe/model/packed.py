@@ -56,12 +56,9 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
-def pack_linears(module: nn.Module, names: tuple[str, ...]) -> int:
-    """Replace the ``nn.Linear`` children of ``module`` named in ``names`` by packed ones; returns how many."""
-    n = 0
+def pack_linears(module: nn.Module, names: tuple[str, ...]) -> None:
+    """Replace the ``nn.Linear`` children of ``module`` named in ``names`` by packed ones."""
     for name in names:
         child = getattr(module, name, None)
         if isinstance(child, nn.Linear):
             setattr(module, name, PackedLinear(child))
-            n += 1
-    return n

@@ -66,10 +66,14 @@ class StageModel(nn.Module):
             tensors = store.load(list(set(names.values())))
             state = {p: tensors[n].to(device=stage.device, dtype=dtype) for p, n in names.items()}
             module.load_state_dict(state, assign=True, strict=True)
-        stage._tie_embeddings()
+        return stage._finish(pack)
+
+    def _finish(self, pack: bool) -> "StageModel":
+        # weights are in place: tie the embedding to the head, pack, switch to inference
+        self._tie_embeddings()
         if pack:
-            stage._pack()
-        return stage.eval()
+            self._pack()
+        return self.eval()
 
     def _pack(self) -> None:
         # float32 on the CPU: the block projections' weights packed once for MKL (see
@@ -106,10 +110,7 @@ class StageModel(nn.Module):
                     t = torch.empty(shape, device=stage.device, dtype=dtype).normal_(0.0, 0.02, generator=gen)
                 state[p] = t
             module.load_state_dict(state, assign=True, strict=True)
-        stage._tie_embeddings()
-        if pack:
-            stage._pack()
-        return stage.eval()
+        return stage._finish(pack)
 
     # --- caches ---------------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int) -> StageCache:
