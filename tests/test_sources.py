@@ -33,3 +33,40 @@ def test_sharded_checkpoint(tiny_dirs, tmp_path):
     store = sources.resolve_model(str(tmp_path)).weights()
     got = store.load(names)
     assert all(got[n].equal(tensors[n]) for n in names)
+
+
+def test_weights_read_equal_safetensors_for_every_dtype(tmp_path):
+    """The store's own reader (owned memory, no mapping) returns what safetensors wrote."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hpipe.weights import WeightStore
+
+    tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(4, 2).bfloat16(), "f16": torch.randn(7).half(),
+               "i64": torch.arange(6).view(2, 3), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    got = WeightStore(tmp_path).load(list(tensors))
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and got[name].equal(t), name
+
+
+def test_corrupt_weights_are_a_clear_error(tmp_path):
+    import pytest
+    import torch
+    from safetensors.torch import save_file
+
+    from hpipe.errors import ModelSourceError
+    from hpipe.weights import WeightStore
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.randn(64, 64)}, str(path))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])  # cut short
+    with pytest.raises(ModelSourceError, match="truncated"):
+        WeightStore(tmp_path).load(["w"])
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ModelSourceError, match="header is not JSON"):
+        WeightStore(tmp_path)
+    path.write_bytes(b"\x01\x02")
+    with pytest.raises(ModelSourceError, match="not a safetensors file"):
+        WeightStore(tmp_path)
