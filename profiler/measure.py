@@ -1,11 +1,12 @@
 """``hpipe profile``: ask every daemon of a cluster to measure itself, then measure every link.
 
-Daemons are profiled one at a time, so that each grid is clean. Then every daemon times a
-reference stage alone (kept in ``meta.reference``: ``hpipe bench --profile`` times it again to
-tell machine drift from model error), and daemons that share a machine (or a GPU) time it in
-rounds, each alone and then all at once; each one's grid is scaled by its slowdown: a pipeline
-keeps every stage busy at the same time, and the profile describes devices as they run then
-(``colocation=False`` skips this).
+A pipeline keeps every stage busy at once, and the profile describes devices as they run then.
+Daemons that share a machine (or a GPU) measure their grids at the same time, beside each other;
+the others one at a time. Then every daemon times a reference stage alone (kept in
+``meta.reference``: ``hpipe bench --profile`` times it again to tell machine drift from model
+error), and the daemons of a shared machine time it in rounds, each alone and then all at once:
+that slowdown (``meta.colocation_factors``) gives each one's speed alone, for schedules whose
+stages never overlap. ``colocation=False`` measures every grid alone and skips the rounds.
 Compute grids are cached per (device fingerprint, model dimensions, dtype, grid), so
 re-profiling an unchanged device is instant; ``force`` re-measures. A daemon that is down or answers badly fails the whole profile
 with its name: partial results are never written as if complete.
@@ -19,6 +20,7 @@ import logging
 import math
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -45,6 +47,8 @@ LINK_PROBE_TOKENS = 2048  # link probes reach at least this many tokens' activat
 METHOD = 3
 #: rounds of (each alone, then all together) behind a co-location factor
 COLOCATION_ROUNDS = 3
+#: seconds of each reference-stage run a daemon keeps its neighbours company with (see _group_grids)
+LOAD_CHUNK_S = 1.0
 
 
 def grid_axes(max_len: int, batch: int) -> tuple[list[int], list[int], list[int]]:
@@ -123,38 +127,30 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
         sharing = {}
         for d in cluster.daemons:
             sharing[share_key(d)] = sharing.get(share_key(d), 0) + 1
-        devices, from_cache = [], []
-        for d in cluster.daemons:
-            info = infos[d.name]
-            key = hashlib.sha256(json.dumps([METHOD, info.fingerprint, shape, dtype, batches, tokens, contexts, repeats],
-                                            sort_keys=True).encode()).hexdigest()[:20]
-            cached = cache_root() / "profiles" / f"{key}.json"
-            if cached.exists() and not force:
-                grids = {k: ComputeGrid.from_dict(g) for k, g in json.loads(cached.read_text()).items()}
-                log.info("%s: reusing cached compute profile %s", d.name, cached.name)
-                from_cache.append(d.name)
-            else:
-                bar.set_postfix_str(f"compute {d.name}")
-                try:
-                    reply = clients[d.name].call("ProfileCompute", pb.ProfileRequest(
-                        config_json=json.dumps(shape), dtype=TO_WIRE[DTYPES[dtype]], batches=batches,
-                        tokens=tokens, contexts=contexts, max_len=max_len, repeats=repeats), timeout=PROFILE_TIMEOUT_S)
-                except grpc.RpcError as e:
-                    raise _fail(d, "failed to profile itself", e) from None
-                grids = _grids(d, reply)
-                cached.parent.mkdir(parents=True, exist_ok=True)
-                cached.write_text(json.dumps({k: asdict(g) for k, g in grids.items()}))
-            bar.update(1)
-            share = sharing[share_key(d)]
-            memory = int(0.9 * info.available_bytes / share)
-            budget = d.memory_budget or info.memory_budget or None
-            if budget:
-                memory = min(memory, budget)
-            devices.append(DeviceProfile(d.name, d.address, info.device, memory, grids, info.fingerprint))
         groups: dict[tuple, list] = {}
         for d in cluster.daemons:
             groups.setdefault(share_key(d), []).append(d)
         ref = reference_stage(cfg, n, max_len, batch)
+        request = pb.ProfileRequest(config_json=json.dumps(shape), dtype=TO_WIRE[DTYPES[dtype]], batches=batches,
+                                    tokens=tokens, contexts=contexts, max_len=max_len, repeats=repeats)
+        key_parts = [METHOD, shape, dtype, batches, tokens, contexts, repeats]
+        grids, from_cache, together = {}, [], []
+        for group in groups.values():
+            concurrent = colocation and len(group) > 1
+            if concurrent:
+                together += [d.name for d in group]
+            got, cached = _group_grids(group, clients, infos, request, key_parts, force, concurrent,
+                                       (shape, dtype, ref), bar)
+            grids.update(got)
+            from_cache += cached
+        devices = []
+        for d in cluster.daemons:
+            info = infos[d.name]
+            memory = int(0.9 * info.available_bytes / sharing[share_key(d)])
+            budget = d.memory_budget or info.memory_budget or None
+            if budget:
+                memory = min(memory, budget)
+            devices.append(DeviceProfile(d.name, d.address, info.device, memory, grids[d.name], info.fingerprint))
         alone, factors = {}, {}
         for group in groups.values():
             if len(group) > 1 and colocation:
@@ -166,7 +162,8 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
             else:
                 bar.set_postfix_str("reference stage")
                 alone.update({d.name: _time_reference(clients[d.name], d, shape, dtype, ref, 3.0) for d in group})
-        devices = [dev.scaled(factors.get(dev.name, 1.0)) for dev in devices]
+        # grids measured alone describe a device without its neighbours' load: scale them to it
+        devices = [dev if dev.name in together else dev.scaled(factors.get(dev.name, 1.0)) for dev in devices]
         act = cfg.hidden_size * DTYPE_BYTES[dtype] * batch
         # activation-sized probes, capped: beyond a few tens of MB a transfer is all bandwidth. They go
         # up to 2048 tokens' worth whatever max_len is: the bandwidth fit needs transfers long enough
@@ -196,8 +193,95 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
     meta = {"max_len": max_len, "batch": batch, "repeats": repeats, "profiling_s": round(time.perf_counter() - t_start, 2),
             "cluster": cluster.name, "colocation_factors": {k: round(v, 4) for k, v in factors.items()},
             "reference": {**ref, "seconds": {k: round(v, 7) for k, v in alone.items()}},
-            "cached": from_cache}
+            "cached": sorted(from_cache, key=[d.name for d in cluster.daemons].index),
+            "measured_together": together}
     return Profile(cfg, model_name, dtype, tuple(devices), tuple(links), source="measured", meta=meta)
+
+
+def _group_grids(group, clients, infos, request, key_parts: list, force: bool, concurrent: bool, ref_args: tuple,
+                 bar) -> tuple[dict[str, dict[str, ComputeGrid]], list[str]]:
+    """Compute grids of the daemons of one share group (cached, or measured), and which came from the cache.
+
+    ``concurrent``: the daemons share a machine or a GPU, and measure their grids at the same time,
+    as a pipeline runs them. A daemon that finishes first keeps timing the reference stage until
+    the last one is done, so every grid point is measured beside busy neighbours. The cache key
+    then names the whole group, since a grid measured beside other devices describes them too.
+    """
+    group_prints = sorted(infos[d.name].fingerprint for d in group) if concurrent else None
+    paths = {}
+    for d in group:
+        key = hashlib.sha256(json.dumps(key_parts + [infos[d.name].fingerprint, group_prints],
+                                        sort_keys=True).encode()).hexdigest()[:20]
+        paths[d.name] = cache_root() / "profiles" / f"{key}.json"
+    if concurrent and not force and all(paths[d.name].exists() for d in group):
+        for d in group:
+            log.info("%s: reusing cached compute profile %s", d.name, paths[d.name].name)
+        bar.update(len(group))
+        return {d.name: _load_grids(paths[d.name]) for d in group}, [d.name for d in group]
+
+    def measure(d):
+        try:
+            reply = clients[d.name].call("ProfileCompute", request, timeout=PROFILE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            raise _fail(d, "failed to profile itself", e) from None
+        got = _grids(d, reply)
+        _store_grids(paths[d.name], got)
+        bar.update(1)
+        return got
+
+    if not concurrent:
+        out, cached = {}, []
+        for d in group:
+            if paths[d.name].exists() and not force:
+                log.info("%s: reusing cached compute profile %s", d.name, paths[d.name].name)
+                out[d.name] = _load_grids(paths[d.name])
+                cached.append(d.name)
+                bar.update(1)
+            else:
+                bar.set_postfix_str(f"compute {d.name}")
+                out[d.name] = measure(d)
+        return out, cached
+
+    bar.set_postfix_str("compute " + ", ".join(d.name for d in group) + " (together)")
+    shape, dtype, ref = ref_args
+    lock, remaining, done, errors = threading.Lock(), [len(group)], threading.Event(), []
+
+    def measure_then_load(d):
+        try:
+            got = measure(d)
+        except BaseException as e:
+            errors.append(e)
+            done.set()
+            raise
+        with lock:
+            remaining[0] -= 1
+            if not remaining[0]:
+                done.set()
+        while not done.is_set():  # keep the machine as busy as a pipeline until all are measured
+            _time_reference(clients[d.name], d, shape, dtype, ref, LOAD_CHUNK_S)
+        return got
+
+    pool = ThreadPoolExecutor(max_workers=len(group))
+    futures = [pool.submit(measure_then_load, d) for d in group]
+    try:
+        done.wait()
+        if errors:  # fail now: the caller closes the channels, which ends the others' calls
+            raise errors[0]
+        return {d.name: f.result() for d, f in zip(group, futures)}, []
+    finally:
+        done.set()
+        pool.shutdown(wait=False)
+
+
+def _load_grids(path) -> dict[str, ComputeGrid]:
+    return {k: ComputeGrid.from_dict(g) for k, g in json.loads(path.read_text()).items()}
+
+
+def _store_grids(path, grids: dict[str, ComputeGrid]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps({k: asdict(g) for k, g in grids.items()}))
+    tmp.replace(path)  # atomic: daemons of one fingerprint measured together write the same key
 
 
 def _grids(d, reply) -> dict[str, ComputeGrid]:
