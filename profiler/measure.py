@@ -7,8 +7,9 @@ the others one at a time. Then every daemon times a reference stage alone (kept 
 error), and the daemons of a shared machine time it in rounds, each alone and then all at once:
 that slowdown (``meta.colocation_factors``) gives each one's speed alone, for schedules whose
 stages never overlap. ``colocation=False`` measures every grid alone and skips the rounds.
-Compute grids are cached per (device fingerprint, model dimensions, dtype, grid), so
-re-profiling an unchanged device is instant; ``force`` re-measures. A daemon that is down or answers badly fails the whole profile
+Compute grids are cached per (device fingerprint, model dimensions, dtype, grid, and the
+fingerprints of the group a grid was measured beside), so re-profiling unchanged devices is
+instant; ``force`` re-measures. A daemon that is down or answers badly fails the whole profile
 with its name: partial results are never written as if complete.
 """
 
