@@ -214,11 +214,16 @@ def _group_grids(group, clients, infos, request, key_parts: list, force: bool, c
         key = hashlib.sha256(json.dumps(key_parts + [infos[d.name].fingerprint, group_prints],
                                         sort_keys=True).encode()).hexdigest()[:20]
         paths[d.name] = cache_root() / "profiles" / f"{key}.json"
-    if concurrent and not force and all(paths[d.name].exists() for d in group):
-        for d in group:
-            log.info("%s: reusing cached compute profile %s", d.name, paths[d.name].name)
-        bar.update(len(group))
-        return {d.name: _load_grids(paths[d.name]) for d in group}, [d.name for d in group]
+    reuse = [d for d in group if not force and paths[d.name].exists()]
+    if concurrent and len(reuse) < len(group):
+        reuse = []  # a grid measured together needs its neighbours measuring beside it
+    out = {}
+    for d in reuse:
+        log.info("%s: reusing cached compute profile %s", d.name, paths[d.name].name)
+        out[d.name] = _load_grids(paths[d.name])
+        bar.update(1)
+    cached = [d.name for d in reuse]
+    todo = [d for d in group if d not in reuse]
 
     def measure(d):
         try:
@@ -230,17 +235,10 @@ def _group_grids(group, clients, infos, request, key_parts: list, force: bool, c
         bar.update(1)
         return got
 
-    if not concurrent:
-        out, cached = {}, []
-        for d in group:
-            if paths[d.name].exists() and not force:
-                log.info("%s: reusing cached compute profile %s", d.name, paths[d.name].name)
-                out[d.name] = _load_grids(paths[d.name])
-                cached.append(d.name)
-                bar.update(1)
-            else:
-                bar.set_postfix_str(f"compute {d.name}")
-                out[d.name] = measure(d)
+    if not concurrent or not todo:
+        for d in todo:
+            bar.set_postfix_str(f"compute {d.name}")
+            out[d.name] = measure(d)
         return out, cached
 
     bar.set_postfix_str("compute " + ", ".join(d.name for d in group) + " (together)")
@@ -268,7 +266,7 @@ def _group_grids(group, clients, infos, request, key_parts: list, force: bool, c
         done.wait()
         if errors:  # fail now: the caller closes the channels, which ends the others' calls
             raise errors[0]
-        return {d.name: f.result() for d, f in zip(group, futures)}, []
+        return {d.name: f.result() for d, f in zip(group, futures)}, cached
     finally:
         done.set()
         pool.shutdown(wait=False)

@@ -152,7 +152,6 @@ class _FakeDaemon:
         import threading
 
         self.seconds, self.fail, self.loads, self.lock = seconds, fail, [], threading.Lock()
-        self.measuring = False
 
     def call(self, method, request, timeout=None):
         from types import SimpleNamespace as NS
@@ -160,9 +159,7 @@ class _FakeDaemon:
         import grpc
 
         if method == "ProfileCompute":
-            self.measuring = True
             time.sleep(self.seconds)
-            self.measuring = False
             if self.fail:
                 class Failed(grpc.RpcError):
                     def code(self):
