@@ -24,6 +24,7 @@ import torch
 from hpipe.errors import HpipeError, InputError
 from hpipe.model import StageCache, StageModel
 from hpipe.units import UnitRange
+from runtime import memory
 from runtime.device_io import DeviceIO, Pending
 from runtime.wire import checked_view, tensor_bytes
 
@@ -150,7 +151,7 @@ class StageServer:
                 for seq_id in list(self._sequences):
                     self.close(seq_id)
                 self.stage, self.deployment = None, None
-                self._baseline_memory = self._current_memory()
+                self._baseline_memory = memory.current(self.device)
                 weights = sum(p.numel() for p in _unit_params(cfg, units)) * torch.empty((), dtype=dtype).element_size()
                 self._check_memory(weights, what=f"the weights of units {units}")
                 if source is None:  # random:NAME: this daemon creates its own units' weights
@@ -160,7 +161,7 @@ class StageServer:
                 self.weight_bytes = stage.weight_bytes()
                 self._send = self._connect(next_address) if next_address and self._connect else None
                 self.stage, self.deployment = stage, dep
-                self._reset_peak_memory()  # peaks reported from now on are this deployment's
+                memory.reset_peak(self.device)  # peaks reported from now on are this deployment's
                 log.info("stage %d loaded units %s of %s (%s) in %.1fs", stage_index, units, model, dtype,
                          time.perf_counter() - t0)
         stage = self.stage
@@ -302,41 +303,8 @@ class StageServer:
                 "unit_start": dep.units.start if dep else 0, "unit_end": dep.units.end if dep else 0,
                 "device": str(self.device), "open_sequences": len(self._sequences), "kv_bytes": self.kv_bytes(),
                 "weight_bytes": self.weight_bytes, "memory_budget": self.memory_budget or 0, "sequences": states,
-                "peak_memory_bytes": self._peak_memory(), "baseline_memory_bytes": self._baseline_memory,
+                "peak_memory_bytes": memory.peak(self.device), "baseline_memory_bytes": self._baseline_memory,
             }
-
-    def _peak_memory(self) -> int:
-        """Peak since the last deployment: CUDA allocations, or the process's resident set (VmHWM)."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        try:
-            for line in open("/proc/self/status"):
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-    def _current_memory(self) -> int:
-        """What the daemon holds now, in the measure of :meth:`_peak_memory`."""
-        import gc
-
-        gc.collect()
-        if self.device.type == "cuda":
-            return int(torch.cuda.memory_allocated(self.device))
-        return int(psutil.Process().memory_info().rss)
-
-    def _reset_peak_memory(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        try:  # "5" resets the resident-set high-water mark (Linux)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
 
     def _fail(self, seq: Sequence, message: str) -> None:
         if not seq.error:
