@@ -225,7 +225,8 @@ class RemoteSequence:
             return None
         s = reply.stats
         return {"compute_s": s.compute_s, "send_s": s.send_s, "recv_decode_s": s.recv_decode_s,
-                "slices": s.slices, "bytes_sent": s.bytes_sent}
+                "slices": s.slices, "bytes_sent": s.bytes_sent,
+                "spans": [(x.start, x.length, x.received_s, x.begin_s, x.end_s) for x in s.spans]}
 
     def _abort(self, skip: int | None = None) -> None:
         """Free the sequence on every stage that still answers."""
@@ -295,7 +296,7 @@ def generate_on_cluster(pipe: Pipeline, source, tokenizer, prompt: str, *, chat:
     seq = opened[0]
     result.extra["stages"] = [
         {"stage": s.index, "daemon": s.daemon.name, "address": s.daemon.address, "units": [s.unit_start, s.unit_end],
-         "kv_bytes": kv, **stats}
+         "kv_bytes": kv, **{k: v for k, v in stats.items() if k != "spans"}}
         for s, kv, stats in zip(pipe.stages, seq.kv_bytes, seq.stats)
     ]
     return result

@@ -11,6 +11,7 @@ import hmac
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -114,7 +115,9 @@ class StageServicer(pb_grpc.StageServicer):
         stats = self.server.close(request.sequence_id)
         if stats is None:
             return pb.CloseReply(existed=False)
-        return pb.CloseReply(existed=True, stats=pb.StageStats(**vars(stats)))
+        fields = {k: v for k, v in vars(stats).items() if k != "spans"}
+        spans = [pb.SliceSpan(start=a, length=n, received_s=r, begin_s=b, end_s=e) for a, n, r, b, e in stats.spans]
+        return pb.CloseReply(existed=True, stats=pb.StageStats(spans=spans, **fields))
 
     @_handled
     def GetDeviceInfo(self, request, context):
@@ -190,7 +193,7 @@ class StageServicer(pb_grpc.StageServicer):
     def Status(self, request, context):
         info = self.server.status(list(request.sequence_ids))
         seqs = [pb.SequenceState(**s) for s in info.pop("sequences")]
-        return pb.StatusReply(sequences=seqs, **info)
+        return pb.StatusReply(sequences=seqs, clock_s=time.time(), **info)
 
 
 def _config_from_json(text: str):

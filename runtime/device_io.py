@@ -41,20 +41,36 @@ class Pending:
         return self.tensor
 
 
-class Timer:
-    """Seconds of one slice's compute: CUDA events on a GPU (read later), a clock on the CPU."""
+class Anchor:
+    """A moment known on both clocks: a CUDA event and the wall-clock time it completed at."""
 
     def __init__(self, device: torch.device):
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record(torch.cuda.current_stream(device))
+        self.event.synchronize()  # returns as the device reaches it: the wall clock read next is its time
+        self.wall = time.time()
+
+
+class Timer:
+    """One slice's compute: its seconds, and when it ran on the wall clock.
+
+    On a GPU both come from CUDA events (read later, never stalling the worker), placed on the wall
+    clock through the sequence's :class:`Anchor`; on the CPU from the clocks directly.
+    """
+
+    def __init__(self, device: torch.device, anchor: Anchor | None = None):
         self.cuda = device.type == "cuda"
         if self.cuda:
             self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self._t0 = self._s = 0.0
+        self._anchor = anchor
+        self._t0 = self._s = self._wall0 = 0.0
         self._stopped = False
 
     def start(self) -> None:
         if self.cuda:
             self._start.record()
         else:
+            self._wall0 = time.time()
             self._t0 = time.perf_counter()
 
     def stop(self) -> None:
@@ -72,6 +88,18 @@ class Timer:
             self._end.synchronize()
             return self._start.elapsed_time(self._end) / 1e3
         return self._s
+
+    def span(self) -> tuple[float, float] | None:
+        """Wall-clock (begin, end) of the compute; None if it never ran, or on a GPU without an anchor."""
+        if not self._stopped:
+            return None
+        if not self.cuda:
+            return self._wall0, self._wall0 + self._s
+        if self._anchor is None:
+            return None
+        seconds = self.seconds()
+        begin = self._anchor.wall + self._anchor.event.elapsed_time(self._start) / 1e3
+        return begin, begin + seconds
 
 
 class DeviceIO:
@@ -109,5 +137,9 @@ class DeviceIO:
             event.record(self._down)
         return Pending(host, event)
 
-    def timer(self) -> Timer:
-        return Timer(self.device)
+    def anchor(self) -> Anchor | None:
+        """A wall-clock anchor for GPU timers (None on the CPU, whose timers read the clock)."""
+        return Anchor(self.device) if self.cuda else None
+
+    def timer(self, anchor: Anchor | None = None) -> Timer:
+        return Timer(self.device, anchor)

@@ -46,6 +46,8 @@ class Stats:
     recv_decode_s: float = 0.0
     slices: int = 0
     bytes_sent: int = 0
+    #: (start, length, received, begin, end) per computed slice, wall-clock seconds
+    spans: list = field(default_factory=list)
 
 
 @dataclass
@@ -86,7 +88,8 @@ class Sequence:
     closed: bool = False
     results: "queue.Queue" = field(default_factory=queue.Queue)
     stats: Stats = field(default_factory=Stats)
-    timers: list = field(default_factory=list)  # per-slice compute timers, read when stats are
+    timers: list = field(default_factory=list)  # (start, length, received, Timer) per slice, read when stats are
+    anchor: object = None  # device_io.Anchor of a GPU sequence: places its timers on the wall clock
     decode: object = None  # DecodeStep (CUDA graph) once the sequence decodes on a GPU
     decode_steps: int = 0
 
@@ -214,7 +217,7 @@ class StageServer:
             self._check_memory(per_token * max_len, what=f"the KV cache of sequence {seq_id} ({batch} x {max_len} tokens)")
             cache = stage.new_cache(batch, max_len)
             timeout = idle_timeout_s if idle_timeout_s > 0 else 60.0
-            self._sequences[seq_id] = Sequence(seq_id, cache, timeout, time.monotonic())
+            self._sequences[seq_id] = Sequence(seq_id, cache, timeout, time.monotonic(), anchor=self.io.anchor())
         log.debug("sequence %d opened: batch %d, max_len %d, %s KV", seq_id, batch, max_len, _mib(cache.nbytes))
         return cache.nbytes
 
@@ -257,7 +260,7 @@ class StageServer:
             seq.stats.recv_decode_s += time.perf_counter() - t0
             seq.submitted = start + length
             seq.last_active = time.monotonic()
-            self._work.put((seq, x, start, all_logits, want_logits))
+            self._work.put((seq, x, start, all_logits, want_logits, time.time()))
 
     def results(self, seq_id: int, is_active: Callable[[], bool] = lambda: True) -> Iterator[SliceOutput]:
         """The last stage's outputs for ``seq_id``, in order, until the sequence is closed."""
@@ -286,7 +289,10 @@ class StageServer:
         seq.decode = None  # its graph holds the cache
         seq.cache = StageCache(batch=seq.cache.batch, max_len=seq.cache.max_len)  # drop the tensors now
         seq.results.put(_CLOSED)
-        seq.stats.compute_s = sum(t.seconds() for t in list(seq.timers))
+        timers = list(seq.timers)
+        seq.stats.compute_s = sum(t.seconds() for *_, t in timers)
+        seq.stats.spans = [(start, length, received, *span) for start, length, received, t in timers
+                           if (span := t.span()) is not None]
         log.debug("sequence %d closed", seq_id)
         return seq.stats
 
@@ -342,19 +348,20 @@ class StageServer:
                 self._run_slice(*item)
             del item
 
-    def _run_slice(self, seq: Sequence, pending: Pending, start: int, all_logits: bool, want_logits: bool) -> None:
+    def _run_slice(self, seq: Sequence, pending: Pending, start: int, all_logits: bool, want_logits: bool,
+                   received: float) -> None:
         if seq.closed or seq.error:
             return
         stage = self.stage
         try:
             x = pending.on_device()
-            timer = self.io.timer()
+            timer = self.io.timer(seq.anchor)
             timer.start()
             step = self._decode_step(seq, stage, x, start, want_logits)
             out = step(x, start) if step else stage(x, start, seq.cache, all_logits=all_logits,
                                                     logits=want_logits)
             timer.stop()
-            seq.timers.append(timer)
+            seq.timers.append((start, x.shape[1], received, timer))
             seq.stats.slices += 1
         except HpipeError as e:
             self._fail(seq, f"stage {self.deployment.stage_index}: {e}")
