@@ -278,34 +278,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         pipe.close()
     print(table(result), file=sys.stderr)
     if args.chart:
-        _bench_chart(result, args.chart)
+        from runtime.bench_chart import draw
+
+        draw(result, args.chart)
     if args.json:
         print(json.dumps(result))
     return 0
-
-
-def _bench_chart(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(result["strategies"])
-    meas = [result["strategies"][n]["latency_s"] for n in names]
-    pred = [result["strategies"][n]["predicted_s"] or 0 for n in names]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    x = range(len(names))
-    ax.bar([i - 0.2 for i in x], meas, 0.4, label="measured")
-    ax.bar([i + 0.2 for i in x], pred, 0.4, label="predicted")
-    if result["ideal_s"]:
-        ax.axhline(result["ideal_s"], color="grey", linestyle="--", label="ideal")
-    ax.set_xticks(list(x), names)
-    ax.set_ylabel("prefill latency (s)")
-    ax.set_title(f"{result['seq_len']} tokens x batch {result['batch']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -424,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--profile", help="the profile the plan came from: every daemon re-times its reference stage "
                                       "before and after, and predictions are re-simulated at today's speeds "
                                       "(predicted_now_s)")
-    bn.add_argument("--chart", help="bar chart of measured vs predicted latency (PNG)")
+    bn.add_argument("--chart", help="chart (PNG): measured vs predicted latency, and hpipe's pipeline as it ran "
+                    "(under the one planned, with --profile)")
     bn.add_argument("--json", action="store_true")
     bn.set_defaults(func=cmd_bench)
 

@@ -53,12 +53,18 @@ def _energy_reader():
         return None, "unavailable"
 
 
-def prefill_once(pipe: Pipeline, ids: torch.Tensor, micro_batches: int, slices: list[int]) -> tuple[float, list]:
+def prefill_once(pipe: Pipeline, ids: torch.Tensor, micro_batches: int, slices: list[int],
+                 clock_offsets: list[float] | None = None) -> tuple[float, list]:
     """Wall seconds to prefill ``ids [B, L]`` as ``micro_batches`` sequences sliced by ``slices``, and
-    per-stage statistics (compute, send, decode seconds) summed over the micro-batches."""
+    per-stage statistics (compute, send, decode seconds) summed over the micro-batches.
+
+    With the daemons' ``clock_offsets`` (theirs minus ours), each stage's statistics also carry its
+    ``timeline``: ``[micro_batch, start, length, received, begin, end]`` per slice, in seconds from the
+    first submit on this machine's clock."""
     b = ids.shape[0] // micro_batches
     seqs = [pipe.open(ids.shape[1], batch=b) for _ in range(micro_batches)]
     try:
+        wall0 = time.time()
         t0 = time.perf_counter()
         for u, seq in enumerate(seqs):
             start = 0
@@ -73,7 +79,25 @@ def prefill_once(pipe: Pipeline, ids: torch.Tensor, micro_batches: int, slices: 
         stats = [seq.close() for seq in seqs]
     per_stage = [{k: round(sum(s[j].get(k, 0) for s in stats), 6) for k in ("compute_s", "send_s", "recv_decode_s")}
                  for j in range(len(stats[0]))]
+    if clock_offsets is not None:
+        for j, row in enumerate(per_stage):
+            at = clock_offsets[j] + wall0
+            row["timeline"] = sorted(
+                [[u, a, n, round(r - at, 6), round(bg - at, 6), round(e - at, 6)]
+                 for u, s in enumerate(stats) for a, n, r, bg, e in s[j].get("spans", ())],
+                key=lambda x: x[4])
     return elapsed, per_stage
+
+
+def timeline_summary(spans: list) -> dict:
+    """When a stage started and ended, and how long it computed and sat idle in between.
+
+    ``spans``: ``[..., begin, end]`` per slice, in time order (a measured or a predicted timeline)."""
+    if not spans:
+        return {}
+    busy = sum(x[-1] - x[-2] for x in spans)
+    first, last = spans[0][-2], max(x[-1] for x in spans)
+    return {"start_s": first, "end_s": last, "busy_s": busy, "idle_s": max(0.0, last - first - busy)}
 
 
 def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = None, batch: int | None = None,
@@ -111,6 +135,7 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
         """Deploy ``name``, warm up on the real input, then time ``count`` runs."""
         sp = plan.strategies[name]
         pipe.deploy(plan.model_name, sp.cuts, num_units, dtype, daemons=[s.device for s in sp.stages])
+        offsets = [c.clock_offset() for c in pipe.clients]
         mb = sp.micro_batches if batch % sp.micro_batches == 0 else 1
         slices = plan.slices_for(seq_len, name)
         # warm-up with the real input: the first run of full-size shapes pays for allocator growth and
@@ -118,7 +143,7 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
         prefill_once(pipe, ids, mb, slices)
         for _ in range(count):
             e0 = energy() if energy else None
-            elapsed, stages = prefill_once(pipe, ids, mb, slices)
+            elapsed, stages = prefill_once(pipe, ids, mb, slices, offsets)
             joules = energy() - e0 if energy else None
             status = [c.call("Status", pb.StatusRequest(), timeout=10) for c in pipe.clients]
             runs[name].append({"s": elapsed, "j": joules, "stages": stages, "mb": mb, "slices": len(slices),
@@ -135,6 +160,12 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
             measure(name, repeat)
     bar.close()
     rows = {name: _row(plan.strategies[name], runs[name], batch * seq_len, planned) for name in names}
+    if profile is not None and planned:
+        work = Workload(plan.seq_len, plan.batch, plan.max_len)
+        for name, row in rows.items():
+            tl = timeline(profile, work, plan.strategies[name])
+            for j, stage in enumerate(row["stages"]):
+                stage["predicted_timeline"] = [[round(a, 6), round(e, 6)] for jj, _, a, e in tl.compute if jj == j]
     result = {"seq_len": seq_len, "batch": batch, "ideal_s": plan.ideal_s if planned else None,
               "energy_source": energy_source, "order": "interleaved" if interleave else "blocks", "strategies": rows}
     if profile is not None:
@@ -143,7 +174,6 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
         result["calibration"] = {"before": before, "after": after, "factors": factors}
         if planned:
             scaled = profile.scaled(factors)
-            work = Workload(plan.seq_len, plan.batch, plan.max_len)
             for name, row in rows.items():
                 row["predicted_now_s"] = timeline(scaled, work, plan.strategies[name]).makespan
     return result
@@ -221,4 +251,15 @@ def table(result: dict) -> str:
         cells = [f"{d} {(r['peak_memory_bytes'][d] - r['baseline_memory_bytes'][d]) / 2**30:.2f} / "
                  f"{r['predicted_memory_bytes'][d] / 2**30:.2f}" for d in r["peak_memory_bytes"]]
         lines.append(f"  {name:<10} " + ", ".join(cells))
+    hp_row = rows.get("hpipe")
+    if hp_row and any(st.get("timeline") for st in hp_row["stages"]):
+        lines.append("hpipe per stage in its median run, measured (planned), seconds: start, compute, idle "
+                     "between slices, end")
+        for st in hp_row["stages"]:
+            m = timeline_summary(st.get("timeline", []))
+            p = timeline_summary(st.get("predicted_timeline", []))
+            if m:
+                lines.append(f"  {st['device']:<10} " + ", ".join(
+                    f"{label} {m[k]:.3f}" + (f" ({p[k]:.3f})" if p else "")
+                    for label, k in (("start", "start_s"), ("compute", "busy_s"), ("idle", "idle_s"), ("end", "end_s"))))
     return "\n".join(lines)

@@ -57,11 +57,14 @@ def test_run_matches_single_process_and_resumes(cluster3, smollm2, plan_file, tm
 
 
 @pytest.mark.parametrize("order", ["blocks", "interleaved"])
-def test_bench_reports_every_strategy(cluster3, plan_file, capsys, order):
+def test_bench_reports_every_strategy(cluster3, plan_file, capsys, order, tmp_path):
     path, plan = plan_file
     repeat = 1 if order == "blocks" else 2
-    # blocks: also re-time the profile's reference stage, before and after, to re-predict at today's speed
-    extra = ["--interleave"] if order == "interleaved" else ["--profile", str(path.parent / "profile.json")]
+    # blocks: also re-time the profile's reference stage, before and after, to re-predict at today's
+    # speed, and chart the pipeline as planned and as it ran
+    chart = tmp_path / "bench.png"
+    extra = (["--interleave"] if order == "interleaved"
+             else ["--profile", str(path.parent / "profile.json"), "--chart", str(chart)])
     assert main(["bench", "--plan", str(path), "--cluster", str(cluster3.path), "--strategies", "hpipe,base",
                  "--repeat", str(repeat), "--json"] + extra) == 0
     captured = capsys.readouterr()
@@ -76,6 +79,9 @@ def test_bench_reports_every_strategy(cluster3, plan_file, capsys, order):
         for r in out["strategies"].values():
             assert r["predicted_now_s"] > 0
         assert "speed vs profile" in captured.err and "pred now s" in captured.err
+        assert "hpipe per stage" in captured.err and chart.stat().st_size > 10_000
+        for r in out["strategies"].values():
+            assert all(len(st["predicted_timeline"]) == len(st["timeline"]) for st in r["stages"])
     else:
         assert "calibration" not in out
     for name, r in out["strategies"].items():
@@ -84,4 +90,31 @@ def test_bench_reports_every_strategy(cluster3, plan_file, capsys, order):
         # per-stage statistics come from the median run
         assert r["stages_run_s"] == sorted(r["runs_s"])[(repeat - 1) // 2] and len(r["stages"]) == len(r["devices"])
         assert r["devices"] == [s.device for s in plan.strategies[name].stages]
+        _check_timeline(r, out["seq_len"])
     assert out["energy_source"] in ("rapl", "nvml", "unavailable")
+
+
+#: clocks of daemons on this machine agree; the offset estimate is good to a round trip's half
+CLOCK_SLACK_S = 0.005
+
+
+def _check_timeline(row: dict, seq_len: int) -> None:
+    """Every slice of every micro-batch ran once per stage, one at a time, after it arrived and after
+    the stage before finished it, and within the run."""
+    slices = [x[1:3] for x in row["stages"][0]["timeline"] if x[0] == 0]
+    assert len(slices) == row["slices"]
+    assert [a for a, _ in slices] == [sum(n for _, n in slices[:k]) for k in range(len(slices))]
+    assert sum(n for _, n in slices) == seq_len
+    ends_before = None
+    for st in row["stages"]:
+        tl = st["timeline"]
+        assert len(tl) == row["slices"] * row["micro_batches"]
+        for (u, a, n, received, begin, end), nxt in zip(tl, tl[1:] + [None]):
+            assert -CLOCK_SLACK_S <= received <= begin + CLOCK_SLACK_S and begin < end
+            assert end <= row["stages_run_s"] + CLOCK_SLACK_S
+            if nxt is not None:
+                assert end <= nxt[4] + 1e-6  # one worker: no overlap
+            if ends_before is not None:
+                assert ends_before[(u, a)] <= begin + CLOCK_SLACK_S
+        assert abs(sum(x[5] - x[4] for x in tl) - st["compute_s"]) < 0.01 + 0.01 * st["compute_s"]
+        ends_before = {(u, a): end for u, a, _, _, _, end in tl}
