@@ -124,6 +124,7 @@ class StageServer:
         self.weight_bytes = 0
         self._baseline_memory = 0
         self._sequences: dict[int, Sequence] = {}
+        self._anchor = None  # device_io.Anchor shared by GPU sequences (see open)
         self._lock = threading.RLock()
         self._work: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
@@ -211,13 +212,17 @@ class StageServer:
                              f"{stage.cfg.max_position_embeddings} tokens")
         per_token = StageCache.bytes_per_token(len(stage.units.attention_layers()), stage.cfg.num_kv_heads,
                                                stage.cfg.head_dim, stage.dtype, batch)
+        if self.io.cuda and (self._anchor is None or not self._sequences):
+            # waits for the device to reach an event: only when no sequence is open, so that the
+            # wait is short and never holds up the open of a sequence beside one in flight
+            self._anchor = self.io.anchor()
         with self._lock:
             if seq_id in self._sequences:
                 raise StageError("ALREADY_EXISTS", f"sequence {seq_id} is already open")
             self._check_memory(per_token * max_len, what=f"the KV cache of sequence {seq_id} ({batch} x {max_len} tokens)")
             cache = stage.new_cache(batch, max_len)
             timeout = idle_timeout_s if idle_timeout_s > 0 else 60.0
-            self._sequences[seq_id] = Sequence(seq_id, cache, timeout, time.monotonic(), anchor=self.io.anchor())
+            self._sequences[seq_id] = Sequence(seq_id, cache, timeout, time.monotonic(), anchor=self._anchor)
         log.debug("sequence %d opened: batch %d, max_len %d, %s KV", seq_id, batch, max_len, _mib(cache.nbytes))
         return cache.nbytes
 
