@@ -125,9 +125,6 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
             info = infos[d.name]
             return (info.host_id or d.host, "cpu" if info.device == "cpu" else d.device)
 
-        sharing = {}
-        for d in cluster.daemons:
-            sharing[share_key(d)] = sharing.get(share_key(d), 0) + 1
         groups: dict[tuple, list] = {}
         for d in cluster.daemons:
             groups.setdefault(share_key(d), []).append(d)
@@ -147,7 +144,7 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
         devices = []
         for d in cluster.daemons:
             info = infos[d.name]
-            memory = int(0.9 * info.available_bytes / sharing[share_key(d)])
+            memory = int(0.9 * info.available_bytes / len(groups[share_key(d)]))
             budget = d.memory_budget or info.memory_budget or None
             if budget:
                 memory = min(memory, budget)
@@ -163,8 +160,6 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
             else:
                 bar.set_postfix_str("reference stage")
                 alone.update({d.name: _time_reference(clients[d.name], d, shape, dtype, ref, 3.0) for d in group})
-        # grids measured alone describe a device without its neighbours' load: scale them to it
-        devices = [dev if dev.name in together else dev.scaled(factors.get(dev.name, 1.0)) for dev in devices]
         act = cfg.hidden_size * DTYPE_BYTES[dtype] * batch
         # activation-sized probes, capped: beyond a few tens of MB a transfer is all bandwidth. They go
         # up to 2048 tokens' worth whatever max_len is: the bandwidth fit needs transfers long enough
@@ -339,7 +334,8 @@ def _colocation_factors(group, clients, shape: dict, dtype: str, ref: dict,
     daemon alone, one after another, then all together, each repeating for about the same wall
     time so that the runs overlap from start to end (daemons keep the stage they built, so none is
     still building while others time). A daemon's factor is the median of its rounds' ratios, at
-    least 1; it scales that daemon's whole compute grid. Returns the factors, and each daemon's
+    least 1; the planner divides it out for schedules whose stages never overlap (the grids were
+    measured together already). Returns the factors, and each daemon's
     median time alone over the rounds (the profile's reference timings).
 
     Rounds, because one ratio is as noisy as the effect: on a 2-core VM, single 3 s measurements of

@@ -19,10 +19,9 @@ def draw(result: dict, path: str) -> None:
     if hp and any(st.get("timeline") for st in hp["stages"]):
         gantts.append(("hpipe as it ran (median run)", [[x[-2:] for x in st.get("timeline", [])]
                                                          for st in hp["stages"]], hp.get("stages_run_s")))
-    fig, axes = plt.subplots(1 + len(gantts), 1, squeeze=False,
-                             figsize=(10, 3.5 + sum(0.35 * len(hp["stages"]) + 0.6 for _ in gantts)),
-                             gridspec_kw={"height_ratios": [3] + [0.5 + 0.35 * len(hp["stages"])] * len(gantts)}
-                             if gantts else None)
+    gantt_h = 0.5 + 0.35 * len(hp["stages"]) if hp else 0  # inches per Gantt panel
+    fig, axes = plt.subplots(1 + len(gantts), 1, squeeze=False, figsize=(10, 3.5 + gantt_h * len(gantts)),
+                             gridspec_kw={"height_ratios": [3] + [gantt_h] * len(gantts)})
     _bars(axes[0, 0], result)
     horizon = max((t for _, _, t in gantts if t), default=0)
     for ax, (title, stages, total) in zip(axes[1:, 0], gantts):

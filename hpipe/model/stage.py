@@ -159,4 +159,4 @@ class StageModel(nn.Module):
         return sum(p.numel() for p in self.parameters()) + packed_numel
 
     def weight_bytes(self) -> int:
-        return self.parameter_count() * torch.empty((), dtype=self.dtype).element_size()
+        return self.parameter_count() * self.dtype.itemsize
