@@ -100,6 +100,13 @@ WORKING_SET_BYTES = 256 << 20
 #: Short points are repeated until this much time is measured (more samples, steadier medians).
 MIN_MEASURED_S = 0.06
 MAX_REPEATS = 25
+#: Untimed calls of each point before its first timed one. One is not enough on a CPU: the first
+#: call's large buffers are mmapped and unmapped, which raises glibc's mmap threshold, so the
+#: second call grows the heap and faults its pages in. Only the third runs as a pipeline's
+#: steady stream of slices does. Measured with one warm-up, SmolLM2's MLP at 128-2048 tokens:
+#: the first timed call 1.15-1.33x the median in-process, up to 3x in a throttled co-located
+#: daemon, which biased a median of three sweeps up.
+WARMUP_CALLS = 2
 
 
 def _median_time(fn, device: torch.device, repeats: int) -> float:
@@ -125,17 +132,18 @@ def swept_medians(points, sweeps: int, device: torch.device, min_total_s: float 
     """Median seconds per point, measured over ``sweeps`` passes of the whole grid.
 
     ``points(sweep)`` yields ``(key, fn)`` for every point, the same keys each sweep. The first
-    sweep warms each point up once. Each sweep times a point once, or, for a short point, until it
-    has its share (``1 / sweeps``) of ``min_total_s`` or ``max_runs``.
+    sweep warms each point up (``WARMUP_CALLS`` untimed calls). Each sweep times a point once, or,
+    for a short point, until it has its share (``1 / sweeps``) of ``min_total_s`` or ``max_runs``.
     """
     sweeps = max(1, sweeps)
     per_sweep_s, per_sweep_runs = min_total_s / sweeps, max(1, max_runs // sweeps)
     samples: dict = {}
     for sweep in range(sweeps):
         for key, fn in points(sweep):
-            if sweep == 0:  # warm-up: first-call allocations and kernel selection
-                fn()
-                _sync(device)
+            if sweep == 0:  # warm-up: first-call allocations, heap growth and kernel selection
+                for _ in range(WARMUP_CALLS):
+                    fn()
+                    _sync(device)
             samples.setdefault(key, []).extend(_runs(fn, device, 1, per_sweep_s, per_sweep_runs))
     return {key: statistics.median(t) for key, t in samples.items()}
 
