@@ -158,10 +158,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
             raise InputError(f"--simulate needs a 'spec' (peak_tflops, mem_bw_gbs, memory) for {', '.join(missing)}")
         profile = simulated_profile(name, cfg, cluster.daemons, cluster.link_specs(), args.dtype, max_len, args.batch)
     else:
-        from profiler.measure import profile_cluster
+        from profiler.measure import SWEEPS, profile_cluster
 
         profile = profile_cluster(cluster, name, cfg, dtype=args.dtype, max_len=max_len, batch=args.batch,
-                                  force=args.force, repeats=args.repeats, colocation=not args.no_colocation,
+                                  force=args.force, repeats=args.repeats or SWEEPS, colocation=not args.no_colocation,
                                   colocation_rounds=args.colocation_rounds)
     from profiler.report import summary
 
@@ -353,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--batch", type=int, default=1)
     pr.add_argument("--simulate", action="store_true", help="derive the profile from the cluster file's specs")
     pr.add_argument("--force", action="store_true", help="re-measure even when a cached profile matches")
-    pr.add_argument("--repeats", type=int, default=3, help="timed runs per grid point (median)")
+    pr.add_argument("--repeats", type=_positive, default=None,
+                    help="passes over the compute grid, each timing every point; the median across them is kept "
+                         "(default: profiler.measure.SWEEPS, 7)")
     pr.add_argument("--no-colocation", action="store_true",
                     help="do not measure how daemons sharing a machine or GPU slow each other down")
     pr.add_argument("--colocation-rounds", type=_positive, default=3,

@@ -45,7 +45,12 @@ PROFILE_TIMEOUT_S = 900.0
 MAX_PROBE_BYTES = 32 << 20
 LINK_PROBE_TOKENS = 2048  # link probes reach at least this many tokens' activations
 #: bumped when how a daemon measures changes, so that cached grids measured the old way are not reused
-METHOD = 3
+METHOD = 4
+#: passes over the compute grid (each point's median is over these). Noise picks plans: on the
+#: emulated cluster, plans from 3-sweep profiles re-simulated on the median of 11 profiles took
+#: 4.42 s on average (1.00-1.20x their prediction), from 9-sweep ones 4.15 s (0.95-1.04x).
+#: See docs/benchmarks.md, "Sixth day".
+SWEEPS = 7
 #: rounds of (each alone, then all together) behind a co-location factor
 COLOCATION_ROUNDS = 3
 #: seconds of each reference-stage run a daemon keeps its neighbours company with (see _group_grids)
@@ -98,7 +103,7 @@ def _fail(d, what: str, e: grpc.RpcError) -> HpipeError:
 
 
 def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, dtype: str = "float32",
-                    max_len: int | None = None, batch: int = 1, repeats: int = 3, force: bool = False,
+                    max_len: int | None = None, batch: int = 1, repeats: int = SWEEPS, force: bool = False,
                     link_repeats: int = 21, colocation: bool = True,
                     colocation_rounds: int = COLOCATION_ROUNDS) -> Profile:
     max_len = max_len or cfg.max_position_embeddings
