@@ -100,12 +100,11 @@ WORKING_SET_BYTES = 256 << 20
 #: Short points are repeated until this much time is measured (more samples, steadier medians).
 MIN_MEASURED_S = 0.06
 MAX_REPEATS = 25
-#: Untimed calls of each point before its first timed one. One is not enough on a CPU: the first
-#: call's large buffers are mmapped and unmapped, which raises glibc's mmap threshold, so the
-#: second call grows the heap and faults its pages in. Only the third runs as a pipeline's
-#: steady stream of slices does. Measured with one warm-up, SmolLM2's MLP at 128-2048 tokens:
-#: the first timed call 1.15-1.33x the median in-process, up to 3x in a throttled co-located
-#: daemon, which biased a median of three sweeps up.
+#: Untimed calls of each point before its first timed one. One was not enough on a CPU: with one,
+#: the first timed call of SmolLM2's MLP (128-2048 tokens) ran up to 3x the point's median in a
+#: throttled co-located daemon, and 1.0-1.33x in-process, which biased a median of three sweeps
+#: up. The likely cause is the heap: freeing the first call's mmapped buffers raises glibc's mmap
+#: threshold, so the second call allocates from a heap that still has to grow.
 WARMUP_CALLS = 2
 
 
