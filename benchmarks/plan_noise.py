@@ -1,0 +1,52 @@
+"""How much a profile's noise costs its plan: each profile's hpipe plan re-simulated on the others' median.
+
+    python benchmarks/plan_noise.py P1.json P2.json ... [--seq-len 2048]
+
+Profiles of one cluster (same devices and grid points). For each, its plan is simulated on the
+per-point median grid of all the *other* profiles, a far less noisy yardstick, and printed next to
+its own prediction. Source of docs/benchmarks.md, "Sixth day".
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+import numpy as np
+
+from planner.costs import CostModel, Workload
+from planner.strategies import ideal_seconds, plan, simulate_schedule
+from profiler.schema import Profile
+
+
+def median_profile(raws: list[dict]) -> Profile:
+    out = copy.deepcopy(raws[0])
+    for d in out["devices"]:
+        for kind, grid in d["compute"].items():
+            same = [next(x for x in r["devices"] if x["name"] == d["name"])["compute"][kind]["seconds"] for r in raws]
+            grid["seconds"] = np.median(np.array(same), axis=0).tolist()
+    return Profile.from_dict(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("profiles", nargs="+")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    args = ap.parse_args()
+    raws = [json.load(open(p)) for p in args.profiles]
+    work = Workload(args.seq_len, 1, args.seq_len)
+    print(f"{'profile':40s} sweeps  pred s  on others s  others/pred  ideal/others")
+    for i, (path, raw) in enumerate(zip(args.profiles, raws)):
+        pooled = CostModel(median_profile([r for j, r in enumerate(raws) if j != i]))
+        sp = plan(Profile.from_dict(raw), work).strategies["hpipe"]
+        names = [d.name for d in pooled.devices]
+        bounds = tuple(s.unit_start for s in sp.stages) + (sp.stages[-1].unit_end,)
+        devices = tuple(names.index(s.device) for s in sp.stages)
+        t = simulate_schedule(pooled, work, bounds, devices, sp.micro_batches, sp.slices)
+        print(f"{path[-40:]:40s} {raw['meta']['repeats']:6d} {sp.predicted_s:7.3f} {t:12.3f} "
+              f"{t / sp.predicted_s:12.3f} {ideal_seconds(pooled, work) / t:13.3f}")
+
+
+if __name__ == "__main__":
+    main()
