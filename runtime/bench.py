@@ -142,13 +142,18 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
         # kernel selection (on an H100, Base's first of three runs was 20% slower than the others)
         prefill_once(pipe, ids, mb, slices)
         for _ in range(count):
+            steal0 = [_steal(c.call("Status", pb.StatusRequest(), timeout=10)) for c in pipe.clients]
             e0 = energy() if energy else None
             elapsed, stages = prefill_once(pipe, ids, mb, slices, offsets)
             joules = energy() - e0 if energy else None
             status = [c.call("Status", pb.StatusRequest(), timeout=10) for c in pipe.clients]
+            steal1 = [_steal(st) for st in status]
+            steal = {s.device: None if a is None or b is None else round(b - a, 3)
+                     for s, a, b in zip(sp.stages, steal0, steal1)}
             runs[name].append({"s": elapsed, "j": joules, "stages": stages, "mb": mb, "slices": len(slices),
                                "peak": {s.device: st.peak_memory_bytes for s, st in zip(sp.stages, status)},
-                               "base": {s.device: st.baseline_memory_bytes for s, st in zip(sp.stages, status)}})
+                               "base": {s.device: st.baseline_memory_bytes for s, st in zip(sp.stages, status)},
+                               "steal": steal})
             bar.update(1)
 
     if interleave:
@@ -177,6 +182,11 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
             for name, row in rows.items():
                 row["predicted_now_s"] = timeline(scaled, work, plan.strategies[name]).makespan
     return result
+
+
+def _steal(status) -> float | None:
+    """The daemon's CPU steal counter (seconds since boot), if it knows it."""
+    return status.cpu_steal_s if status.HasField("cpu_steal_s") else None
 
 
 def _check_profile(plan: Plan, profile: Profile, devices: list[str]) -> None:
@@ -220,6 +230,8 @@ def _row(sp, runs: list[dict], tokens: int, planned: bool) -> dict:
         "stages": [{"device": st.device, "units": [st.unit_start, st.unit_end], "predicted_compute_s": st.compute_s,
                     **stats} for st, stats in zip(sp.stages, middle["stages"])],
         "stages_run_s": middle["s"],
+        # seconds the hypervisor took from each daemon's CPUs during each run (None: not known)
+        "runs_steal_s": [r["steal"] for r in runs],
     }
 
 
@@ -251,6 +263,13 @@ def table(result: dict) -> str:
         cells = [f"{d} {(r['peak_memory_bytes'][d] - r['baseline_memory_bytes'][d]) / 2**30:.2f} / "
                  f"{r['predicted_memory_bytes'][d] / 2**30:.2f}" for d in r["peak_memory_bytes"]]
         lines.append(f"  {name:<10} " + ", ".join(cells))
+    if any(v is not None for r in rows.values() for run in r["runs_steal_s"] for v in run.values()):
+        lines.append("CPU steal per run, seconds (time the hypervisor ran other work on each daemon's CPUs; "
+                     "it slows a run whatever the schedule):")
+        for name, r in rows.items():
+            per = ", ".join(f"{d} " + "/".join("?" if run[d] is None else f"{run[d]:.2f}" for run in r["runs_steal_s"])
+                            for d in r["devices"])
+            lines.append(f"  {name:<10} runs " + "/".join(f"{t:.2f}" for t in r["runs_s"]) + f" s: {per}")
     hp_row = rows.get("hpipe")
     if hp_row and any(st.get("timeline") for st in hp_row["stages"]):
         lines.append("hpipe per stage in its median run, measured (planned), seconds: start, compute, idle "

@@ -20,6 +20,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hpipe.errors import HpipeError, InputError, ModelSourceError, UnsupportedModelError
+from runtime import hoststat
 from runtime.channels import TOKEN_HEADER, Security, StageClient
 from runtime.stage_server import StageError, StageServer
 from runtime.wire import CHANNEL_OPTIONS, dtype_from_wire, pb, pb_grpc, tensor_to_proto
@@ -193,7 +194,11 @@ class StageServicer(pb_grpc.StageServicer):
     def Status(self, request, context):
         info = self.server.status(list(request.sequence_ids))
         seqs = [pb.SequenceState(**s) for s in info.pop("sequences")]
-        return pb.StatusReply(sequences=seqs, clock_s=time.time(), **info)
+        reply = pb.StatusReply(sequences=seqs, clock_s=time.time(), **info)
+        steal = hoststat.steal_seconds()
+        if steal is not None:
+            reply.cpu_steal_s = steal
+        return reply
 
 
 def _config_from_json(text: str):

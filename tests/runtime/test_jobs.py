@@ -80,6 +80,7 @@ def test_bench_reports_every_strategy(cluster3, plan_file, capsys, order, tmp_pa
             assert r["predicted_now_s"] > 0
         assert "speed vs profile" in captured.err and "pred now s" in captured.err
         assert "hpipe per stage" in captured.err and chart.stat().st_size > 10_000
+        assert "CPU steal per run" in captured.err
         for r in out["strategies"].values():
             assert all(len(st["predicted_timeline"]) == len(st["timeline"]) for st in r["stages"])
     else:
@@ -90,6 +91,10 @@ def test_bench_reports_every_strategy(cluster3, plan_file, capsys, order, tmp_pa
         # per-stage statistics come from the median run
         assert r["stages_run_s"] == sorted(r["runs_s"])[(repeat - 1) // 2] and len(r["stages"]) == len(r["devices"])
         assert r["devices"] == [s.device for s in plan.strategies[name].stages]
+        # each daemon's CPU steal during each run: known on Linux, never negative
+        assert len(r["runs_steal_s"]) == repeat
+        assert all(set(run) == set(r["devices"]) and all(v is not None and v >= 0 for v in run.values())
+                   for run in r["runs_steal_s"])
         _check_timeline(r, out["seq_len"])
     assert out["energy_source"] in ("rapl", "nvml", "unavailable")
 

@@ -1,0 +1,43 @@
+"""CPU time the hypervisor took from this machine ("steal"), read from Linux's ``/proc/stat``.
+
+On a virtual machine the physical cores behind the virtual CPUs may also run other guests. The
+time a virtual CPU was ready to run but was not given its core is counted as steal. A bench run
+that lost CPU time this way is slower for a reason no schedule can fix, so each daemon reports
+the steal on its own CPUs (``StatusReply.cpu_steal_s``) and ``hpipe bench`` shows it per run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+#: position of the steal counter on a ``cpuN`` line: user nice system idle iowait irq softirq steal
+_STEAL_FIELD = 8
+
+
+def steal_seconds(cpus: Iterable[int] | None = None, stat: str | None = None) -> float | None:
+    """Steal since boot, in seconds summed over ``cpus`` (default: the CPUs this process may run on).
+
+    ``None`` where it cannot be known: no ``/proc/stat`` (not Linux), a kernel without steal
+    accounting, or none of ``cpus`` listed. ``stat`` is the file's text (for tests)."""
+    if stat is None:
+        try:
+            stat = Path("/proc/stat").read_text()
+        except OSError:
+            return None
+    if cpus is None and hasattr(os, "sched_getaffinity"):
+        cpus = os.sched_getaffinity(0)
+    wanted = None if cpus is None else {f"cpu{c}" for c in cpus}
+    ticks, seen = 0, False
+    for line in stat.splitlines():
+        fields = line.split()
+        if not fields or fields[0] == "cpu" or not fields[0].startswith("cpu"):
+            continue
+        if wanted is not None and fields[0] not in wanted:
+            continue
+        if len(fields) <= _STEAL_FIELD:
+            return None
+        ticks += int(fields[_STEAL_FIELD])
+        seen = True
+    return ticks / os.sysconf("SC_CLK_TCK") if seen else None
