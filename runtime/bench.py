@@ -22,9 +22,9 @@ from tqdm import tqdm
 
 from hpipe.errors import HpipeError
 from hpipe.model.stage import DTYPES
-from planner.costs import Workload
+from planner.costs import CostModel, Workload
 from planner.plan import Plan
-from planner.strategies import timeline
+from planner.strategies import ideal_seconds, timeline
 from profiler.schema import Profile
 from runtime.coordinator import Pipeline
 from runtime.wire import pb
@@ -179,6 +179,8 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
         result["calibration"] = {"before": before, "after": after, "factors": factors}
         if planned:
             scaled = profile.scaled(factors)
+            # the bound at the bench's speeds, as predicted_now_s is the schedule at them
+            result["ideal_now_s"] = ideal_seconds(CostModel(scaled), work)
             for name, row in rows.items():
                 row["predicted_now_s"] = timeline(scaled, work, plan.strategies[name]).makespan
     return result
@@ -240,15 +242,19 @@ def table(result: dict) -> str:
     ideal = result["ideal_s"]
     rows = result["strategies"]
     now = any("predicted_now_s" in r for r in rows.values())
+    ideal_now = result.get("ideal_now_s")
     lines = [f"{result['seq_len']} tokens x batch {result['batch']}; ideal "
-             f"{f'{ideal:.3f} s' if ideal else 'n/a (not the planned length)'}; energy: {result['energy_source']}"]
+             f"{f'{ideal:.3f} s' if ideal else 'n/a (not the planned length)'}"
+             f"{f' ({ideal_now:.3f} s at the speeds measured now)' if ideal_now else ''}; "
+             f"energy: {result['energy_source']}"]
     cal = result.get("calibration")
     if cal:
         lines.append("speed vs profile (reference stage now / then, before and after the runs; > 1 is slower): "
                      + ", ".join(f"{d} {cal['before'][d]:.2f}/{cal['after'][d]:.2f}" for d in cal["factors"]))
     lines.append(f"{'strategy':<10} {'measured s':>10} {'predicted s':>11} {'meas/pred':>9} "
                  + (f"{'pred now s':>10} {'meas/now':>8} " if now else "")
-                 + f"{'tokens/s':>9} {'hpipe/it':>9} {'ideal/meas':>10}")
+                 + f"{'tokens/s':>9} {'hpipe/it':>9} {'ideal/meas':>10}"
+                 + (f" {'ideal now/meas':>14}" if ideal_now else ""))
     hp = rows.get("hpipe", {}).get("latency_s")
     for name, r in rows.items():
         pred, lat = r["predicted_s"], r["latency_s"]
@@ -257,7 +263,7 @@ def table(result: dict) -> str:
             pn = r.get("predicted_now_s")
             cells += f"{pn if pn else nan:>10.3f} {(lat / pn) if pn else nan:>8.2f} "
         lines.append(cells + f"{r['tokens_per_s']:>9.0f} {(hp / lat) if hp else nan:>9.2f} "
-                     f"{ideal / lat if ideal else nan:>10.2f}")
+                     f"{ideal / lat if ideal else nan:>10.2f}" + (f" {ideal_now / lat:>14.2f}" if ideal_now else ""))
     lines.append("memory GiB per daemon: peak above what the daemon held before the deployment / planned:")
     for name, r in rows.items():
         cells = [f"{d} {(r['peak_memory_bytes'][d] - r['baseline_memory_bytes'][d]) / 2**30:.2f} / "

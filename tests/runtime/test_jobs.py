@@ -78,6 +78,10 @@ def test_bench_reports_every_strategy(cluster3, plan_file, capsys, order, tmp_pa
         assert all(0.3 < f < 3 for f in cal["factors"].values()), cal
         for r in out["strategies"].values():
             assert r["predicted_now_s"] > 0
+        # the bound re-computed at today's speeds moves with them: all slower -> a larger bound
+        f = cal["factors"]
+        assert min(f.values()) * 0.999 <= out["ideal_now_s"] / out["ideal_s"] <= max(f.values()) * 1.001
+        assert "at the speeds measured now" in captured.err and "ideal now/meas" in captured.err
         assert "speed vs profile" in captured.err and "pred now s" in captured.err
         assert "hpipe per stage" in captured.err and chart.stat().st_size > 10_000
         assert "CPU steal per run" in captured.err
