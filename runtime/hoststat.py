@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-#: position of the steal counter on a ``cpuN`` line: user nice system idle iowait irq softirq steal
+#: index of the steal counter in a split ``cpuN`` line: cpuN user nice system idle iowait irq softirq steal
 _STEAL_FIELD = 8
 
 
