@@ -1,5 +1,6 @@
 """Daemons for tests: real processes on free loopback ports, or in-process servers."""
 
+import shutil
 import socket
 import textwrap
 from pathlib import Path
@@ -39,8 +40,17 @@ class RunningCluster:
         launcher.up(self.spec)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         launcher.down(self.spec)
+        if exc_type is None:
+            discard_state(self.spec)
+
+
+def discard_state(spec: ClusterSpec) -> None:
+    """Remove a test cluster's folder of pid files and daemon logs. ``hpipe cluster down`` keeps
+    them for post-mortems; a passing test has none to do, and every temporary cluster file has its
+    own folder, so they would pile up in the user's cache."""
+    shutil.rmtree(launcher.state_dir(spec), ignore_errors=True)
 
 
 class Served:

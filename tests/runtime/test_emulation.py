@@ -14,6 +14,7 @@ from hpipe.errors import HpipeError
 from profiler.measure import profile_cluster
 from runtime import emulate, launcher
 from runtime.cluster import ClusterSpec
+from tests.cluster_helpers import discard_state
 
 
 UNAVAILABLE = emulate.unavailable()
@@ -57,6 +58,7 @@ def test_profile_sees_throttled_device_and_shaped_link(tmp_path, smollm2):
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "hp-fast" not in namespaces and "hp-slow" not in namespaces
     assert not any(Path(p).exists() for p in ("/sys/fs/cgroup/cpu/hpipe/emu-test-slow", "/sys/fs/cgroup/hpipe/emu-test-slow"))
+    discard_state(cluster)
 
 
 def test_emulation_settings_are_checked(tmp_path, monkeypatch):
