@@ -35,6 +35,7 @@ from hpipe.model.stage import DTYPES
 from hpipe.sources import cache_root
 from profiler.links import fit_link
 from profiler.schema import DTYPE_BYTES, ComputeGrid, DeviceProfile, LinkProfile, Profile
+from runtime import hoststat
 from runtime.channels import StageClient
 from runtime.cluster import ClusterSpec
 from runtime.wire import TO_WIRE, pb
@@ -126,6 +127,8 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
                 infos[d.name] = clients[d.name].call("GetDeviceInfo", pb.DeviceInfoRequest(), timeout=10.0)
             except grpc.RpcError as e:
                 raise _fail(d, "is down or unreachable", e) from None
+        steal0 = {d.name: _steal(clients[d.name]) for d in cluster.daemons}
+
         def share_key(d):  # CPU daemons on one machine share its RAM; GPU daemons share their GPU
             info = infos[d.name]
             return (info.host_id or d.host, "cpu" if info.device == "cpu" else d.device)
@@ -187,16 +190,25 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
                 lat, bw = fit_link(list(reply.sizes), list(reply.seconds))
                 links.append(LinkProfile(a.name, b.name, lat, bw))
                 bar.update(1)
+        steal1 = {d.name: _steal(clients[d.name]) for d in cluster.daemons}
     finally:
         bar.close()
         for c in clients.values():
             c.close()
+    # CPU time the hypervisor took from each daemon's CPUs while it was profiled: a profile taken
+    # while the host was busy reads its devices slow
+    steal = {k: round(steal1[k] - steal0[k], 2) for k in steal0 if steal0[k] is not None and steal1[k] is not None}
     meta = {"max_len": max_len, "batch": batch, "repeats": repeats, "profiling_s": round(time.perf_counter() - t_start, 2),
             "cluster": cluster.name, "colocation_factors": {k: round(v, 4) for k, v in factors.items()},
             "reference": {**ref, "seconds": {k: round(v, 7) for k, v in alone.items()}},
             "cached": sorted(from_cache, key=[d.name for d in cluster.daemons].index),
-            "measured_together": together}
+            "measured_together": together, "steal_s": steal}
     return Profile(cfg, model_name, dtype, tuple(devices), tuple(links), source="measured", meta=meta)
+
+
+def _steal(client: StageClient) -> float | None:
+    """The daemon's CPU steal counter (seconds since boot), or None where it does not know it."""
+    return hoststat.reported(client.call("Status", pb.StatusRequest(), timeout=10.0))
 
 
 def _group_grids(group, clients, infos, request, key_parts: list, force: bool, concurrent: bool, ref_args: tuple,

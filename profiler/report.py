@@ -31,4 +31,8 @@ def summary(profile: Profile) -> str:
                 link = profile.link(a, b)
                 cells.append(f"{link.latency_s * 1e3:>8.3f} / {link.bandwidth_Bps / 1e6:>7.1f}")
         lines.append(f"{a[:14]:<14}" + "".join(cells))
+    steal, took = profile.meta.get("steal_s"), profile.meta.get("profiling_s")
+    if steal and took:
+        lines.append(f"CPU steal while profiling (the hypervisor's, on each daemon's CPUs), s of {took:.0f} s: "
+                     + ", ".join(f"{d} {v:.2f}" for d, v in steal.items()))
     return "\n".join(lines)

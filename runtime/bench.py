@@ -26,6 +26,7 @@ from planner.costs import CostModel, Workload
 from planner.plan import Plan
 from planner.strategies import ideal_seconds, timeline
 from profiler.schema import Profile
+from runtime import hoststat
 from runtime.coordinator import Pipeline
 from runtime.wire import pb
 
@@ -142,12 +143,12 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
         # kernel selection (on an H100, Base's first of three runs was 20% slower than the others)
         prefill_once(pipe, ids, mb, slices)
         for _ in range(count):
-            steal0 = [_steal(c.call("Status", pb.StatusRequest(), timeout=10)) for c in pipe.clients]
+            steal0 = [hoststat.reported(c.call("Status", pb.StatusRequest(), timeout=10)) for c in pipe.clients]
             e0 = energy() if energy else None
             elapsed, stages = prefill_once(pipe, ids, mb, slices, offsets)
             joules = energy() - e0 if energy else None
             status = [c.call("Status", pb.StatusRequest(), timeout=10) for c in pipe.clients]
-            steal1 = [_steal(st) for st in status]
+            steal1 = [hoststat.reported(st) for st in status]
             steal = {s.device: None if a is None or b is None else round(b - a, 3)
                      for s, a, b in zip(sp.stages, steal0, steal1)}
             runs[name].append({"s": elapsed, "j": joules, "stages": stages, "mb": mb, "slices": len(slices),
@@ -184,11 +185,6 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
             for name, row in rows.items():
                 row["predicted_now_s"] = timeline(scaled, work, plan.strategies[name]).makespan
     return result
-
-
-def _steal(status) -> float | None:
-    """The daemon's CPU steal counter (seconds since boot), if it knows it."""
-    return status.cpu_steal_s if status.HasField("cpu_steal_s") else None
 
 
 def _check_profile(plan: Plan, profile: Profile, devices: list[str]) -> None:

@@ -29,6 +29,9 @@ def test_profile_live_cluster_and_cache(cluster3, smollm2, tmp_path, capsys):
     # attention grows with the slice, and the profile is a usable cost model
     assert attn.time(128, 0, 1) > attn.time(16, 0, 1) > 0
     assert all(d.memory_bytes > 0 for d in profile.devices)
+    # how much CPU the hypervisor took from each daemon while it was profiled (Linux knows)
+    assert set(profile.meta["steal_s"]) == {"s0", "s1", "s2"} and min(profile.meta["steal_s"].values()) >= 0
+    assert "CPU steal while profiling" in err
     assert main(args) == 0  # unchanged devices: compute comes from the cache
     again = Profile.from_json(out.read_text())
     # the three share this machine: their grids were measured together, as a pipeline runs them,
