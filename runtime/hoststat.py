@@ -2,8 +2,10 @@
 
 On a virtual machine the physical cores behind the virtual CPUs may also run other guests. The
 time a virtual CPU was ready to run but was not given its core is counted as steal. A bench run
-that lost CPU time this way is slower for a reason no schedule can fix, so each daemon reports
-the steal on its own CPUs (``StatusReply.cpu_steal_s``) and ``hpipe bench`` shows it per run.
+that lost CPU time this way is slower for a reason no schedule can fix, and a profile taken
+while the host was busy reads its devices slow. So each daemon reports the steal on its own CPUs
+(``StatusReply.cpu_steal_s``); ``hpipe bench`` shows it per run, and ``hpipe profile`` keeps what
+each daemon lost while it was profiled (``meta.steal_s``).
 """
 
 from __future__ import annotations
