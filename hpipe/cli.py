@@ -123,7 +123,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
                 units = r.get("units")
                 print(f"{r['name']:<12} {r['address']:<22} {r['device']:<8} "
                       f"{'healthy' if r['healthy'] else 'DOWN':<8} "
-                      f"{'units [%d, %d)' % tuple(units) if units else '-':<16} "
+                      f"{'units ' + ' '.join('[%d, %d)' % tuple(u) for u in units) if units else '-':<16} "
                       f"open sequences: {r.get('open_sequences', '-')}")
         return 0 if all(r["healthy"] for r in rows) else 1
     result = launcher.up(cluster) if args.action == "up" else launcher.down(cluster)

@@ -136,7 +136,8 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
         """Deploy ``name``, warm up on the real input, then time ``count`` runs."""
         sp = plan.strategies[name]
         pipe.deploy(plan.model_name, sp.cuts, num_units, dtype, daemons=[s.device for s in sp.stages])
-        offsets = [c.clock_offset() for c in pipe.clients]
+        host_offsets = [c.clock_offset() for c in pipe.clients]
+        offsets = [host_offsets[st.host] for st in pipe.stages]
         mb = sp.micro_batches if batch % sp.micro_batches == 0 else 1
         slices = plan.slices_for(seq_len, name)
         # warm-up with the real input: the first run of full-size shapes pays for allocator growth and
@@ -149,11 +150,11 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
             joules = energy() - e0 if energy else None
             status = [c.call("Status", pb.StatusRequest(), timeout=10) for c in pipe.clients]
             steal1 = [hoststat.reported(st) for st in status]
-            steal = {s.device: None if a is None or b is None else round(b - a, 3)
-                     for s, a, b in zip(sp.stages, steal0, steal1)}
+            steal = {d.name: None if a is None or b is None else round(b - a, 3)
+                     for d, a, b in zip(pipe.hosts, steal0, steal1)}
             runs[name].append({"s": elapsed, "j": joules, "stages": stages, "mb": mb, "slices": len(slices),
-                               "peak": {s.device: st.peak_memory_bytes for s, st in zip(sp.stages, status)},
-                               "base": {s.device: st.baseline_memory_bytes for s, st in zip(sp.stages, status)},
+                               "peak": {d.name: st.peak_memory_bytes for d, st in zip(pipe.hosts, status)},
+                               "base": {d.name: st.baseline_memory_bytes for d, st in zip(pipe.hosts, status)},
                                "steal": steal})
             bar.update(1)
 
@@ -213,7 +214,8 @@ def _row(sp, runs: list[dict], tokens: int, planned: bool) -> dict:
     # per-stage statistics of the median run (the lower middle one for an even count), so that they
     # explain the latency reported, not an outlier
     middle = sorted(runs, key=lambda r: r["s"])[(len(runs) - 1) // 2]
-    devices = [s.device for s in sp.stages]
+    devices = list(dict.fromkeys(s.device for s in sp.stages))  # a device holds several stages if interleaved
+    planned_memory = {d: sum(s.memory_bytes for s in sp.stages if s.device == d) for d in devices}
     # per device, the run (deployment) whose peak rose most above what the daemon held before it
     worst = {d: max(runs, key=lambda r: r["peak"][d] - r["base"][d]) for d in devices}
     return {
@@ -223,7 +225,7 @@ def _row(sp, runs: list[dict], tokens: int, planned: bool) -> dict:
         "devices": devices, "runs_s": times,
         "peak_memory_bytes": {d: worst[d]["peak"][d] for d in devices},
         "baseline_memory_bytes": {d: worst[d]["base"][d] for d in devices},
-        "predicted_memory_bytes": {s.device: s.memory_bytes for s in sp.stages},
+        "predicted_memory_bytes": planned_memory,
         "energy_j": statistics.median(joules) if joules else None,
         "stages": [{"device": st.device, "units": [st.unit_start, st.unit_end], "predicted_compute_s": st.compute_s,
                     **stats} for st, stats in zip(sp.stages, middle["stages"])],
@@ -280,7 +282,8 @@ def table(result: dict) -> str:
             m = timeline_summary(st.get("timeline", []))
             p = timeline_summary(st.get("predicted_timeline", []))
             if m:
-                lines.append(f"  {st['device']:<10} " + ", ".join(
+                label = f"{st['device']} [{st['units'][0]}, {st['units'][1]})"
+                lines.append(f"  {label:<16} " + ", ".join(
                     f"{label} {m[k]:.3f}" + (f" ({p[k]:.3f})" if p else "")
                     for label, k in (("start", "start_s"), ("compute", "busy_s"), ("idle", "idle_s"), ("end", "end_s"))))
     return "\n".join(lines)

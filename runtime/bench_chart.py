@@ -1,5 +1,5 @@
 """``hpipe bench --chart``: measured against predicted latency per strategy, and hpipe's pipeline as
-it ran (one row per stage, one bar per slice) under the one its plan predicted."""
+it ran (one row per device, one bar per slice and stage) under the one its plan predicted."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def draw(result: dict, path: str) -> None:
     if hp and any(st.get("timeline") for st in hp["stages"]):
         gantts.append(("hpipe as it ran (median run)", [[x[-2:] for x in st.get("timeline", [])]
                                                          for st in hp["stages"]], hp.get("stages_run_s")))
-    gantt_h = 0.5 + 0.35 * len(hp["stages"]) if hp else 0  # inches per Gantt panel
+    gantt_h = 0.5 + 0.35 * len({st["device"] for st in hp["stages"]}) if hp else 0  # inches per Gantt panel
     fig, axes = plt.subplots(1 + len(gantts), 1, squeeze=False, figsize=(10, 3.5 + gantt_h * len(gantts)),
                              gridspec_kw={"height_ratios": [3] + [gantt_h] * len(gantts)})
     _bars(axes[0, 0], result)
@@ -49,15 +49,17 @@ def _bars(ax, result: dict) -> None:
 
 
 def _gantt(ax, title: str, devices: list[str], stages: list[list], total: float | None, horizon: float) -> None:
+    """``devices[j]``: the device of stage j; stages of one device (interleaved) share its row."""
     import matplotlib.pyplot as plt
 
     cmap = plt.get_cmap("tab20")
-    rows = len(devices)
+    names = list(dict.fromkeys(devices))
+    rows = len(names)
     for j, spans in enumerate(stages):
+        row = rows - 1 - names.index(devices[j])
         for k, (begin, end) in enumerate(spans):
-            ax.barh(rows - 1 - j, end - begin, left=begin, height=0.6, color=cmap(k % 20), edgecolor="black",
-                    linewidth=0.3)
+            ax.barh(row, end - begin, left=begin, height=0.6, color=cmap(k % 20), edgecolor="black", linewidth=0.3)
     ax.set_yticks(range(rows))
-    ax.set_yticklabels(list(reversed(devices)), fontsize=8)
+    ax.set_yticklabels(list(reversed(names)), fontsize=8)
     ax.set_xlim(0, (horizon or 1) * 1.02)
     ax.set_title(title + (f": {total:.3f} s" if total else ""), fontsize=9, loc="left")

@@ -7,6 +7,11 @@ background thread into a queue. While it waits it polls every stage's ``Status``
 sequence: an unreachable stage, or a stage that recorded an error (a failed send names the
 successor it could not reach), fails the sequence at once with a message naming the stage, and
 the surviving stages are told to free the sequence's KV cache.
+
+A daemon may hold several stages (an interleaved schedule): it gets one ``Load`` with all of its
+unit ranges, one ``Open`` per sequence, and reports statistics per range, which are put back in
+stage order. ``Pipeline.clients`` has one client per daemon (a *host*), ``stage_host`` maps each
+stage to its host.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ class StageInfo:
     daemon: DaemonSpec
     unit_start: int
     unit_end: int
-    parameters: int
+    host: int             # index of its daemon in Pipeline.hosts / clients
+    parameters: int       # of the daemon's whole deployment (all its stages)
     weight_bytes: int
     load_s: float
 
@@ -56,42 +62,59 @@ class Pipeline:
         self.cluster = cluster
         self.security = security if security is not None else cluster.security()
         self.stages: list[StageInfo] = []
-        self.clients: list[StageClient] = []
+        self.hosts: list[DaemonSpec] = []      # the daemons in use, in order of their first stage
+        self.clients: list[StageClient] = []   # one per host
         self.vocab_size = 0
-        self._stage_name = {}
 
-    def describe(self, i: int) -> str:
-        d = self.stages[i].daemon
-        return f"stage {i} ({d.name} at {d.address})"
+    def describe_host(self, h: int) -> str:
+        d = self.hosts[h]
+        stages = [s.index for s in self.stages if s.host == h]
+        return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} ({d.name} at {d.address})"
+
+    def host_stages(self, h: int) -> list[int]:
+        return [s.index for s in self.stages if s.host == h]
 
     def deploy(self, model: str, cuts: Seq[int], num_units: int, dtype: torch.dtype,
                daemons: Seq[str] | None = None) -> list[StageInfo]:
-        """Load ``[0,c1), [c1,c2), ...`` onto the named daemons (default: the first ones, in file order)."""
+        """Load ``[0,c1), [c1,c2), ...`` onto the named daemons (default: the first ones, in file order).
+
+        A daemon named for several stages holds them all (an interleaved schedule); two stages in a
+        row on one daemon would be one stage and are refused."""
         bounds = [0, *cuts, num_units]
         n = len(bounds) - 1
         chosen = [self.cluster.daemon(name) for name in daemons] if daemons else list(self.cluster.daemons[:n])
         if len(chosen) != n:
             raise InputError(f"{n} stages need {n} daemons; cluster {self.cluster.name!r} has "
                              f"{len(self.cluster.daemons)}")
+        repeated = [i for i in range(1, n) if chosen[i].name == chosen[i - 1].name]
+        if repeated:
+            raise InputError(f"stages {repeated[0] - 1} and {repeated[0]} are both on {chosen[repeated[0]].name}: "
+                             "merge them into one stage")
         self.close()
-        self.clients = [StageClient(d.address, self.security, d.name) for d in chosen]
-        requests = [pb.LoadRequest(model=model, unit_start=a, unit_end=b, dtype=dtype_to_wire(dtype),
-                                   next_address=chosen[i + 1].address if i + 1 < n else "",
-                                   next_name=chosen[i + 1].name if i + 1 < n else "", stage_index=i)
-                    for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        names = list(dict.fromkeys(d.name for d in chosen))
+        hosts = [next(d for d in chosen if d.name == name) for name in names]
+        host_of = [names.index(d.name) for d in chosen]
+        self.clients = [StageClient(d.address, self.security, d.name) for d in hosts]
+        requests = [pb.LoadRequest(model=model, dtype=dtype_to_wire(dtype), parts=[
+            pb.StagePart(unit_start=bounds[i], unit_end=bounds[i + 1], stage_index=i,
+                         next_address=chosen[i + 1].address if i + 1 < n else "",
+                         next_name=chosen[i + 1].name if i + 1 < n else "")
+            for i in range(n) if host_of[i] == h]) for h in range(len(hosts))]
 
-        def load(i):
+        def load(h):
             try:
-                return self.clients[i].call("Load", requests[i], timeout=600.0)
+                return self.clients[h].call("Load", requests[h], timeout=600.0)
             except grpc.RpcError as e:
-                raise StageFailure(f"stage {i} ({chosen[i].name} at {chosen[i].address}) could not load units "
-                                   f"[{bounds[i]}, {bounds[i + 1]}): {e.code().name}: {e.details()}") from None
+                ranges = ", ".join(f"[{p.unit_start}, {p.unit_end})" for p in requests[h].parts)
+                raise StageFailure(f"{hosts[h].name} at {hosts[h].address} could not load units {ranges}: "
+                                   f"{e.code().name}: {e.details()}") from None
 
-        with ThreadPoolExecutor(max_workers=n) as pool:
-            replies = list(pool.map(load, range(n)))
-        self.stages = [StageInfo(i, chosen[i], bounds[i], bounds[i + 1], r.parameters, r.weight_bytes, r.load_s)
-                       for i, r in enumerate(replies)]
-        self.vocab_size = replies[-1].vocab_size
+        with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
+            replies = list(pool.map(load, range(len(hosts))))
+        self.hosts = hosts
+        self.stages = [StageInfo(i, chosen[i], bounds[i], bounds[i + 1], host_of[i], replies[host_of[i]].parameters,
+                                 replies[host_of[i]].weight_bytes, replies[host_of[i]].load_s) for i in range(n)]
+        self.vocab_size = replies[host_of[-1]].vocab_size
         return self.stages
 
     def open(self, max_len: int, batch: int = 1, idle_timeout_s: float = 60.0,
@@ -103,7 +126,7 @@ class Pipeline:
     def close(self) -> None:
         for c in self.clients:
             c.close()
-        self.clients = []
+        self.clients, self.hosts, self.stages = [], [], []
 
 
 class RemoteSequence:
@@ -114,35 +137,38 @@ class RemoteSequence:
         self.id = random.getrandbits(63)
         self.result_timeout_s = result_timeout_s
         self.position = 0
-        self.kv_bytes: list[int] = []
-        self.stats: list[dict] = []
+        self.kv_bytes: list[int] = [0] * len(pipe.stages)  # per stage
+        self.stats: list[dict] = []                        # per stage, once closed
         self._results: queue.Queue = queue.Queue()
         self._closed = False
         opened = []
         try:
-            for i, client in enumerate(pipe.clients):
-                reply = self._rpc(i, "Open", pb.OpenRequest(sequence_id=self.id, batch=batch, max_len=max_len,
+            for h in range(len(pipe.clients)):
+                reply = self._rpc(h, "Open", pb.OpenRequest(sequence_id=self.id, batch=batch, max_len=max_len,
                                                            idle_timeout_s=idle_timeout_s))
-                opened.append(i)
-                self.kv_bytes.append(reply.kv_bytes)
+                opened.append(h)
+                for i, kv in zip(pipe.host_stages(h), reply.parts_kv_bytes):
+                    self.kv_bytes[i] = kv
         except HpipeError:
-            for i in opened:
-                self._close_stage(i)
+            for h in opened:
+                self._close_host(h)
             raise
-        self._stream = pipe.clients[-1].results(self.id)
+        self._last = pipe.stages[-1].host
+        self._stream = pipe.clients[self._last].results(self.id)
         self._reader = threading.Thread(target=self._read_results, daemon=True, name=f"results-{self.id}")
         self._reader.start()
 
-    def _rpc(self, i: int, method: str, request, timeout: float = 30.0):
+    def _rpc(self, h: int, method: str, request, timeout: float = 30.0):
+        """``method`` on host ``h``, its failure as a :class:`StageFailure` naming the host's stages."""
         try:
-            return self.pipe.clients[i].call(method, request, timeout=timeout)
+            return self.pipe.clients[h].call(method, request, timeout=timeout)
         except grpc.RpcError as e:
-            code = e.code()
+            code, who = e.code(), self.pipe.describe_host(h)
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise StageFailure(f"{self.pipe.describe(i)} is not responding ({code.name}: {e.details()})") from None
+                raise StageFailure(f"{who} is not responding ({code.name}: {e.details()})") from None
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise StageFailure(f"{self.pipe.describe(i)} is out of memory: {e.details()}") from None
-            raise StageFailure(f"{self.pipe.describe(i)}: {method} failed: {code.name}: {e.details()}") from None
+                raise StageFailure(f"{who} is out of memory: {e.details()}") from None
+            raise StageFailure(f"{who}: {method} failed: {code.name}: {e.details()}") from None
 
     def _read_results(self) -> None:
         try:
@@ -161,7 +187,7 @@ class RemoteSequence:
         n = ids.shape[1]
         if self.position + n > self.max_len:
             raise InputError(f"positions up to {self.position + n} exceed the sequence's max length {self.max_len}")
-        self._rpc(0, "Submit", pb.Slice(sequence_id=self.id, unit_start=self.pipe.stages[0].unit_start,
+        self._rpc(self.pipe.stages[0].host, "Submit", pb.Slice(sequence_id=self.id, unit_start=self.pipe.stages[0].unit_start,
                                         start=self.position, length=n, payload=tensor_bytes(ids),
                                         want_logits=want_logits, all_logits=all_logits))
         self.position += n
@@ -180,7 +206,7 @@ class RemoteSequence:
                 continue
             if isinstance(item, grpc.RpcError):
                 self._abort()
-                raise StageFailure(f"{self.pipe.describe(len(self.pipe.stages) - 1)}: results stream broke "
+                raise StageFailure(f"{self.pipe.describe_host(self._last)}: results stream broke "
                                    f"({item.code().name}: {item.details()})")
             if item.error:
                 self._check_stages()  # name the stage that failed, if it can be found
@@ -195,53 +221,60 @@ class RemoteSequence:
         a symptom, the dead daemon the cause.
         """
         replies, dead = {}, None
-        for i in range(len(self.pipe.clients)):
+        for h in range(len(self.pipe.clients)):
             try:
-                replies[i] = self.pipe.clients[i].call("Status", pb.StatusRequest(sequence_ids=[self.id]),
+                replies[h] = self.pipe.clients[h].call("Status", pb.StatusRequest(sequence_ids=[self.id]),
                                                        timeout=STATUS_TIMEOUT_S)
             except grpc.RpcError as e:
-                dead = dead or (i, e)
+                dead = dead or (h, e)
         if dead:
-            i, e = dead
-            self._abort(skip=i)
-            raise StageFailure(f"{self.pipe.describe(i)} is not responding ({e.code().name}: {e.details()})")
-        for i, reply in replies.items():
+            h, e = dead
+            self._abort(skip=h)
+            raise StageFailure(f"{self.pipe.describe_host(h)} is not responding ({e.code().name}: {e.details()})")
+        for h, reply in replies.items():
             state = reply.sequences[0]
             if state.error:
                 self._abort()
-                raise StageFailure(f"{self.pipe.describe(i)}: {state.error}")
+                raise StageFailure(f"{self.pipe.describe_host(h)}: {state.error}")
             if not state.open:
                 self._abort()
-                raise StageFailure(f"{self.pipe.describe(i)} no longer holds sequence {self.id} (idle timeout?)")
+                raise StageFailure(f"{self.pipe.describe_host(h)} no longer holds sequence {self.id} (idle timeout?)")
 
     def logits(self, msg: pb.SliceResult) -> torch.Tensor:
         return tensor_from_proto(msg.logits)
 
     # --- life cycle -------------------------------------------------------------------------
-    def _close_stage(self, i: int) -> dict | None:
+    def _close_host(self, h: int) -> dict[int, dict]:
+        """Free the sequence on host ``h``; its statistics per stage index ({} if it did not answer)."""
         try:
-            reply = self.pipe.clients[i].call("Close", pb.SequenceRequest(sequence_id=self.id), timeout=5.0)
+            reply = self.pipe.clients[h].call("Close", pb.SequenceRequest(sequence_id=self.id), timeout=5.0)
         except grpc.RpcError:
-            return None
-        s = reply.stats
-        return {"compute_s": s.compute_s, "send_s": s.send_s, "recv_decode_s": s.recv_decode_s,
-                "slices": s.slices, "bytes_sent": s.bytes_sent,
-                "spans": [(x.start, x.length, x.received_s, x.begin_s, x.end_s) for x in s.spans]}
+            return {}
+        index = {self.pipe.stages[i].unit_start: i for i in self.pipe.host_stages(h)}
+        return {index[s.unit_start]: {
+            "compute_s": s.compute_s, "send_s": s.send_s, "recv_decode_s": s.recv_decode_s,
+            "slices": s.slices, "bytes_sent": s.bytes_sent,
+            "spans": [(x.start, x.length, x.received_s, x.begin_s, x.end_s) for x in s.spans]}
+            for s in reply.stats if s.unit_start in index}
 
     def _abort(self, skip: int | None = None) -> None:
-        """Free the sequence on every stage that still answers."""
+        """Free the sequence on every host that still answers."""
         if self._closed:
             return
         self._closed = True
-        for i in range(len(self.pipe.clients)):
-            if i != skip:
-                self._close_stage(i)
+        for h in range(len(self.pipe.clients)):
+            if h != skip:
+                self._close_host(h)
         self._stream.cancel()
 
     def close(self) -> list[dict]:
+        """Free the sequence everywhere; statistics per stage ({} for a stage that did not answer)."""
         if not self._closed:
             self._closed = True
-            self.stats = [self._close_stage(i) or {} for i in range(len(self.pipe.clients))]
+            per_stage: dict[int, dict] = {}
+            for h in range(len(self.pipe.clients)):
+                per_stage.update(self._close_host(h))
+            self.stats = [per_stage.get(i, {}) for i in range(len(self.pipe.stages))]
             self._stream.cancel()
         return self.stats
 

@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from hpipe.errors import HpipeError, InputError, ModelSourceError, UnsupportedModelError
 from runtime import hoststat
 from runtime.channels import TOKEN_HEADER, Security, StageClient
-from runtime.stage_server import StageError, StageServer
+from runtime.stage_server import PartSpec, StageError, StageServer
 from runtime.wire import CHANNEL_OPTIONS, dtype_from_wire, pb, pb_grpc, tensor_to_proto
 
 log = logging.getLogger(__name__)
@@ -85,14 +85,14 @@ class StageServicer(pb_grpc.StageServicer):
 
         dtype = self._compute_dtype(request.dtype)
         release_timed_stages()  # the profiler's random stages are not needed once a stage is deployed
-        info = self.server.load(request.model, request.unit_start, request.unit_end, dtype, request.next_address,
-                                request.next_name, request.stage_index)
+        parts = [PartSpec(p.unit_start, p.unit_end, p.next_address, p.next_name, p.stage_index) for p in request.parts]
+        info = self.server.load(request.model, dtype, parts)
         return pb.LoadReply(**info)
 
     @_handled
     def Open(self, request, context):
         kv = self.server.open(request.sequence_id, request.batch, request.max_len, request.idle_timeout_s)
-        return pb.OpenReply(kv_bytes=kv)
+        return pb.OpenReply(kv_bytes=sum(kv), parts_kv_bytes=kv)
 
     @_handled
     def Submit(self, request, context):
@@ -113,12 +113,15 @@ class StageServicer(pb_grpc.StageServicer):
 
     @_handled
     def Close(self, request, context):
-        stats = self.server.close(request.sequence_id)
-        if stats is None:
+        parts = self.server.close(request.sequence_id)
+        if parts is None:
             return pb.CloseReply(existed=False)
-        fields = {k: v for k, v in vars(stats).items() if k != "spans"}
-        spans = [pb.SliceSpan(start=a, length=n, received_s=r, begin_s=b, end_s=e) for a, n, r, b, e in stats.spans]
-        return pb.CloseReply(existed=True, stats=pb.StageStats(spans=spans, **fields))
+        reply = pb.CloseReply(existed=True)
+        for stats in parts:
+            fields = {k: v for k, v in vars(stats).items() if k != "spans"}
+            spans = [pb.SliceSpan(start=a, length=n, received_s=r, begin_s=b, end_s=e) for a, n, r, b, e in stats.spans]
+            reply.stats.append(pb.StageStats(spans=spans, **fields))
+        return reply
 
     @_handled
     def GetDeviceInfo(self, request, context):
@@ -194,7 +197,9 @@ class StageServicer(pb_grpc.StageServicer):
     def Status(self, request, context):
         info = self.server.status(list(request.sequence_ids))
         seqs = [pb.SequenceState(**s) for s in info.pop("sequences")]
-        reply = pb.StatusReply(sequences=seqs, clock_s=time.time(), **info)
+        parts = [pb.StagePart(unit_start=p.unit_start, unit_end=p.unit_end, next_address=p.next_address,
+                              next_name=p.next_name, stage_index=p.stage_index) for p in info.pop("parts")]
+        reply = pb.StatusReply(sequences=seqs, parts=parts, clock_s=time.time(), **info)
         steal = hoststat.steal_seconds()
         if steal is not None:
             reply.cpu_steal_s = steal

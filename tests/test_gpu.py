@@ -115,8 +115,8 @@ def test_redeployment_does_not_hold_the_old_model():
     c = d.client()
     try:
         for end in (40, 26):  # units [0, 40), then [0, 26): neither holds the head
-            info = c.call("Load", pb.LoadRequest(model="random:llama-7b", unit_start=0, unit_end=end,
-                                                 dtype=dtype_to_wire(torch.bfloat16), next_address="127.0.0.1:1"))
+            info = c.call("Load", pb.LoadRequest(model="random:llama-7b", dtype=dtype_to_wire(torch.bfloat16), parts=[
+                pb.StagePart(unit_start=0, unit_end=end, next_address="127.0.0.1:1")]))
             c.call("Open", pb.OpenRequest(sequence_id=1, batch=1, max_len=64))
             c.call("Submit", pb.Slice(sequence_id=1, unit_start=0, start=0, length=64,
                                       payload=torch.randint(0, 32000, (1, 64)).numpy().tobytes()))

@@ -29,8 +29,8 @@ def code_of(fn):
 
 
 def load(client, model, start, end, dtype=pb.FLOAT32, next_address=""):
-    return client.call("Load", pb.LoadRequest(model=str(model), unit_start=start, unit_end=end, dtype=dtype,
-                                               next_address=next_address))
+    return client.call("Load", pb.LoadRequest(model=str(model), dtype=dtype, parts=[
+        pb.StagePart(unit_start=start, unit_end=end, next_address=next_address)]))
 
 
 def test_bad_messages_then_good_request(daemon, tiny_dirs):
@@ -41,6 +41,12 @@ def test_bad_messages_then_good_request(daemon, tiny_dirs):
     assert code_of(lambda: load(c, "no-such-model", 0, 8))[0] == grpc.StatusCode.FAILED_PRECONDITION
     code, msg = code_of(lambda: load(c, model, 0, 99))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "outside the model's units" in msg
+    code, msg = code_of(lambda: c.call("Load", pb.LoadRequest(model=str(model), dtype=pb.FLOAT32, parts=[
+        pb.StagePart(unit_start=0, unit_end=4, next_address="127.0.0.1:1"),
+        pb.StagePart(unit_start=3, unit_end=6, next_address="127.0.0.1:1")])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "overlap" in msg
+    assert code_of(lambda: c.call("Load", pb.LoadRequest(model=str(model), dtype=pb.FLOAT32)))[0] == \
+        grpc.StatusCode.INVALID_ARGUMENT
 
     info = load(c, model, 3, 8)  # no embedding: takes the residual stream [1, s, 64] float32
     assert info.hidden_size == 64 and info.parameters > 0
@@ -79,7 +85,7 @@ def test_bad_messages_then_good_request(daemon, tiny_dirs):
     first = next(stream)
     assert first.start == 0 and first.length == 4 and list(first.logits.shape) == [1, 384]
     closed = c.call("Close", pb.SequenceRequest(sequence_id=7))
-    assert closed.existed and closed.stats.slices == 1
+    assert closed.existed and closed.stats[0].slices == 1 and closed.stats[0].unit_start == 3
     assert c.call("Status", pb.StatusRequest()).kv_bytes == 0
 
 

@@ -47,17 +47,47 @@ def test_cuts_and_slices_equal_single_process(cluster3, smollm2, reference, cuts
             assert [s["units"] for s in stages][0][0] == 0 and stages[-1]["units"][1] == 62
             assert all(s["slices"] >= 1 and s["compute_s"] > 0 for s in stages)
         # every sequence was freed on every stage
-        status = [pipe.clients[i].call("Status", __import__("runtime.wire").wire.pb.StatusRequest())
-                  for i in range(len(pipe.stages))]
+        status = [c.call("Status", __import__("runtime.wire").wire.pb.StatusRequest()) for c in pipe.clients]
         assert all(s.open_sequences == 0 and s.kv_bytes == 0 for s in status)
     finally:
         pipe.close()
 
 
-def test_several_sequences_in_flight(cluster3, smollm2, reference):
+def test_interleaved_stages_equal_single_process(cluster3, smollm2, reference):
+    """Daemons holding two unit ranges each (s0 s1 s2 s0 s1): the same tokens, statistics per stage."""
+    from runtime.wire import pb
+
     pipe = Pipeline(cluster3.spec)
     try:
-        pipe.deploy("smollm2-135m", [6, 31], smollm2.config.num_units, torch.float32)
+        pipe.deploy("smollm2-135m", [6, 20, 31, 45], smollm2.config.num_units, torch.float32,
+                    daemons=["s0", "s1", "s2", "s0", "s1"])
+        assert [h.name for h in pipe.hosts] == ["s0", "s1", "s2"] and [s.host for s in pipe.stages] == [0, 1, 2, 0, 1]
+        held = pipe.clients[0].call("Status", pb.StatusRequest()).parts
+        assert [(p.unit_start, p.unit_end, p.stage_index) for p in held] == [(0, 6, 0), (31, 45, 3)]
+        prompt = PROMPTS[1]
+        want, n = reference[prompt]
+        for slices in (None, [7, 3, n - 10]):
+            result = run(pipe, smollm2, prompt, slices)
+            assert result.token_ids == want, slices
+            stages = result.extra["stages"]
+            assert [s["units"] for s in stages] == [[0, 6], [6, 20], [20, 31], [31, 45], [45, 62]]
+            assert [s["daemon"] for s in stages] == ["s0", "s1", "s2", "s0", "s1"]
+            # every stage computed every slice (the prompt's, then one per generated token but the last)
+            assert len({s["slices"] for s in stages}) == 1 and stages[0]["slices"] >= len(slices or [n])
+            assert all(s["kv_bytes"] > 0 for s in stages)
+        with pytest.raises(Exception, match="both on s0"):
+            pipe.deploy("smollm2-135m", [6, 20], smollm2.config.num_units, torch.float32,
+                        daemons=["s1", "s0", "s0"])
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("daemons", [None, ["s0", "s1", "s0", "s2"]])
+def test_several_sequences_in_flight(cluster3, smollm2, reference, daemons):
+    pipe = Pipeline(cluster3.spec)
+    try:
+        cuts = [6, 31] if daemons is None else [6, 31, 40]
+        pipe.deploy("smollm2-135m", cuts, smollm2.config.num_units, torch.float32, daemons=daemons)
         jobs = [(p, s) for p in PROMPTS for s in (None, [4, 4, 4])] * 2
         jobs = [(p, s if s is None else s + [reference[p][1] - 12]) for p, s in jobs]
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
