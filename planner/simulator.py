@@ -8,6 +8,13 @@ in arrival order (like the daemon's single worker), and each link carries one tr
     X[j][k] = max(X[j][k-1], C[j][k]) + comm[j][k]          transfer finish on link j -> j+1
     A[j+1][k] = X[j][k],  A[0][k] = 0                        arrival
     makespan = C[N-1][K-1]
+
+A device may hold several stages (an interleaved schedule: ``A1 B1 C1 A2 B2 C2``, each device
+holding two unit ranges). It then computes one item at a time over all of them, first come first
+served by arrival (like the daemon's single worker queue), and one sender thread carries all of
+its outputs in the order they were computed. That case runs as a discrete-event simulation:
+computations are committed in order of start time, so every item a device could have taken
+instead has a known arrival by then.
 """
 
 from __future__ import annotations
@@ -23,11 +30,15 @@ class Timeline:
     transfers: tuple[tuple[int, int, float, float], ...]
 
 
-def simulate(comp: list[list[float]], comm: list[list[float]], keep: bool = False) -> Timeline | float:
+def simulate(comp: list[list[float]], comm: list[list[float]], keep: bool = False,
+             devices: list[int] | tuple[int, ...] | None = None) -> Timeline | float:
     """``comp[j][k]``: compute seconds of item k on stage j; ``comm[j][k]``: link j -> j+1 seconds.
 
-    Returns the makespan, or a :class:`Timeline` with every interval when ``keep``.
+    ``devices[j]``: the device of stage j (default: one device per stage). Returns the makespan,
+    or a :class:`Timeline` with every interval when ``keep``.
     """
+    if devices is not None and len(set(devices)) < len(devices):
+        return _simulate_shared(comp, comm, keep, list(devices))
     n = len(comp)
     if n == 0 or not comp[0]:
         return Timeline(0.0, (), ()) if keep else 0.0
@@ -52,3 +63,45 @@ def simulate(comp: list[list[float]], comm: list[list[float]], keep: bool = Fals
             if keep:
                 tspans.append((j, k, start, wire))
     return Timeline(makespan, tuple(cspans), tuple(tspans)) if keep else makespan
+
+
+def _simulate_shared(comp, comm, keep: bool, devices: list[int]) -> Timeline | float:
+    n, k_items = len(comp), len(comp[0]) if comp else 0
+    if n == 0 or k_items == 0:
+        return Timeline(0.0, (), ()) if keep else 0.0
+    arrival = [[0.0] * k_items] + [[INF] * k_items for _ in range(n - 1)]
+    nxt = [0] * n                       # the next item of each stage (a stage takes its items in order)
+    free = {d: 0.0 for d in devices}    # when each device's worker is next idle
+    sender = {d: 0.0 for d in devices}  # when each device's sender thread is next idle
+    stages_of = {d: [j for j in range(n) if devices[j] == d] for d in free}
+    cspans, tspans = [], []
+    makespan = 0.0
+    for _ in range(n * k_items):
+        best = None  # (start, arrival, stage): the earliest computation any device can begin
+        for d, js in stages_of.items():
+            for j in js:
+                k = nxt[j]
+                if k < k_items and arrival[j][k] < INF:
+                    cand = (max(free[d], arrival[j][k]), arrival[j][k], j)
+                    if best is None or cand < best:
+                        best = cand
+        start, _, j = best
+        k = nxt[j]
+        nxt[j] += 1
+        d = devices[j]
+        end = free[d] = start + comp[j][k]
+        if keep:
+            cspans.append((j, k, start, end))
+        if j == n - 1:
+            makespan = max(makespan, end)
+            continue
+        t0 = max(sender[d], end)
+        sender[d] = arrival[j + 1][k] = t0 + comm[j][k]
+        if keep:
+            tspans.append((j, k, t0, sender[d]))
+    if keep:
+        return Timeline(makespan, tuple(sorted(cspans)), tuple(sorted(tspans)))
+    return makespan
+
+
+INF = float("inf")

@@ -27,7 +27,9 @@ from planner.slicing import GRANULARITY, Stage, slicing_table, uniform
 from profiler.schema import Profile
 
 MAX_UNIFORM_SLICES = 64
-REFINE_BUDGET_S = 4.0  # wall-clock cap on the local search, over all splits
+REFINE_BUDGET_S = 4.0  # wall-clock cap on the local search, over all starting points
+REFINE_STARTS = 3      # the local search polishes the best few starting schedules
+INTERLEAVE = (2, 3)    # ranges per device tried for interleaved schedules
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def simulate_schedule(cost: CostModel, work: Workload, bounds, devices, micro_ba
     comp = [t.tolist() for t in _computes(cost, work, bounds, devices, micro_batches, s_arr, c_arr, last)]
     comm = [np.broadcast_to(cost.comm_time(devices[j], devices[j + 1], s_arr, work.batch // micro_batches),
                             s_arr.shape).tolist() for j in range(len(devices) - 1)]
-    return simulate(comp, comm, keep=keep)
+    return simulate(comp, comm, keep=keep, devices=devices)
 
 
 def _divisors(n: int) -> list[int]:
@@ -89,7 +91,29 @@ def _divisors(n: int) -> list[int]:
 
 
 def _fits(cost: CostModel, work: Workload, bounds, devices) -> bool:
-    return all(cost.fits(devices[j], a, b, work) for j, (a, b) in enumerate(zip(bounds, bounds[1:])))
+    """Whether every device holds its stages: summed over the stages of a device (interleaved)."""
+    need: dict[int, int] = {}
+    for j, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        need[devices[j]] = need.get(devices[j], 0) + cost.stage_memory(a, b, work)
+    return all(n <= cost.devices[d].memory_bytes for d, n in need.items())
+
+
+def interleave(bounds: tuple[int, ...], devices: tuple[int, ...], v: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The chain ``A1 B1 C1 A2 B2 C2 ...``: each stage of ``bounds`` cut into ``v`` parts, in rounds.
+
+    Device j keeps about the units it had (its share split evenly over its ``v`` parts); None when
+    there is one stage, or some stage has fewer than ``v`` units.
+    """
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    if v < 2 or len(sizes) < 2 or min(sizes) < v:
+        return None
+    parts = [[n // v + (1 if r < n % v else 0) for r in range(v)] for n in sizes]
+    out, chain = [0], []
+    for r in range(v):
+        for j, dev in enumerate(devices):
+            out.append(out[-1] + parts[j][r])
+            chain.append(dev)
+    return tuple(out), tuple(chain)
 
 
 def _best(cost, work, bounds, devices, mbs, slicings) -> Candidate:
@@ -150,10 +174,18 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
         return gen
 
     results: dict[str, Candidate | None] = {}
-    best_h = None
+    # candidates: each split as it is, and interleaved (each device holding several unit ranges)
+    starts = []
     for bounds, devices in splits:
-        c = _refined(cost, work, _best(cost, work, bounds, devices, mbs, hpipe_slicings(bounds, devices)),
-                     granularity, budget_s=REFINE_BUDGET_S / len(splits))
+        starts.append(_best(cost, work, bounds, devices, mbs, hpipe_slicings(bounds, devices)))
+        for v in INTERLEAVE:
+            chain = interleave(bounds, devices, v)
+            if chain and _fits(cost, work, *chain):
+                starts.append(_best(cost, work, *chain, mbs, lambda m: _uniforms(L)))
+    starts.sort(key=lambda c: c.makespan)
+    best_h = None
+    for c in starts[:REFINE_STARTS]:
+        c = _refined(cost, work, c, granularity, budget_s=REFINE_BUDGET_S / min(len(starts), REFINE_STARTS))
         if best_h is None or c.makespan < best_h.makespan:
             best_h = c
     results["hpipe"] = best_h
