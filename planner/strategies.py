@@ -5,8 +5,9 @@
 - **gp_b**: hpipe's split (Algorithm 1), micro-batches as GPipe.
 - **terapipe**: even split, uniform token slices (best count).
 - **hpipe**: the best simulated schedule among: {Algorithm-1 split, even split} x {micro-batch
-  counts} x {Algorithm-2 slicing, uniform slicings}, then polished by a local search over cuts and
-  slices under the simulator (:mod:`planner.refine`). Its candidates include every baseline's, so
+  counts} x {Algorithm-2 slicing, uniform slicings} (and, when allowed, the splits interleaved:
+  each device holding 2 or 3 unit ranges in rounds, :func:`interleave`), the best few polished by a
+  local search over cuts and slices under the simulator (:mod:`planner.refine`). Its candidates include every baseline's, so
   its prediction is never worse than theirs; the simulator, not the DP estimate, decides.
 """
 
@@ -134,13 +135,18 @@ def _uniforms(length: int):
 
 
 def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granularity: int = GRANULARITY,
-         progress=None) -> Plan:
-    """Plan hpipe and every baseline for ``work``; ``strategy`` is the one the plan executes."""
+         max_ranges: int = 1, progress=None) -> Plan:
+    """Plan hpipe and every baseline for ``work``; ``strategy`` is the one the plan executes.
+
+    ``max_ranges``: the most unit ranges hpipe may give one device (1, the default: no interleaved
+    chains; see docs/benchmarks.md, "Eighth day", for why they are not the default yet)."""
     t_start = time.perf_counter()
     cost = CostModel(profile)
     context = profile.model.max_position_embeddings
     if work.seq_len < 1 or work.batch < 1:
         raise InfeasibleError("sequence length and batch must be >= 1")
+    if max_ranges < 1:
+        raise InfeasibleError("a device holds at least one unit range (--max-ranges-per-device >= 1)")
     if work.kv_len > context:
         raise InfeasibleError(f"length {work.kv_len} exceeds the model's context of {context} tokens")
     if work.kv_len < work.seq_len:
@@ -178,7 +184,7 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
     starts = []
     for bounds, devices in splits:
         starts.append(_best(cost, work, bounds, devices, mbs, hpipe_slicings(bounds, devices)))
-        for v in INTERLEAVE:
+        for v in (v for v in INTERLEAVE if v <= max_ranges):
             chain = interleave(bounds, devices, v)
             if chain and _fits(cost, work, *chain):
                 starts.append(_best(cost, work, *chain, mbs, lambda m: _uniforms(L)))

@@ -42,7 +42,6 @@ def test_interleaving_shortens_fill_and_drain():
     """Three devices of speeds 1 : 0.5 : 0.27 (the emulated cluster's) and a 30-block model: filling
     and draining a 3-stage pipeline costs ~2 slice times of each device; with each device holding
     two or three ranges it costs a half or a third of that, so hpipe picks an interleaved chain."""
-    import planner.strategies as S
     from tests.planner.synthetic import grid
 
     rng = random.Random(1)
@@ -53,16 +52,11 @@ def test_interleaving_shortens_fill_and_drain():
     links = tuple(replace(link, latency_s=1e-4, bandwidth_Bps=1.25e8) for link in base.links)
     profile = replace(base, devices=devices, links=links)
     work = Workload(seq_len=2048)
-    hp = plan(profile, work).strategies["hpipe"]
+    hp = plan(profile, work, max_ranges=3).strategies["hpipe"]
     names = [s.device for s in hp.stages]
     assert len(names) > len(set(names)) == 3  # a device holds several ranges
     assert all(a != b for a, b in zip(names, names[1:]))
-    old = S.INTERLEAVE
-    try:
-        S.INTERLEAVE = ()
-        chain = plan(profile, work).strategies["hpipe"]
-    finally:
-        S.INTERLEAVE = old
+    chain = plan(profile, work).strategies["hpipe"]  # by default, one range per device
     assert len(chain.stages) == 3
     assert hp.predicted_s < 0.97 * chain.predicted_s
 
@@ -149,6 +143,8 @@ def test_cli_plan(tmp_path, capsys):
     assert chart.stat().st_size > 1000 and Plan.from_json(out.read_text()).seq_len == 512
     assert main(["plan", "--profile", str(path), "--seq-len", "9000"]) == 1
     assert "context" in capsys.readouterr().err
+    assert main(["plan", "--profile", str(path), "--seq-len", "512", "--max-ranges-per-device", "3", "-o",
+                 str(tmp_path / "plan3.json")]) == 0
 
 
 def test_cli_what_if_profile(tmp_path, capsys):

@@ -17,7 +17,8 @@ INSTRUCTION = "Summarize in one sentence."
 @pytest.fixture(scope="module")
 def plan_file(cluster3, smollm2, tmp_path_factory):
     profile = profile_cluster(cluster3.spec, "smollm2-135m", smollm2.config, max_len=256, repeats=1)
-    plan = make_plan(profile, Workload(seq_len=192, max_len=256))
+    # interleaved chains allowed: run and bench then also cover daemons holding several stages
+    plan = make_plan(profile, Workload(seq_len=192, max_len=256), max_ranges=3)
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     path.write_text(plan.to_json())
     (path.parent / "profile.json").write_text(profile.to_json())
