@@ -3,12 +3,12 @@
 Design note. One daemon drives one device, so all model work runs on one worker thread, in the
 order slices were accepted. A daemon holds one unit range (a *part*), or several in an
 interleaved schedule (``A1 B1 C1 A2 B2 C2``): each part has its own successor and, per sequence,
-its own KV cache, and a slice names the part it is for by its first unit. gRPC handler threads validate and decode incoming payloads while the
-worker computes (receiving overlaps compute); a sender thread encodes each output and submits it
-straight to the successor daemon (sending overlaps the next compute). The last stage queues
-results per sequence for the coordinator's ``Results`` stream. A sequence's KV cache lives from
-``open`` until ``close``, a failure, or ``idle_timeout_s`` without traffic (a vanished
-coordinator), whichever comes first.
+its own KV cache, and a slice names the part it is for by its first unit. gRPC handler threads
+validate and decode incoming payloads while the worker computes (receiving overlaps compute); a
+sender thread encodes each output and submits it straight to the successor daemon (sending
+overlaps the next compute). The last stage queues results per sequence for the coordinator's
+``Results`` stream. A sequence's KV cache lives from ``open`` until ``close``, a failure, or
+``idle_timeout_s`` without traffic (a vanished coordinator), whichever comes first.
 """
 
 from __future__ import annotations
