@@ -7,8 +7,9 @@
 - **hpipe**: the best simulated schedule among: {Algorithm-1 split, even split} x {micro-batch
   counts} x {Algorithm-2 slicing, uniform slicings} (and, when allowed, the splits interleaved:
   each device holding 2 or 3 unit ranges in rounds, :func:`interleave`), the best few polished by a
-  local search over cuts and slices under the simulator (:mod:`planner.refine`). Its candidates include every baseline's, so
-  its prediction is never worse than theirs; the simulator, not the DP estimate, decides.
+  local search over cuts and slices under the simulator (:mod:`planner.refine`). Its candidates
+  include every baseline's, so its prediction is never worse than theirs; the simulator, not the
+  DP estimate, decides.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ the surviving stages are told to free the sequence's KV cache.
 
 A daemon may hold several stages (an interleaved schedule): it gets one ``Load`` with all of its
 unit ranges, one ``Open`` per sequence, and reports statistics per range, which are put back in
-stage order. ``Pipeline.clients`` has one client per daemon (a *host*), ``stage_host`` maps each
-stage to its host.
+stage order. ``Pipeline.clients`` has one client per daemon (a *host*); ``StageInfo.host`` maps
+each stage to its host.
 """
 
 from __future__ import annotations
@@ -67,8 +67,7 @@ class Pipeline:
         self.vocab_size = 0
 
     def describe_host(self, h: int) -> str:
-        d = self.hosts[h]
-        stages = [s.index for s in self.stages if s.host == h]
+        d, stages = self.hosts[h], self.host_stages(h)
         return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} ({d.name} at {d.address})"
 
     def host_stages(self, h: int) -> list[int]:
@@ -91,8 +90,10 @@ class Pipeline:
             raise InputError(f"stages {repeated[0] - 1} and {repeated[0]} are both on {chosen[repeated[0]].name}: "
                              "merge them into one stage")
         self.close()
-        names = list(dict.fromkeys(d.name for d in chosen))
-        hosts = [next(d for d in chosen if d.name == name) for name in names]
+        by_name: dict[str, DaemonSpec] = {}
+        for d in chosen:
+            by_name.setdefault(d.name, d)
+        hosts, names = list(by_name.values()), list(by_name)
         host_of = [names.index(d.name) for d in chosen]
         self.clients = [StageClient(d.address, self.security, d.name) for d in hosts]
         requests = [pb.LoadRequest(model=model, dtype=dtype_to_wire(dtype), parts=[
