@@ -1,6 +1,6 @@
 """How much a profile's noise costs its plan: each profile's hpipe plan re-simulated on the others' median.
 
-    python benchmarks/plan_noise.py P1.json P2.json ... [--seq-len 2048] [--max-ranges V] [--no-fit]
+    python benchmarks/plan_noise.py P1.json P2.json ... [--seq-len 2048] [--max-ranges V]
 
 Profiles of one cluster (same devices and grid points). For each, its plan (made as ``hpipe plan
 --max-ranges-per-device V`` would) is simulated on the per-point median grid of all the *other*
@@ -37,7 +37,6 @@ def main() -> None:
     ap.add_argument("profiles", nargs="+")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--max-ranges", type=int, default=1, help="as hpipe plan --max-ranges-per-device")
-    ap.add_argument("--no-fit", action="store_true", help="as hpipe plan --no-fit")
     args = ap.parse_args()
     raws = [json.load(open(p)) for p in args.profiles]
     work = Workload(args.seq_len, 1, args.seq_len)
@@ -45,7 +44,7 @@ def main() -> None:
     ratios = []
     for i, (path, raw) in enumerate(zip(args.profiles, raws)):
         pooled = CostModel(median_profile([r for j, r in enumerate(raws) if j != i]))
-        sp = plan(Profile.from_dict(raw), work, max_ranges=args.max_ranges, fit=not args.no_fit).strategies["hpipe"]
+        sp = plan(Profile.from_dict(raw), work, max_ranges=args.max_ranges).strategies["hpipe"]
         names = [d.name for d in pooled.devices]
         bounds = tuple(s.unit_start for s in sp.stages) + (sp.stages[-1].unit_end,)
         devices = tuple(names.index(s.device) for s in sp.stages)

@@ -182,13 +182,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     work = Workload(args.seq_len, args.batch, args.max_len)
     strategy = args.strategy.replace("-", "_")
     plan = make_plan(profile, work, strategy=strategy, granularity=args.granularity,
-                     max_ranges=args.max_ranges_per_device, fit=not args.no_fit)
+                     max_ranges=args.max_ranges_per_device)
     print(plan_table(plan), file=sys.stderr)
     _write_or_print(plan.to_json(), args.output)
     if args.chart:
         from planner.chart import gantt
 
-        gantt(plan, {n: timeline(profile, work, sp, plan.fitted) for n, sp in plan.strategies.items()}, args.chart)
+        gantt(plan, {n: timeline(profile, work, sp) for n, sp in plan.strategies.items()}, args.chart)
         print(f"chart: {args.chart}", file=sys.stderr)
     if args.json:
         print(json.dumps({
@@ -375,9 +375,6 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-ranges-per-device", type=int, default=1, choices=(1, 2, 3), metavar="V",
                     help="hpipe may give a device up to V unit ranges (an interleaved chain: shorter pipeline fill "
                          "and drain, V times the hops per slice and per decoded token); default 1: one range each")
-    pl.add_argument("--no-fit", action="store_true",
-                    help="read the profile's MLP grids point by point (default: through a fitted line where one "
-                         "fits, so that one noisy point does not pick the slicing)")
     pl.add_argument("-o", "--output", default="plan.json")
     pl.add_argument("--chart", help="write the predicted pipelines as a Gantt chart (PNG)")
     pl.add_argument("--json", action="store_true")

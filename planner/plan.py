@@ -85,11 +85,6 @@ class Plan:
     def chosen(self) -> StrategyPlan:
         return self.strategies[self.strategy]
 
-    @property
-    def fitted(self) -> bool:
-        """Whether the predictions read the profile's MLP grids through fitted lines (planner.fit)."""
-        return bool(self.meta.get("fit", False))
-
     def slices_for(self, length: int, strategy: str | None = None) -> list[int]:
         """Slice lengths for a document of ``length`` tokens under ``strategy`` (default: the plan's)."""
         name = strategy or self.strategy

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 from planner.costs import CostModel, Workload
 from planner.cuts import Cuts, InfeasibleError, best_cuts, even_bounds
-from planner.fit import fitted_profile
 from planner.plan import Plan, StagePlan, StrategyPlan
 from planner.refine import refine
 from planner.simulator import Timeline, simulate
@@ -136,21 +135,14 @@ def _uniforms(length: int):
     return [uniform(length, k) for k in counts]
 
 
-def cost_model(profile: Profile, fit: bool = True) -> CostModel:
-    """The cost model schedules are chosen and predicted with: MLP grids through their lines when ``fit``."""
-    return CostModel(fitted_profile(profile) if fit else profile)
-
-
 def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granularity: int = GRANULARITY,
-         max_ranges: int = 1, fit: bool = True, progress=None) -> Plan:
+         max_ranges: int = 1, progress=None) -> Plan:
     """Plan hpipe and every baseline for ``work``; ``strategy`` is the one the plan executes.
 
     ``max_ranges``: the most unit ranges hpipe may give one device (1, the default: no interleaved
-    chains; see docs/benchmarks.md, "Eighth day", for why they are not the default yet).
-    ``fit``: read measured MLP grids through a fitted line (:mod:`planner.fit`); ``ideal_s`` is
-    always the profile's own reading."""
+    chains; see docs/benchmarks.md, "Eighth day", for why they are not the default yet)."""
     t_start = time.perf_counter()
-    cost = cost_model(profile, fit)
+    cost = CostModel(profile)
     context = profile.model.max_position_embeddings
     if work.seq_len < 1 or work.batch < 1:
         raise InfeasibleError("sequence length and batch must be >= 1")
@@ -224,9 +216,9 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
         raise InfeasibleError(f"strategy {strategy!r} is infeasible here (its even split does not fit in memory)")
     meta = {"planning_s": round(time.perf_counter() - t_start, 3), "profile_source": profile.source,
             "cut_bottleneck_s": dp.bottleneck,
-            "infeasible": sorted(k for k, v in results.items() if v is None), "fit": fit}
+            "infeasible": sorted(k for k, v in results.items() if v is None)}
     return Plan(profile.model_name, profile.model, profile.dtype, work.batch, L, work.kv_len, granularity,
-                strategy, strategies, schedule, ideal_seconds(CostModel(profile), work), meta=meta)
+                strategy, strategies, schedule, ideal_seconds(cost, work), meta=meta)
 
 
 def _refined(cost: CostModel, work: Workload, cand: Candidate, granularity: int, budget_s: float) -> Candidate:
@@ -262,9 +254,8 @@ def ideal_seconds(cost: CostModel, work: Workload) -> float:
     return 1.0 / speeds if speeds else math.inf
 
 
-def timeline(profile: Profile, work: Workload, sp: StrategyPlan, fit: bool = True) -> Timeline:
-    """``sp``'s predicted timeline; ``fit`` as the plan was made (``Plan.fitted``)."""
-    cost = cost_model(profile, fit)
+def timeline(profile: Profile, work: Workload, sp: StrategyPlan) -> Timeline:
+    cost = CostModel(profile)
     names = [d.name for d in cost.devices]
     bounds = tuple(s.unit_start for s in sp.stages) + (sp.stages[-1].unit_end,)
     devices = tuple(names.index(s.device) for s in sp.stages)

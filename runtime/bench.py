@@ -170,7 +170,7 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
     if profile is not None and planned:
         work = Workload(plan.seq_len, plan.batch, plan.max_len)
         for name, row in rows.items():
-            tl = timeline(profile, work, plan.strategies[name], plan.fitted)
+            tl = timeline(profile, work, plan.strategies[name])
             for j, stage in enumerate(row["stages"]):
                 stage["predicted_timeline"] = [[round(a, 6), round(e, 6)] for jj, _, a, e in tl.compute if jj == j]
     result = {"seq_len": seq_len, "batch": batch, "ideal_s": plan.ideal_s if planned else None,
@@ -184,7 +184,7 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
             # the bound at the bench's speeds, as predicted_now_s is the schedule at them
             result["ideal_now_s"] = ideal_seconds(CostModel(scaled), work)
             for name, row in rows.items():
-                row["predicted_now_s"] = timeline(scaled, work, plan.strategies[name], plan.fitted).makespan
+                row["predicted_now_s"] = timeline(scaled, work, plan.strategies[name]).makespan
     return result
 
 
