@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+INF = float("inf")
+
 
 @dataclass(frozen=True)
 class Timeline:
@@ -103,5 +105,3 @@ def _simulate_shared(comp, comm, keep: bool, devices: list[int]) -> Timeline | f
         return Timeline(makespan, tuple(sorted(cspans)), tuple(sorted(tspans)))
     return makespan
 
-
-INF = float("inf")

@@ -100,7 +100,8 @@ def _fits(cost: CostModel, work: Workload, bounds, devices) -> bool:
     return all(n <= cost.devices[d].memory_bytes for d, n in need.items())
 
 
-def interleave(bounds: tuple[int, ...], devices: tuple[int, ...], v: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def interleave(bounds: tuple[int, ...], devices: tuple[int, ...],
+               v: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The chain ``A1 B1 C1 A2 B2 C2 ...``: each stage of ``bounds`` cut into ``v`` parts, in rounds.
 
     Device j keeps about the units it had (its share split evenly over its ``v`` parts); None when

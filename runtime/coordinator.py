@@ -93,8 +93,9 @@ class Pipeline:
         by_name: dict[str, DaemonSpec] = {}
         for d in chosen:
             by_name.setdefault(d.name, d)
-        hosts, names = list(by_name.values()), list(by_name)
-        host_of = [names.index(d.name) for d in chosen]
+        hosts = list(by_name.values())
+        host_index = {name: h for h, name in enumerate(by_name)}
+        host_of = [host_index[d.name] for d in chosen]
         self.clients = [StageClient(d.address, self.security, d.name) for d in hosts]
         requests = [pb.LoadRequest(model=model, dtype=dtype_to_wire(dtype), parts=[
             pb.StagePart(unit_start=bounds[i], unit_end=bounds[i + 1], stage_index=i,
@@ -188,9 +189,10 @@ class RemoteSequence:
         n = ids.shape[1]
         if self.position + n > self.max_len:
             raise InputError(f"positions up to {self.position + n} exceed the sequence's max length {self.max_len}")
-        self._rpc(self.pipe.stages[0].host, "Submit", pb.Slice(sequence_id=self.id, unit_start=self.pipe.stages[0].unit_start,
-                                        start=self.position, length=n, payload=tensor_bytes(ids),
-                                        want_logits=want_logits, all_logits=all_logits))
+        first = self.pipe.stages[0]
+        self._rpc(first.host, "Submit", pb.Slice(sequence_id=self.id, unit_start=first.unit_start,
+                                                 start=self.position, length=n, payload=tensor_bytes(ids),
+                                                 want_logits=want_logits, all_logits=all_logits))
         self.position += n
 
     def result(self) -> pb.SliceResult:

@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import grpc
 import torch
@@ -197,8 +197,7 @@ class StageServicer(pb_grpc.StageServicer):
     def Status(self, request, context):
         info = self.server.status(list(request.sequence_ids))
         seqs = [pb.SequenceState(**s) for s in info.pop("sequences")]
-        parts = [pb.StagePart(unit_start=p.unit_start, unit_end=p.unit_end, next_address=p.next_address,
-                              next_name=p.next_name, stage_index=p.stage_index) for p in info.pop("parts")]
+        parts = [pb.StagePart(**asdict(p)) for p in info.pop("parts")]
         reply = pb.StatusReply(sequences=seqs, parts=parts, clock_s=time.time(), **info)
         steal = hoststat.steal_seconds()
         if steal is not None:
