@@ -9,7 +9,7 @@ from hpipe.cli import main
 from hpipe.errors import HpipeError
 from profiler.links import fit_link
 from profiler.measure import _grids, grid_axes, profile_cluster
-from profiler.schema import Profile
+from profiler.schema import ComputeGrid, Profile
 from runtime.cluster import ClusterSpec
 from tests.cluster_helpers import free_ports
 
@@ -74,13 +74,11 @@ def test_malformed_reply_is_refused():
 
 
 def test_the_token_axis_has_the_step_after_each_block_boundary():
-    from profiler.schema import ComputeGrid
-
     _, tokens, _ = grid_axes(2048, 1)
     assert {128, 129, 256, 257, 512, 513, 2048} <= set(tokens) and 769 not in tokens
     assert grid_axes(128, 1)[1][-1] == 128  # never past max_len
     # a cost that steps up past 128 tokens (as SmolLM2's MLP does on MKL) is then read right at 144
-    step = ComputeGrid((1,), tuple(tokens), (0,), ((tuple((1.0 * t + (50 if t > 128 else 0),) for t in tokens)),))
+    step = ComputeGrid((1,), tuple(tokens), (0,), (tuple((t + (50.0 if t > 128 else 0.0),) for t in tokens),))
     assert step.time(144, 0, 1) == pytest.approx(194.0)
 
 
