@@ -62,7 +62,8 @@ LOAD_CHUNK_S = 1.0
 #: a block boundary reads as a step, not as a ramp over the whole next interval. Measured on the
 #: 2-core Xeon VM (SmolLM2 fp32 MLP, MKL, one thread, 7 sweeps): 128 -> 129 tokens cost 13% more,
 #: 512 -> 513 7.5%, and from 129 to 256 the cost is a line again; with no point at 129, slices of
-#: 144-176 tokens were predicted 7-11% short. Past 512 a step is a few % of a slice.
+#: 144-176 tokens were predicted 7-11% short. Past 512 the steps measured were 4-7% (768 -> 769: 6.6%),
+#: left to interpolation: each point costs profiling time, and long slices are few.
 STEP_POINTS = (128, 256, 384, 512)
 
 
