@@ -75,18 +75,15 @@ def _simulate_shared(comp, comm, keep: bool, devices: list[int]) -> Timeline | f
     nxt = [0] * n                       # the next item of each stage (a stage takes its items in order)
     free = {d: 0.0 for d in devices}    # when each device's worker is next idle
     sender = {d: 0.0 for d in devices}  # when each device's sender thread is next idle
-    stages_of = {d: [j for j in range(n) if devices[j] == d] for d in free}
     cspans, tspans = [], []
     makespan = 0.0
     for _ in range(n * k_items):
         best = None  # (start, arrival, stage): the earliest computation any device can begin
-        for d, js in stages_of.items():
-            for j in js:
-                k = nxt[j]
-                if k < k_items and arrival[j][k] < INF:
-                    cand = (max(free[d], arrival[j][k]), arrival[j][k], j)
-                    if best is None or cand < best:
-                        best = cand
+        for j, k in enumerate(nxt):
+            if k < k_items and arrival[j][k] < INF:
+                cand = (max(free[devices[j]], arrival[j][k]), arrival[j][k], j)
+                if best is None or cand < best:
+                    best = cand
         start, _, j = best
         k = nxt[j]
         nxt[j] += 1
@@ -104,4 +101,3 @@ def _simulate_shared(comp, comm, keep: bool, devices: list[int]) -> Timeline | f
     if keep:
         return Timeline(makespan, tuple(sorted(cspans)), tuple(sorted(tspans)))
     return makespan
-

@@ -282,8 +282,8 @@ def table(result: dict) -> str:
             m = timeline_summary(st.get("timeline", []))
             p = timeline_summary(st.get("predicted_timeline", []))
             if m:
-                label = f"{st['device']} [{st['units'][0]}, {st['units'][1]})"
-                lines.append(f"  {label:<16} " + ", ".join(
+                stage = f"{st['device']} [{st['units'][0]}, {st['units'][1]})"
+                lines.append(f"  {stage:<16} " + ", ".join(
                     f"{label} {m[k]:.3f}" + (f" ({p[k]:.3f})" if p else "")
                     for label, k in (("start", "start_s"), ("compute", "busy_s"), ("idle", "idle_s"), ("end", "end_s"))))
     return "\n".join(lines)
