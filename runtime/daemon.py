@@ -198,7 +198,8 @@ class StageServicer(pb_grpc.StageServicer):
         info = self.server.status(list(request.sequence_ids))
         seqs = [pb.SequenceState(**s) for s in info.pop("sequences")]
         parts = [pb.StagePart(**asdict(p)) for p in info.pop("parts")]
-        reply = pb.StatusReply(sequences=seqs, parts=parts, clock_s=time.time(), **info)
+        reply = pb.StatusReply(sequences=seqs, parts=parts, clock_s=time.time(),
+                               host_cpu_s=self.server.host_cpu_seconds(), **info)
         steal = hoststat.steal_seconds()
         if steal is not None:
             reply.cpu_steal_s = steal

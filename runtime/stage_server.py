@@ -171,6 +171,16 @@ class StageServer:
         for t in self._threads:
             t.start()
 
+    def host_cpu_seconds(self) -> float:
+        """CPU seconds this process has used outside the device worker (RPC handlers, transport,
+        sender) since it started: what moving activations costs the host, apart from compute."""
+        total = time.process_time()
+        try:
+            worker = time.clock_gettime(time.pthread_getcpuclockid(self._threads[0].ident))
+        except (AttributeError, OSError):  # no per-thread clocks on this platform
+            return total
+        return max(total - worker, 0.0)
+
     # --- deployment -------------------------------------------------------------------------
     def load(self, model: str, dtype: torch.dtype, parts: list[PartSpec]) -> dict:
         """Hold ``parts`` of ``model`` (replacing any other deployment); sizes summed over the parts."""
