@@ -56,3 +56,22 @@ def fit_link(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
     inv_bw = max(inv_bw, 1e-15)  # bandwidth cannot be infinite or negative
     lat = max(pts[0][1] - pts[0][0] * inv_bw, 0.0)
     return float(lat), float(1.0 / inv_bw)
+
+
+#: slice sizes (tokens) at which a link's host CPU cost is measured: per message + per byte
+HOST_CPU_TOKENS = (16, 512)
+
+
+def fit_host_cpu(sizes: list[int], messages: list[int], cpu_seconds: list[float]) -> tuple[float, float]:
+    """``cpu_seconds[i] = messages[i] * (per_message + sizes[i] * per_byte)``, least squares (exact
+    through two sizes); each term clamped at 0, since a noisy difference can come out negative.
+    Returns (seconds per message, seconds per byte)."""
+    x = np.array(sizes, dtype=float)
+    y = np.array(cpu_seconds, dtype=float) / np.maximum(np.array(messages, dtype=float), 1.0)
+    if len(x) >= 2 and np.ptp(x) > 0:
+        per_byte, per_message = (float(v) for v in np.polyfit(x, y, 1))
+    else:
+        per_byte, per_message = float(y.max(initial=0.0) / max(float(x.max(initial=1.0)), 1.0)), 0.0
+    if per_message < 0:  # the line through the origin instead
+        per_message, per_byte = 0.0, float(np.dot(x, y) / max(float(np.dot(x, x)), 1.0))
+    return per_message, max(per_byte, 0.0)

@@ -33,7 +33,7 @@ from hpipe.config import ModelConfig
 from hpipe.errors import HpipeError
 from hpipe.model.stage import DTYPES
 from hpipe.sources import cache_root
-from profiler.links import fit_link
+from profiler.links import HOST_CPU_TOKENS, fit_host_cpu, fit_link
 from profiler.schema import DTYPE_BYTES, ComputeGrid, DeviceProfile, LinkProfile, Profile
 from runtime import hoststat
 from runtime.channels import StageClient
@@ -198,7 +198,8 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
                 except grpc.RpcError as e:
                     raise _fail(a, f"could not measure its link to {b.name} ({b.address})", e) from None
                 lat, bw = fit_link(list(reply.sizes), list(reply.seconds))
-                links.append(LinkProfile(a.name, b.name, lat, bw))
+                send, recv = _host_cpu_costs(a, b, clients, act, link_repeats)
+                links.append(LinkProfile(a.name, b.name, lat, bw, *send, *recv))
                 bar.update(1)
         steal1 = {d.name: _steal(clients[d.name]) for d in cluster.daemons}
     finally:
@@ -214,6 +215,33 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
             "cached": sorted(from_cache, key=[d.name for d in cluster.daemons].index),
             "measured_together": together, "steal_s": steal}
     return Profile(cfg, model_name, dtype, tuple(devices), tuple(links), source="measured", meta=meta)
+
+
+def _host_cpu_costs(a, b, clients: dict[str, StageClient], act: int, repeats: int):
+    """What a message on the link costs the sender's and the receiver's host in CPU, outside their
+    device workers: ((per message, per byte) sending, (per message, per byte) receiving).
+
+    Both daemons are idle but for the probes, so the change in their ``host_cpu_s`` over a round
+    of same-sized probes is what those messages cost; two sizes separate the per-message part."""
+    src, dst = clients[a.name], clients[b.name]
+    sizes = [min(act * t, MAX_PROBE_BYTES) for t in HOST_CPU_TOKENS]
+    sent, received = [], []
+    for size in sizes:
+        before = [_host_cpu(c) for c in (src, dst)]
+        try:
+            src.call("MeasureLink", pb.LinkRequest(target_address=b.address, sizes=[size], repeats=repeats),
+                     timeout=300.0)
+        except grpc.RpcError as e:
+            raise _fail(a, f"could not measure the host CPU cost of its link to {b.name} ({b.address})", e) from None
+        after = [_host_cpu(c) for c in (src, dst)]
+        sent.append(after[0] - before[0])
+        received.append(after[1] - before[1])
+    messages = [repeats + 1] * len(sizes)  # MeasureLink sends each size once more, to warm up
+    return fit_host_cpu(sizes, messages, sent), fit_host_cpu(sizes, messages, received)
+
+
+def _host_cpu(client: StageClient) -> float:
+    return client.call("Status", pb.StatusRequest(), timeout=10.0).host_cpu_s
 
 
 def _steal(client: StageClient) -> float | None:

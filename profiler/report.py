@@ -31,6 +31,13 @@ def summary(profile: Profile) -> str:
                 link = profile.link(a, b)
                 cells.append(f"{link.latency_s * 1e3:>8.3f} / {link.bandwidth_Bps / 1e6:>7.1f}")
         lines.append(f"{a[:14]:<14}" + "".join(cells))
+    costs = [l for l in profile.links if l.send_cpu_s_per_byte or l.recv_cpu_s_per_byte]
+    if costs:
+        tokens = 128
+        nbytes = tokens * profile.activation_bytes_per_token()
+        lines.append(f"host CPU ms per {tokens}-token slice, outside compute (send / receive): "
+                     + ", ".join(f"{l.src}->{l.dst} {l.send_cpu(nbytes) * 1e3:.2f} / {l.recv_cpu(nbytes) * 1e3:.2f}"
+                                 for l in costs))
     steal, took = profile.meta.get("steal_s"), profile.meta.get("profiling_s")
     if steal and took:
         lines.append(f"CPU steal while profiling (the hypervisor's, on each daemon's CPUs), s of {took:.0f} s: "

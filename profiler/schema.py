@@ -145,13 +145,28 @@ class LinkProfile:
     dst: str
     latency_s: float
     bandwidth_Bps: float
+    # CPU seconds a message costs the sending and the receiving daemon's host outside its device
+    # worker (serialisation, RPC, the kernel's network stack): per message plus per byte. 0 where
+    # unmeasured (profiles before these fields, what-if profiles).
+    send_cpu_s: float = 0.0
+    send_cpu_s_per_byte: float = 0.0
+    recv_cpu_s: float = 0.0
+    recv_cpu_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if self.latency_s < 0 or self.bandwidth_Bps <= 0:
             raise ProfileError(f"link {self.src}->{self.dst}: latency must be >= 0 and bandwidth > 0")
+        if min(self.send_cpu_s, self.send_cpu_s_per_byte, self.recv_cpu_s, self.recv_cpu_s_per_byte) < 0:
+            raise ProfileError(f"link {self.src}->{self.dst}: host CPU costs must be >= 0")
 
     def time(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth_Bps
+
+    def send_cpu(self, nbytes):
+        return self.send_cpu_s + nbytes * self.send_cpu_s_per_byte
+
+    def recv_cpu(self, nbytes):
+        return self.recv_cpu_s + nbytes * self.recv_cpu_s_per_byte
 
 
 @dataclass(frozen=True)

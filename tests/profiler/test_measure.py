@@ -7,7 +7,7 @@ import pytest
 
 from hpipe.cli import main
 from hpipe.errors import HpipeError
-from profiler.links import fit_link
+from profiler.links import fit_host_cpu, fit_link
 from profiler.measure import _grids, grid_axes, profile_cluster
 from profiler.schema import ComputeGrid, Profile
 from runtime.cluster import ClusterSpec
@@ -24,6 +24,10 @@ def test_profile_live_cluster_and_cache(cluster3, smollm2, tmp_path, capsys):
     profile = Profile.from_json(out.read_text())
     assert profile.source == "measured" and [d.name for d in profile.devices] == ["s0", "s1", "s2"]
     assert len(profile.links) == 6 and all(l.bandwidth_Bps > 1e6 for l in profile.links)
+    # moving activations costs each end's host CPU: measured per byte on every link
+    assert all(l.send_cpu_s_per_byte > 0 and l.recv_cpu_s_per_byte > 0 for l in profile.links)
+    assert all(1e-6 < l.send_cpu(128 * 576 * 4) < 0.1 for l in profile.links)
+    assert "host CPU ms per 128-token slice" in err
     attn = profile.devices[0].compute["attn"]
     assert attn.tokens[-1] == 128 and len(attn.contexts) > 1
     # attention grows with the slice, and the profile is a usable cost model
@@ -86,6 +90,17 @@ def test_link_fit_recovers_latency_and_bandwidth():
     sizes = [1_000, 10_000, 100_000, 1_000_000]
     lat, bw = fit_link(sizes, [0.001 + n / 50e6 for n in sizes])
     assert lat == pytest.approx(0.001, rel=1e-6) and bw == pytest.approx(50e6, rel=1e-6)
+
+
+def test_host_cpu_fit_separates_per_message_from_per_byte():
+    sizes, messages = [18_432, 1_179_648], [22, 22]
+    per_message, per_byte = fit_host_cpu(sizes, messages, [22 * (2e-4 + n * 3e-9) for n in sizes])
+    assert per_message == pytest.approx(2e-4, rel=1e-6) and per_byte == pytest.approx(3e-9, rel=1e-6)
+    # noise that would make the per-message part negative: a line through the origin instead
+    per_message, per_byte = fit_host_cpu(sizes, messages, [22 * n * 3e-9 - 0.001 for n in sizes])
+    assert per_message == 0.0 and per_byte > 0
+    # an unmeasured host (a daemon whose replies carry no CPU time) costs nothing
+    assert fit_host_cpu(sizes, messages, [0.0, 0.0]) == (0.0, 0.0)
 
 
 def test_config_dict_round_trips_every_family_and_shape(tiny_dirs):
