@@ -113,6 +113,22 @@ class CostModel:
         t = link.latency_s + nbytes / link.bandwidth_Bps
         return float(t) if t.ndim == 0 else t
 
+    def host_times(self, dev: int, src: int | None, dst: int | None, s, batch: int):
+        """CPU seconds a CPU device spends outside its compute moving slices of ``s`` tokens: in from
+        ``src`` and out to ``dst`` (None: no such hop). Its RPC and transport threads share its cores
+        with the compute, so this adds to the stage's time. Zero on accelerators, whose host threads
+        run beside the device."""
+        s = np.asarray(s, dtype=float)
+        if not self.devices[dev].device.startswith("cpu"):
+            return np.zeros_like(s)
+        nbytes = s * batch * self.profile.activation_bytes_per_token()
+        t = np.zeros_like(s)
+        if src is not None and src != dev:
+            t = t + self.profile.link(self.devices[src].name, self.devices[dev].name).recv_cpu(nbytes)
+        if dst is not None and dst != dev:
+            t = t + self.profile.link(self.devices[dev].name, self.devices[dst].name).send_cpu(nbytes)
+        return t
+
     def stage_memory(self, a: int, b: int, work: Workload, slice_tokens: int | None = None) -> int:
         """Weights + KV cache for the workload's max length x batch + working space of one slice."""
         p = self.profile

@@ -30,16 +30,19 @@ class Stage:
     start: int
     end: int
     next_device: int | None
+    prev_device: int | None = None
 
 
 def slice_times(cost: CostModel, stages: list[Stage], s, c, batch: int) -> np.ndarray:
-    """Per-stage time (compute + outgoing transfer) of slices ``s`` at contexts ``c``: shape [stages, ...].
+    """Per-stage time (compute, its host's share of moving the slice, outgoing transfer) of slices
+    ``s`` at contexts ``c``: shape [stages, ...].
 
     The head's one-time cost (last slice only) is left out: it does not depend on the slicing.
     """
     out = []
     for st in stages:
         t = cost.stage_times(st.device, st.start, st.end, s, c, batch, head=False)
+        t = t + cost.host_times(st.device, st.prev_device, st.next_device, s, batch)
         if st.next_device is not None:
             t = t + cost.comm_time(st.device, st.next_device, s, batch)
         out.append(t)

@@ -72,10 +72,12 @@ def stage_computes(cost: CostModel, work: Workload, bounds, devices, micro_batch
 
 
 def _computes(cost: CostModel, work: Workload, bounds, devices, micro_batches: int, s_arr, c_arr, last):
-    out = []
+    out, b, n = [], work.batch // micro_batches, len(devices)
     for j, (a, e) in enumerate(zip(bounds, bounds[1:])):
-        t = cost.stage_times(devices[j], a, e, s_arr, c_arr, work.batch // micro_batches, head=last)
-        out.append(t * cost.alone_scale[devices[j]] if len(s_arr) == 1 else t)
+        t = cost.stage_times(devices[j], a, e, s_arr, c_arr, b, head=last)
+        t = t * cost.alone_scale[devices[j]] if len(s_arr) == 1 else t
+        prev, nxt = devices[j - 1] if j > 0 else None, devices[j + 1] if j + 1 < n else None
+        out.append(t + cost.host_times(devices[j], prev, nxt, s_arr, b))
     return out
 
 
@@ -170,7 +172,8 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
         def gen(m):
             key = (bounds, devices, m)
             if key not in tables:
-                stages = [Stage(devices[j], a, b, devices[j + 1] if j + 1 < len(devices) else None)
+                stages = [Stage(devices[j], a, b, devices[j + 1] if j + 1 < len(devices) else None,
+                                devices[j - 1] if j > 0 else None)
                           for j, (a, b) in enumerate(zip(bounds, bounds[1:]))]
                 max_len = max(granularity, (work.kv_len // granularity) * granularity)
                 tables[key] = slicing_table(cost, stages, max_len, work.batch // m, granularity)

@@ -124,6 +124,37 @@ def test_one_item_schedules_run_at_the_devices_speed_alone():
     assert together.ideal_s == pytest.approx(1.5 * alone.ideal_s, rel=1e-9)
 
 
+def test_moving_slices_costs_a_cpu_hosts_compute_not_an_accelerators():
+    """A CPU daemon's transport threads share its cores with the compute: each slice a stage
+    receives and sends adds the link's host CPU cost to that stage; a GPU's host runs beside it."""
+    from planner.costs import CostModel
+    from planner.strategies import stage_computes
+
+    base = make_profile(random.Random(3), n=3, layers=2)
+    costly = replace(base, links=tuple(replace(l, send_cpu_s=1e-3, send_cpu_s_per_byte=2e-9, recv_cpu_s=5e-4,
+                                               recv_cpu_s_per_byte=1e-9) for l in base.links))
+    work, bounds, devices, slices = Workload(seq_len=256), (0, 2, 4, 6), (0, 1, 2), [128, 128]
+    plain = stage_computes(CostModel(base), work, bounds, devices, 1, slices)
+    more = stage_computes(CostModel(costly), work, bounds, devices, 1, slices)
+    nbytes = 128 * costly.activation_bytes_per_token()
+    send, recv = 1e-3 + 2e-9 * nbytes, 5e-4 + 1e-9 * nbytes
+    for j, extra in enumerate((send, recv + send, recv)):
+        assert list(more[j] - plain[j]) == pytest.approx([extra, extra], rel=1e-9)
+    # the planner's predictions include it; an accelerator's stages do not pay it
+    assert plan(costly, work).strategies["hpipe"].predicted_s > plan(base, work).strategies["hpipe"].predicted_s
+    gpu = replace(costly, devices=tuple(replace(d, device="cuda:0") for d in costly.devices))
+    on_gpu = stage_computes(CostModel(gpu), work, bounds, devices, 1, slices)
+    assert all(list(a) == pytest.approx(list(b), rel=1e-12) for a, b in zip(on_gpu, stage_computes(
+        CostModel(replace(base, devices=gpu.devices)), work, bounds, devices, 1, slices)))
+    # profiles from before the measurement read as costing nothing, and round-trip with it
+    assert Profile.from_json(costly.to_json()) == costly
+    old = json.loads(base.to_json())
+    for link in old["links"]:
+        for k in ("send_cpu_s", "send_cpu_s_per_byte", "recv_cpu_s", "recv_cpu_s_per_byte"):
+            del link[k]
+    assert Profile.from_dict(old) == base
+
+
 def test_profile_round_trip():
     profile = make_profile(random.Random(9), n=3, layers=2, batches=(1, 2))
     assert Profile.from_json(profile.to_json()) == profile
