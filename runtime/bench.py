@@ -144,7 +144,8 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
         # kernel selection (on an H100, Base's first of three runs was 20% slower than the others)
         prefill_once(pipe, ids, mb, slices)
         for _ in range(count):
-            steal0 = [hoststat.reported(c.call("Status", pb.StatusRequest(), timeout=10)) for c in pipe.clients]
+            status0 = [c.call("Status", pb.StatusRequest(), timeout=10) for c in pipe.clients]
+            steal0 = [hoststat.reported(st) for st in status0]
             e0 = energy() if energy else None
             elapsed, stages = prefill_once(pipe, ids, mb, slices, offsets)
             joules = energy() - e0 if energy else None
@@ -155,7 +156,9 @@ def bench(plan: Plan, pipe: Pipeline, num_units: int, *, seq_len: int | None = N
             runs[name].append({"s": elapsed, "j": joules, "stages": stages, "mb": mb, "slices": len(slices),
                                "peak": {d.name: st.peak_memory_bytes for d, st in zip(pipe.hosts, status)},
                                "base": {d.name: st.baseline_memory_bytes for d, st in zip(pipe.hosts, status)},
-                               "steal": steal})
+                               "steal": steal,
+                               "host_cpu": {d.name: round(b.host_cpu_s - a.host_cpu_s, 4)
+                                            for d, a, b in zip(pipe.hosts, status0, status)}})
             bar.update(1)
 
     if interleave:
@@ -232,6 +235,9 @@ def _row(sp, runs: list[dict], tokens: int, planned: bool) -> dict:
         "stages_run_s": middle["s"],
         # seconds the hypervisor took from each daemon's CPUs during each run (None: not known)
         "runs_steal_s": [r["steal"] for r in runs],
+        # CPU seconds each daemon spent outside its device worker per run (transport, RPC): on a
+        # CPU device, time its compute could not have
+        "host_cpu_s": {d: statistics.median(r["host_cpu"][d] for r in runs) for d in devices},
     }
 
 
@@ -274,6 +280,10 @@ def table(result: dict) -> str:
             per = ", ".join(f"{d} " + "/".join("?" if run[d] is None else f"{run[d]:.2f}" for run in r["runs_steal_s"])
                             for d in r["devices"])
             lines.append(f"  {name:<10} runs " + "/".join(f"{t:.2f}" for t in r["runs_s"]) + f" s: {per}")
+    if any(r.get("host_cpu_s") for r in rows.values()):
+        lines.append("host CPU per run outside the device workers (transport, RPC), median seconds:")
+        for name, r in rows.items():
+            lines.append(f"  {name:<10} " + ", ".join(f"{d} {v:.3f}" for d, v in r.get("host_cpu_s", {}).items()))
     hp_row = rows.get("hpipe")
     if hp_row and any(st.get("timeline") for st in hp_row["stages"]):
         lines.append("hpipe per stage in its median run, measured (planned), seconds: start, compute, idle "
