@@ -19,7 +19,7 @@ import json
 import numpy as np
 
 from planner.costs import CostModel, Workload
-from planner.strategies import ideal_seconds, plan, simulate_schedule
+from planner.strategies import MAX_RANGES, ideal_seconds, plan, simulate_schedule
 from profiler.schema import Profile
 
 
@@ -36,7 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("profiles", nargs="+")
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--max-ranges", type=int, default=1, help="as hpipe plan --max-ranges-per-device")
+    ap.add_argument("--max-ranges", type=int, default=MAX_RANGES, help="as hpipe plan --max-ranges-per-device")
     args = ap.parse_args()
     raws = [json.load(open(p)) for p in args.profiles]
     work = Workload(args.seq_len, 1, args.seq_len)

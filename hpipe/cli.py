@@ -181,8 +181,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     profile = _load_profile(args.profile)
     work = Workload(args.seq_len, args.batch, args.max_len)
     strategy = args.strategy.replace("-", "_")
-    plan = make_plan(profile, work, strategy=strategy, granularity=args.granularity,
-                     max_ranges=args.max_ranges_per_device)
+    ranges = {} if args.max_ranges_per_device is None else {"max_ranges": args.max_ranges_per_device}
+    plan = make_plan(profile, work, strategy=strategy, granularity=args.granularity, **ranges)
     print(plan_table(plan), file=sys.stderr)
     _write_or_print(plan.to_json(), args.output)
     if args.chart:
@@ -372,9 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-len", type=int, help="longest input the plan supports (default: --seq-len)")
     pl.add_argument("--strategy", default="hpipe", choices=["hpipe", "base", "gpipe", "gp-b", "terapipe"])
     pl.add_argument("--granularity", type=int, default=16, help="slice lengths are multiples of this")
-    pl.add_argument("--max-ranges-per-device", type=int, default=1, choices=(1, 2, 3), metavar="V",
+    pl.add_argument("--max-ranges-per-device", type=int, choices=(1, 2, 3), metavar="V",
                     help="hpipe may give a device up to V unit ranges (an interleaved chain: shorter pipeline fill "
-                         "and drain, V times the hops per slice and per decoded token); default 1: one range each")
+                         "and drain, V times the hops per slice and per decoded token), where the simulator finds "
+                         "it faster; default: the planner's MAX_RANGES (3); 1: one range each")
     pl.add_argument("-o", "--output", default="plan.json")
     pl.add_argument("--chart", help="write the predicted pipelines as a Gantt chart (PNG)")
     pl.add_argument("--json", action="store_true")

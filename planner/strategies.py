@@ -32,6 +32,7 @@ MAX_UNIFORM_SLICES = 64
 REFINE_BUDGET_S = 4.0  # wall-clock cap on the local search, over all starting points
 REFINE_STARTS = 3      # the local search polishes the best few starting schedules
 INTERLEAVE = (2, 3)    # ranges per device tried for interleaved schedules
+MAX_RANGES = 3         # the most unit ranges hpipe gives one device unless told otherwise
 
 
 @dataclass(frozen=True)
@@ -139,11 +140,12 @@ def _uniforms(length: int):
 
 
 def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granularity: int = GRANULARITY,
-         max_ranges: int = 1, progress=None) -> Plan:
+         max_ranges: int = MAX_RANGES, progress=None) -> Plan:
     """Plan hpipe and every baseline for ``work``; ``strategy`` is the one the plan executes.
 
-    ``max_ranges``: the most unit ranges hpipe may give one device (1, the default: no interleaved
-    chains; see docs/benchmarks.md, "Eighth day", for why they are not the default yet)."""
+    ``max_ranges``: the most unit ranges hpipe may give one device. Interleaved chains are
+    candidates like any other, chosen only where the simulator says they are faster (1: none; see
+    docs/benchmarks.md, "Eleventh day", for the measurements behind the default)."""
     t_start = time.perf_counter()
     cost = CostModel(profile)
     context = profile.model.max_position_embeddings

@@ -52,13 +52,16 @@ def test_interleaving_shortens_fill_and_drain():
     links = tuple(replace(link, latency_s=1e-4, bandwidth_Bps=1.25e8) for link in base.links)
     profile = replace(base, devices=devices, links=links)
     work = Workload(seq_len=2048)
-    hp = plan(profile, work, max_ranges=3).strategies["hpipe"]
+    hp = plan(profile, work).strategies["hpipe"]  # interleaving is a default candidate
     names = [s.device for s in hp.stages]
     assert len(names) > len(set(names)) == 3  # a device holds several ranges
     assert all(a != b for a, b in zip(names, names[1:]))
-    chain = plan(profile, work).strategies["hpipe"]  # by default, one range per device
+    chain = plan(profile, work, max_ranges=1).strategies["hpipe"]  # one range per device
     assert len(chain.stages) == 3
     assert hp.predicted_s < 0.97 * chain.predicted_s
+    # what each hop costs a CPU host's compute is in the price: dear enough, one range each wins
+    costly = replace(profile, links=tuple(replace(link, send_cpu_s=0.1, recv_cpu_s=0.1) for link in links))
+    assert len(plan(costly, work).strategies["hpipe"].stages) == 3
 
 
 def test_plan_round_trip_and_slices_for_every_length():
