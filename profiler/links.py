@@ -70,8 +70,7 @@ def fit_host_cpu(sizes: list[int], messages: list[int], cpu_seconds: list[float]
     y = np.array(cpu_seconds, dtype=float) / np.maximum(np.array(messages, dtype=float), 1.0)
     if len(x) >= 2 and np.ptp(x) > 0:
         per_byte, per_message = (float(v) for v in np.polyfit(x, y, 1))
-    else:
-        per_byte, per_message = float(y.max(initial=0.0) / max(float(x.max(initial=1.0)), 1.0)), 0.0
-    if per_message < 0:  # the line through the origin instead
-        per_message, per_byte = 0.0, float(np.dot(x, y) / max(float(np.dot(x, x)), 1.0))
-    return per_message, max(per_byte, 0.0)
+        if per_message >= 0:
+            return per_message, max(per_byte, 0.0)
+    # one size, or a negative per-message part: the line through the origin
+    return 0.0, max(float(np.dot(x, y) / max(float(np.dot(x, x)), 1.0)), 0.0)
