@@ -65,7 +65,7 @@ def projection(hidden: int, inter: int, rounds: int) -> list[dict]:
 
 def stage(cfg, rounds: int) -> list[dict]:
     units = UnitRange(1, 21, cfg.num_layers)  # ten blocks, as a middle stage
-    models = {"plain": StageModel.random(cfg, units, pack=False), "packed": StageModel.random(cfg, units)}
+    models = {"plain": StageModel.random(cfg, units, pack=False), "packed": StageModel.random(cfg, units, pack=True)}
     caches = {k: m.new_cache(1, PREFILL) for k, m in models.items()}
 
     def prefill(k, s):

@@ -75,8 +75,8 @@ def fingerprint(device: torch.device) -> str:
         # HPIPE_EMULATION: the limits `hpipe cluster up` applied (a network namespace may hide the cgroup files)
         hw = (f"{cpu}/{psutil.cpu_count()}cpu/affinity={len(os.sched_getaffinity(0))}/quota={_cgroup_quota()}"
               f"/emulation={os.environ.get('HPIPE_EMULATION', '')}")
-    # the kernels a stage runs: float32 CPU projections are packed for MKL where the build allows
-    packs = device.type == "cpu" and packed.available()
+    # the kernels a stage runs: float32 CPU projections are packed for MKL where that pays
+    packs = device.type == "cpu" and packed.pays()
     sw = f"torch={torch.__version__}/threads={torch.get_num_threads()}/mkl_packed={int(packs)}"
     return hashlib.sha256(f"{hw}|{sw}".encode()).hexdigest()[:16] + f" {hw}"
 

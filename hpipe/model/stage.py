@@ -54,11 +54,11 @@ class StageModel(nn.Module):
     @classmethod
     def from_checkpoint(cls, store: WeightStore, cfg: ModelConfig, units: UnitRange, *,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        pack: bool = True) -> "StageModel":
+                        pack: bool | None = None) -> "StageModel":
         """Build the stage and read only its own tensors from ``store``.
 
-        ``pack``: pack float32 CPU projections for MKL (:mod:`hpipe.model.packed`); off only to
-        compare against the plain layout.
+        ``pack``: pack float32 CPU projections for MKL (:mod:`hpipe.model.packed`); None (the
+        default): where that pays (:func:`packed.pays`); True or False to compare the layouts.
         """
         stage = cls(cfg, units, dtype=dtype, device=device)
         for u, module in stage.blocks.items():
@@ -68,17 +68,17 @@ class StageModel(nn.Module):
             module.load_state_dict(state, assign=True, strict=True)
         return stage._finish(pack)
 
-    def _finish(self, pack: bool) -> "StageModel":
+    def _finish(self, pack: bool | None) -> "StageModel":
         # weights are in place: tie the embedding to the head, pack, switch to inference
         self._tie_embeddings()
-        if pack:
+        if packed.applies(self.device, self.dtype) if pack is None else pack:
             self._pack()
         return self.eval()
 
     def _pack(self) -> None:
         # float32 on the CPU: the block projections' weights packed once for MKL (see
         # :mod:`hpipe.model.packed`); the LM head runs on one position and shares the embedding
-        if not packed.applies(self.device, self.dtype):
+        if not (self.device.type == "cpu" and self.dtype == torch.float32 and packed.available()):
             return
         for block in self.blocks.values():
             if isinstance(block, Attention):
@@ -94,7 +94,7 @@ class StageModel(nn.Module):
 
     @classmethod
     def random(cls, cfg: ModelConfig, units: UnitRange, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", seed: int = 0, pack: bool = True) -> "StageModel":
+               device: str | torch.device = "cpu", seed: int = 0, pack: bool | None = None) -> "StageModel":
         """Random weights that depend only on (seed, unit): any split gives the same model."""
         stage = cls(cfg, units, dtype=dtype, device=device)
         for u, module in stage.blocks.items():
