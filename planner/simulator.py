@@ -19,6 +19,7 @@ instead has a known arrival by then.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 INF = float("inf")
@@ -77,20 +78,26 @@ def _simulate_shared(comp, comm, keep: bool, devices: list[int]) -> Timeline | f
     sender = {d: 0.0 for d in devices}  # when each device's sender thread is next idle
     cspans, tspans = [], []
     makespan = 0.0
+    # Candidates (start, arrival, stage) of every stage whose next item has arrived, in a heap. A
+    # device's free time only grows, so a stored start is a lower bound of the true one: a popped
+    # entry whose start has since grown goes back in with the true start, and the first entry that
+    # pops unchanged is the earliest computation any device can begin (ties as (arrival, stage)).
+    heap = [(0.0, 0.0, 0)]
     for _ in range(n * k_items):
-        best = None  # (start, arrival, stage): the earliest computation any device can begin
-        for j, k in enumerate(nxt):
-            if k < k_items and arrival[j][k] < INF:
-                cand = (max(free[devices[j]], arrival[j][k]), arrival[j][k], j)
-                if best is None or cand < best:
-                    best = cand
-        start, _, j = best
+        while True:
+            start, arr, j = heapq.heappop(heap)
+            true = max(free[devices[j]], arr)
+            if true == start:
+                break
+            heapq.heappush(heap, (true, arr, j))
         k = nxt[j]
         nxt[j] += 1
         d = devices[j]
         end = free[d] = start + comp[j][k]
         if keep:
             cspans.append((j, k, start, end))
+        if k + 1 < k_items and arrival[j][k + 1] < INF:
+            heapq.heappush(heap, (max(end, arrival[j][k + 1]), arrival[j][k + 1], j))
         if j == n - 1:
             makespan = max(makespan, end)
             continue
@@ -98,6 +105,8 @@ def _simulate_shared(comp, comm, keep: bool, devices: list[int]) -> Timeline | f
         sender[d] = arrival[j + 1][k] = t0 + comm[j][k]
         if keep:
             tspans.append((j, k, t0, sender[d]))
+        if nxt[j + 1] == k:  # the item stage j+1 waits for has arrived
+            heapq.heappush(heap, (max(free[devices[j + 1]], sender[d]), sender[d], j + 1))
     if keep:
         return Timeline(makespan, tuple(sorted(cspans)), tuple(sorted(tspans)))
     return makespan

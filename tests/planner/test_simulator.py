@@ -59,3 +59,44 @@ def test_shared_simulation_matches_the_chain_when_devices_differ():
         flat = lambda spans: [x for span in sorted(spans) for x in span]  # noqa: E731
         assert flat(a.compute) == pytest.approx(flat(b.compute))
         assert flat(a.transfers) == pytest.approx(flat(b.transfers))
+
+
+def _shared_by_scanning(comp, comm, devices):
+    """The shared-device rules by brute force: before each computation, scan every stage for the
+    earliest start (ties by arrival, then stage). The simulator keeps its candidates in a heap."""
+    inf = float("inf")
+    n, k_items = len(comp), len(comp[0])
+    arrival = [[0.0] * k_items] + [[inf] * k_items for _ in range(n - 1)]
+    nxt, free, sender = [0] * n, {d: 0.0 for d in devices}, {d: 0.0 for d in devices}
+    compute, transfers = [], []
+    for _ in range(n * k_items):
+        start, _, j = min((max(free[devices[j]], arrival[j][k]), arrival[j][k], j)
+                          for j, k in enumerate(nxt) if k < k_items and arrival[j][k] < inf)
+        k = nxt[j]
+        nxt[j] += 1
+        end = free[devices[j]] = start + comp[j][k]
+        compute.append((j, k, start, end))
+        if j < n - 1:
+            t0 = max(sender[devices[j]], end)
+            sender[devices[j]] = arrival[j + 1][k] = t0 + comm[j][k]
+            transfers.append((j, k, t0, sender[devices[j]]))
+    return max(e for *_, e in compute), sorted(compute), sorted(transfers)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_shared_simulation_equals_brute_force(ties):
+    """Devices holding several stages, in rounds or at random; with ``ties``, times on a coarse grid
+    so that many computations could start at the same moment."""
+    import random
+
+    rng = random.Random(int(ties))
+    value = (lambda: rng.randint(0, 4) * 0.5) if ties else rng.random
+    for _ in range(300):
+        n_dev = rng.randint(1, 4)
+        n = rng.randint(1, 9)
+        devices = [i % n_dev for i in range(n)] if rng.random() < 0.7 else [rng.randrange(n_dev) for _ in range(n)]
+        k = rng.randint(1, 10)
+        comp = [[value() for _ in range(k)] for _ in range(n)]
+        comm = [[0.3 * value() for _ in range(k)] for _ in range(n - 1)]
+        tl = simulate(comp, comm, keep=True, devices=devices)
+        assert (tl.makespan, list(tl.compute), list(tl.transfers)) == _shared_by_scanning(comp, comm, devices)
