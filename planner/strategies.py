@@ -29,8 +29,12 @@ from planner.slicing import GRANULARITY, Stage, slicing_table, uniform
 from profiler.schema import Profile
 
 MAX_UNIFORM_SLICES = 64
-REFINE_BUDGET_S = 4.0  # wall-clock cap on the local search, over all starting points
 REFINE_STARTS = 3      # the local search polishes the best few starting schedules
+#: schedules the local search simulates from each starting point: the budget that decides, so that a
+#: plan does not depend on how busy the machine was (docs/planner.md: 2000 reached 4.313 s on a
+#: profile where 4000 reached 4.302 and 10000 4.272)
+REFINE_EVALS = 4000
+REFINE_CAP_S = 2.5     # wall-clock cap per starting point: binds only on long schedules (many slices x micro-batches)
 INTERLEAVE = (2, 3)    # ranges per device tried for interleaved schedules
 MAX_RANGES = 3         # the most unit ranges hpipe gives one device unless told otherwise
 
@@ -198,7 +202,7 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
     starts.sort(key=lambda c: c.makespan)
     best_h = None
     for c in starts[:REFINE_STARTS]:
-        c = _refined(cost, work, c, granularity, budget_s=REFINE_BUDGET_S / min(len(starts), REFINE_STARTS))
+        c = _refined(cost, work, c, granularity)
         if best_h is None or c.makespan < best_h.makespan:
             best_h = c
     results["hpipe"] = best_h
@@ -227,7 +231,7 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
                 strategy, strategies, schedule, ideal_seconds(cost, work), meta=meta)
 
 
-def _refined(cost: CostModel, work: Workload, cand: Candidate, granularity: int, budget_s: float) -> Candidate:
+def _refined(cost: CostModel, work: Workload, cand: Candidate, granularity: int) -> Candidate:
     """``cand`` after local search over its cuts and slices (devices and micro-batches fixed)."""
     def evaluate(bounds, slices):
         return simulate_schedule(cost, work, bounds, cand.devices, cand.micro_batches, slices)
@@ -236,7 +240,7 @@ def _refined(cost: CostModel, work: Workload, cand: Candidate, granularity: int,
         return _fits(cost, work, bounds, cand.devices)
 
     makespan, bounds, slices = refine(evaluate, cand.bounds, cand.slices, granularity=granularity,
-                                      feasible=feasible, time_budget_s=budget_s)
+                                      feasible=feasible, max_evals=REFINE_EVALS, time_budget_s=REFINE_CAP_S)
     return Candidate(bounds, cand.devices, cand.micro_batches, slices, makespan)
 
 
