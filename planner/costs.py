@@ -51,9 +51,10 @@ def working_bytes(p: Profile, batch: int, tokens: int, head: bool):
     return batch * tokens * per_token + (batch * m.vocab_size * 4 if head else 0)
 
 
-#: unit-time lookups of item arrays up to this long are remembered (see CostModel._kind_times)
-MEMO_MAX_ITEMS = 1024
-MEMO_MAX_ENTRIES = 20000
+#: unit-time lookups of item arrays up to this long are remembered (see CostModel._kind_times), up
+#: to this many (then forgotten at once): at most ~32 MB of keys and values
+MEMO_MAX_ITEMS = 512
+MEMO_MAX_ENTRIES = 4096
 
 #: per stage, whatever the slice: library workspaces (cuBLAS keeps ~32 MiB per stream), position
 #: and mask buffers, allocator rounding. Measured 32k-token peaks on an H100 came within 1 MB of

@@ -109,7 +109,7 @@ class _Search:
 
 
 def refine(evaluate: Evaluate, bounds: tuple[int, ...], slices: tuple[int, ...], *, granularity: int = 16,
-           feasible: Callable[[tuple[int, ...]], bool] = lambda b: True, max_evals: int = 20000,
+           feasible: Callable[[tuple[int, ...]], bool] = lambda b: True, max_evals: int = 4000,
            time_budget_s: float = 5.0, patience: int = PATIENCE,
            seed: int = 0) -> tuple[float, tuple[int, ...], tuple[int, ...]]:
     """Iterated local search of (cuts, slices) for a lower ``evaluate``; returns (makespan, bounds, slices)."""
