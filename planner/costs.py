@@ -52,9 +52,9 @@ def working_bytes(p: Profile, batch: int, tokens: int, head: bool):
 
 
 #: unit-time lookups of item arrays up to this long are remembered (see CostModel._kind_times), up
-#: to this many (then forgotten at once): at most ~32 MB of keys and values
-MEMO_MAX_ITEMS = 512
-MEMO_MAX_ENTRIES = 4096
+#: to this many bytes of keys and values (then all forgotten at once)
+MEMO_MAX_ITEMS = 1024
+MEMO_MAX_BYTES = 32 << 20
 
 #: per stage, whatever the slice: library workspaces (cuBLAS keeps ~32 MiB per stream), position
 #: and mask buffers, allocator rounding. Measured 32k-token peaks on an H100 came within 1 MB of
@@ -83,6 +83,7 @@ class CostModel:
         self.alone_scale = [1.0 / _factor(factors.get(d.name, 1.0)) for d in self.devices]
         self._counts: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         self._kind_memo: dict[tuple, np.ndarray] = {}
+        self._memo_bytes = 0
 
     def _kind_times(self, dev: int, kind: str, s: np.ndarray, c: np.ndarray, batch: int) -> np.ndarray:
         """One unit of ``kind`` on ``dev`` for slices ``s`` at contexts ``c``: the grid's interpolation.
@@ -97,10 +98,12 @@ class CostModel:
         key = (dev, kind, batch, s.tobytes(), c.tobytes())
         t = self._kind_memo.get(key)
         if t is None:
-            if len(self._kind_memo) >= MEMO_MAX_ENTRIES:
+            if self._memo_bytes >= MEMO_MAX_BYTES:
                 self._kind_memo.clear()
+                self._memo_bytes = 0
             t = self._kind_memo[key] = grid.times(s, c, batch)
             t.flags.writeable = False
+            self._memo_bytes += s.nbytes + c.nbytes + t.nbytes
         return t
 
     def stage_times(self, dev: int, a: int, b: int, s, c, batch: int, head=True) -> np.ndarray:
