@@ -81,6 +81,8 @@ class CostModel:
         # a device computes alone.
         factors = profile.meta.get("colocation_factors") or {}
         self.alone_scale = [1.0 / _factor(factors.get(d.name, 1.0)) for d in self.devices]
+        index = {d.name: i for i, d in enumerate(self.devices)}
+        self._links = {(index[l.src], index[l.dst]): l for l in profile.links}
         self._counts: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         self._kind_memo: dict[tuple, np.ndarray] = {}
         self._memo_bytes = 0
@@ -136,7 +138,7 @@ class CostModel:
     def comm_time(self, src: int, dst: int, s, batch: int):
         """Seconds to send slices of ``s`` tokens from device ``src`` to ``dst`` (``s`` may be an array)."""
         nbytes = np.asarray(s, dtype=float) * batch * self.profile.activation_bytes_per_token()
-        link = self.profile.link(self.devices[src].name, self.devices[dst].name)
+        link = self._links[src, dst]
         t = link.latency_s + nbytes / link.bandwidth_Bps
         return float(t) if t.ndim == 0 else t
 
@@ -151,9 +153,9 @@ class CostModel:
         nbytes = s * batch * self.profile.activation_bytes_per_token()
         t = np.zeros_like(s)
         if src is not None and src != dev:
-            t = t + self.profile.link(self.devices[src].name, self.devices[dev].name).recv_cpu(nbytes)
+            t = t + self._links[src, dev].recv_cpu(nbytes)
         if dst is not None and dst != dev:
-            t = t + self.profile.link(self.devices[dev].name, self.devices[dst].name).send_cpu(nbytes)
+            t = t + self._links[dev, dst].send_cpu(nbytes)
         return t
 
     def stage_memory(self, a: int, b: int, work: Workload, slice_tokens: int | None = None) -> int:

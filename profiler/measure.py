@@ -240,13 +240,17 @@ def _host_cpu_costs(a, b, clients: dict[str, StageClient], act: int, repeats: in
     return fit_host_cpu(sizes, messages, sent), fit_host_cpu(sizes, messages, received)
 
 
+def _status(client: StageClient) -> pb.StatusReply:
+    return client.call("Status", pb.StatusRequest(), timeout=10.0)
+
+
 def _host_cpu(client: StageClient) -> float:
-    return client.call("Status", pb.StatusRequest(), timeout=10.0).host_cpu_s
+    return _status(client).host_cpu_s
 
 
 def _steal(client: StageClient) -> float | None:
     """The daemon's CPU steal counter (seconds since boot), or None where it does not know it."""
-    return hoststat.reported(client.call("Status", pb.StatusRequest(), timeout=10.0))
+    return hoststat.reported(_status(client))
 
 
 def _group_grids(group, clients, infos, request, key_parts: list, force: bool, concurrent: bool, ref_args: tuple,
