@@ -51,7 +51,7 @@ def main() -> int:
     pipe = Pipeline(ClusterSpec.load(args.cluster))
     times: dict[int, list[float]] = {v: [] for v in values}
     tokens: dict[int, int] = {}
-    answers: dict[int, dict] = {}
+    answers: list[dict[str, list[int]]] = []  # one per job: document -> answer token ids
     failed = {}
     try:
         for r in range(args.rounds):
@@ -65,12 +65,11 @@ def main() -> int:
                 failed.update(summary["failed"])
                 tokens[v] = summary["prompt_tokens"] + summary["new_tokens"]
                 rows = [json.loads(line) for line in out.read_text().splitlines()]
-                answers.setdefault(v, {}).update({row["document"]: row["token_ids"] for row in rows})
+                answers.append({row["document"]: row["token_ids"] for row in rows})
                 print(f"round {r + 1}, parallel {v}: {times[v][-1]:.1f} s", file=sys.stderr)
     finally:
         pipe.close()
-    reference = answers[values[0]]
-    same = all(a == reference for a in answers.values()) and len(reference) == len(docs)
+    same = len(answers[0]) == len(docs) and all(a == answers[0] for a in answers)
     base = statistics.median(times[DEFAULT]) if DEFAULT in times else None
     rows = [{"parallel": v, "job_s": round(statistics.median(times[v]), 2), "runs_s": [round(t, 2) for t in times[v]],
              "tokens_per_s": round(tokens[v] / statistics.median(times[v]), 1),
