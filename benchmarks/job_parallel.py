@@ -41,9 +41,9 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    values = [int(v) for v in args.parallel.split(",")]
-    if any(v < 1 for v in values):
-        ap.error("--parallel values must be >= 1")
+    values = list(dict.fromkeys(int(v) for v in args.parallel.split(",")))
+    if any(v < 1 for v in values) or args.rounds < 1 or args.documents < 1:
+        ap.error("--parallel values, --rounds and --documents must be >= 1")
     plan = Plan.from_json(Path(args.plan).read_text())
     source = resolve_model(plan.model_name)
     work = Path(tempfile.mkdtemp(prefix="hpipe-parallel-"))
