@@ -49,8 +49,14 @@ def pays() -> bool:
     return available() and cpu_vendor() == "GenuineIntel"
 
 
+def possible(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a stage on ``device`` in ``dtype`` can pack at all: float32 on the CPU, with MKL."""
+    return device.type == "cpu" and dtype == torch.float32 and available()
+
+
 def applies(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and pays()
+    """Whether such a stage packs by default: where it can and where that pays."""
+    return possible(device, dtype) and pays()
 
 
 class PackedLinear(nn.Module):

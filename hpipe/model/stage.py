@@ -71,14 +71,16 @@ class StageModel(nn.Module):
     def _finish(self, pack: bool | None) -> "StageModel":
         # weights are in place: tie the embedding to the head, pack, switch to inference
         self._tie_embeddings()
-        if packed.applies(self.device, self.dtype) if pack is None else pack:
+        if pack is None:
+            pack = packed.applies(self.device, self.dtype)
+        if pack:
             self._pack()
         return self.eval()
 
     def _pack(self) -> None:
         # float32 on the CPU: the block projections' weights packed once for MKL (see
         # :mod:`hpipe.model.packed`); the LM head runs on one position and shares the embedding
-        if not (self.device.type == "cpu" and self.dtype == torch.float32 and packed.available()):
+        if not packed.possible(self.device, self.dtype):
             return
         for block in self.blocks.values():
             if isinstance(block, Attention):
