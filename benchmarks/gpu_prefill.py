@@ -24,14 +24,13 @@ from pathlib import Path
 
 import torch
 
+from hpipe.core.cluster import ClusterSpec
+from hpipe.core.units import UnitRange
 from hpipe.model import StageModel
+from hpipe.model.sources import model_shape
 from hpipe.model.stage import parse_dtype
-from hpipe.shapes import model_shape
-from hpipe.units import UnitRange
-from profiler.measure import config_dict
 from runtime import launcher
-from runtime.cluster import ClusterSpec
-from runtime.coordinator import Pipeline
+from runtime.coordinator import Pipeline, cut_stages
 
 
 def free_port() -> int:
@@ -77,7 +76,7 @@ def through_daemon(args, cfg, ids, dtype, graphs: bool = True, decode_only: bool
     try:
         pipe = Pipeline(cluster)
         t0 = time.perf_counter()
-        pipe.deploy(args.model, [], cfg.num_units, dtype)
+        pipe.deploy(args.model, cut_stages(pipe.cluster, [], cfg.num_units), dtype)
         out["deploy_s"] = time.perf_counter() - t0
         b, n = ids.shape
 
@@ -125,7 +124,7 @@ def in_process(cfg, ids, dtype) -> float:
         stage(ids, 0, cache)
 
     t = median_time(run, ARGS.repeat)
-    del stage
+    stage = None  # free it before the next measurement
     free()
     return t
 
@@ -133,7 +132,7 @@ def in_process(cfg, ids, dtype) -> float:
 def huggingface(cfg, ids, dtype) -> float:
     import transformers
 
-    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in config_dict(cfg).items() if k != "architectures"})
+    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in cfg.to_dict().items() if k != "architectures"})
     hf_cfg._attn_implementation = "sdpa"
     with torch.device(ARGS.device):
         model = transformers.LlamaForCausalLM(hf_cfg).to(dtype).eval()
@@ -143,7 +142,7 @@ def huggingface(cfg, ids, dtype) -> float:
         model(ids, logits_to_keep=1, use_cache=True)
 
     t = median_time(run, ARGS.repeat)
-    del model
+    model = None  # free it before the next measurement
     free()
     return t
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks and benchmarks, in named steps (docs/benchmarks.md has the results and the machine):
+# GPU checks and benchmarks, in named steps (docs/results.md has the results and the machine):
 #
 #   bash benchmarks/gpu_suite.sh tests      # GPU tests (pytest -m gpu)
 #   bash benchmarks/gpu_suite.sh prefill    # one daemon, whole LLaMA-7B shape, vs transformers
@@ -26,7 +26,7 @@ CLUSTER=${CLUSTER:-clusters/mps-3.yaml}
 BATCH=${BATCH:-6}
 SEQ=${SEQ:-2048}
 LONG_LENS=${LONG_LENS:-8192 16384 32768}
-hpipe() { "$PY" -m hpipe.cli "$@"; }
+hpipe() { "$PY" -m hpipe.app.cli "$@"; }
 $PY -m runtime.protogen >/dev/null || exit 1
 
 step_tests() {

@@ -5,7 +5,7 @@
 ``BENCH.json`` is ``hpipe bench --profile PROFILE.json --json`` output; ``PROFILE.json`` the
 profile its plan came from. The bound at the bench's speeds is what ``hpipe bench`` now reports as
 ``ideal_now_s`` (the profile scaled by the calibration factors); this recomputes it for bench files
-written before it did. Source of docs/benchmarks.md's "Earlier runs" table ("Seventh day").
+written before it did.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from hpipe.core.profile import Profile
 from planner.costs import CostModel, Workload
 from planner.strategies import ideal_seconds
-from profiler.schema import Profile
 
 
 def main() -> None:

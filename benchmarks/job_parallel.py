@@ -20,11 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpipe.demo import INSTRUCTION
-from hpipe.sources import resolve_model
-from planner.plan import Plan
 from run_equivalence import documents
-from runtime.cluster import ClusterSpec
+
+from hpipe.app.demo import INSTRUCTION
+from hpipe.core.cluster import ClusterSpec
+from hpipe.core.plan import Plan
+from hpipe.model.sources import resolve_model
 from runtime.coordinator import Pipeline
 from runtime.jobs import JobConfig, run_job
 

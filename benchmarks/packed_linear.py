@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpipe.core.units import UnitRange
 from hpipe.model import StageModel, packed
-from hpipe.shapes import model_shape
-from hpipe.units import UnitRange
+from hpipe.model.sources import model_shape
 
 ROWS = (64, 128, 256, 512, 2048)
 SLICES = (64, 128, 256, 2048)

@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from hpipe.sources import resolve_model
-from hpipe.units import even_cuts
+from hpipe.core.cluster import ClusterSpec
+from hpipe.core.units import even_cuts
+from hpipe.model.sources import resolve_model
 from runtime import launcher
-from runtime.cluster import ClusterSpec
-from runtime.coordinator import Pipeline, RemoteRunner
+from runtime.coordinator import Pipeline, RemoteRunner, cut_stages
 
 
 def main() -> int:
@@ -37,7 +37,8 @@ def main() -> int:
     try:
         cfg = resolve_model(args.model).config
         pipe = Pipeline(cluster)
-        pipe.deploy(args.model, even_cuts(cfg.num_units, len(cluster.daemons)), cfg.num_units, torch.float32)
+        pipe.deploy(args.model, cut_stages(cluster, even_cuts(cfg.num_units, len(cluster.daemons)), cfg.num_units),
+                    torch.float32)
         ids = torch.randint(0, cfg.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
         rows = []
         for k in [int(x) for x in args.slices.split(",")]:

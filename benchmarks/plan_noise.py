@@ -5,9 +5,9 @@
 Profiles of one cluster (same devices and grid points). For each, its plan (made as ``hpipe plan
 --max-ranges-per-device V`` would) is simulated on the per-point median grid of all the *other*
 profiles, a far less noisy yardstick, and printed next to its own prediction; the last line is the
-mean and the worst of ideal / simulated. Source of docs/benchmarks.md, "Sixth day" and "Ninth day".
-The yardstick shares whatever bias all profiles share: it cannot see how a live pipeline differs
-from the profiler's measurements (see "Ninth day").
+mean and the worst of ideal / simulated (docs/decisions/profile-sweeps.md). The yardstick shares
+whatever bias all profiles share: it cannot see how a live pipeline differs from the profiler's
+measurements.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import json
 
 import numpy as np
 
+from hpipe.core.profile import Profile
 from planner.costs import CostModel, Workload
 from planner.strategies import MAX_RANGES, ideal_seconds, plan, simulate_schedule
-from profiler.schema import Profile
 
 
 def median_profile(raws: list[dict]) -> Profile:
     out = copy.deepcopy(raws[0])
-    for d in out["devices"]:
+    for d in out["daemons"]:
         for kind, grid in d["compute"].items():
-            same = [next(x for x in r["devices"] if x["name"] == d["name"])["compute"][kind]["seconds"] for r in raws]
+            same = [next(x for x in r["daemons"] if x["name"] == d["name"])["compute"][kind]["seconds"] for r in raws]
             grid["seconds"] = np.median(np.array(same), axis=0).tolist()
     return Profile.from_dict(out)
 
@@ -45,9 +45,9 @@ def main() -> None:
     for i, (path, raw) in enumerate(zip(args.profiles, raws)):
         pooled = CostModel(median_profile([r for j, r in enumerate(raws) if j != i]))
         sp = plan(Profile.from_dict(raw), work, max_ranges=args.max_ranges).strategies["hpipe"]
-        names = [d.name for d in pooled.devices]
+        names = [d.name for d in pooled.daemons]
         bounds = tuple(s.unit_start for s in sp.stages) + (sp.stages[-1].unit_end,)
-        devices = tuple(names.index(s.device) for s in sp.stages)
+        devices = tuple(names.index(s.daemon) for s in sp.stages)
         t = simulate_schedule(pooled, work, bounds, devices, sp.micro_batches, sp.slices)
         ratios.append(ideal_seconds(pooled, work) / t)
         print(f"{path[-40:]:40s} {raw['meta']['repeats']:6d} {len(sp.stages):6d} {sp.predicted_s:7.3f} {t:12.3f} "

@@ -12,11 +12,11 @@ import json
 import sys
 import time
 
-from hpipe.shapes import model_shape
+from hpipe.core.cluster import ClusterSpec
+from hpipe.model.sources import model_shape
 from planner.costs import Workload
 from planner.strategies import plan
 from profiler.roofline import simulated_profile
-from runtime.cluster import ClusterSpec
 
 
 def main() -> int:
@@ -32,7 +32,7 @@ def main() -> int:
     t0 = time.perf_counter()
     p = plan(profile, Workload(args.max_len, args.batch))
     elapsed = time.perf_counter() - t0
-    print(json.dumps({"model": name, "layers": cfg.num_layers, "devices": len(profile.devices),
+    print(json.dumps({"model": name, "layers": cfg.num_layers, "daemons": len(profile.daemons),
                       "lengths_planned": len(p.schedule), "max_len": args.max_len, "planning_s": round(elapsed, 2),
                       "predicted": {k: round(v.predicted_s, 4) for k, v in p.strategies.items()}}))
     return 0

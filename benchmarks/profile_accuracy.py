@@ -19,11 +19,10 @@ import random
 import statistics
 import sys
 
+from hpipe.core.cluster import ClusterSpec
+from hpipe.core.profile import Profile
 from planner.costs import CostModel
-from profiler.measure import config_dict
-from profiler.schema import Profile
-from runtime.channels import StageClient
-from runtime.cluster import ClusterSpec
+from runtime.channels import DaemonClient, Security
 from runtime.wire import pb
 
 
@@ -41,8 +40,8 @@ def main() -> int:
     cfg = profile.model
     wire_dtype = pb.DType.Value(profile.dtype.upper())  # FLOAT32, BFLOAT16, FLOAT16
     max_len = profile.meta.get("max_len", cfg.max_position_embeddings)
-    security = cluster.security()
-    clients = {d.name: StageClient(d.address, security, d.name) for d in cluster.daemons}
+    security = Security.of(cluster)
+    clients = {d.name: DaemonClient(d.address, security, d.name) for d in cluster.daemons}
     rng = random.Random(args.seed)
     rows = []
     for _ in range(args.points):
@@ -50,12 +49,12 @@ def main() -> int:
         b = rng.randint(a + 1, min(cost.num_units, a + 16))
         s = rng.randint(2, max_len // 2)
         c = rng.randint(0, max_len - s)
-        dev = rng.randrange(len(cost.devices))
+        dev = rng.randrange(len(cost.daemons))
         # the daemon times the stage alone: predict at its speed alone (without its co-location factor)
         pred = cost.stage_time(dev, a, b, s, c, 1) * cost.alone_scale[dev]
-        name = cost.devices[dev].name
+        name = cost.daemons[dev].name
         meas = clients[name].call("TimeStage", pb.StageTimeRequest(
-            config_json=json.dumps(config_dict(cfg)), dtype=wire_dtype, unit_start=a, unit_end=b, batch=1,
+            config_json=json.dumps(cfg.to_dict()), dtype=wire_dtype, unit_start=a, unit_end=b, batch=1,
             tokens=s, context=c, repeats=5), timeout=300).seconds
         rows.append({"device": name, "units": [a, b], "tokens": s, "context": c, "predicted_s": pred,
                      "measured_s": meas, "error": abs(pred - meas) / meas})
@@ -66,7 +65,7 @@ def main() -> int:
     link_rows = []
     act = cfg.hidden_size * profile.itemsize
     for la in cluster.daemons:
-        client = StageClient(la.address, security)
+        client = DaemonClient(la.address, security)
         for lb in cluster.daemons:
             if la is lb:
                 continue

@@ -18,11 +18,11 @@ import time
 from importlib.resources import files
 from pathlib import Path
 
-from hpipe.demo import INSTRUCTION
-from hpipe.generate import LocalModel, generate_ids
-from hpipe.sources import resolve_model
-from planner.plan import Plan
-from runtime.cluster import ClusterSpec
+from hpipe.app.demo import INSTRUCTION
+from hpipe.core.cluster import ClusterSpec
+from hpipe.core.plan import Plan
+from hpipe.model.generate import LocalModel, generate_ids
+from hpipe.model.sources import resolve_model
 from runtime.coordinator import Pipeline
 from runtime.jobs import JobConfig, build_prompt, run_job
 

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profiler.schema import DeviceProfile, Profile
+from hpipe.core.profile import Profile
+from hpipe.core.units import num_units
 
 
 def unit_counts(a: int, b: int, num_layers: int) -> tuple[int, int, int, int]:
     """(embed, attn, mlp, head) units in ``[a, b)``."""
-    last = 2 * num_layers + 1
+    last = num_units(num_layers) - 1
     embed = int(a == 0)
     head = int(b == last + 1)
     lo, hi = max(a, 1), min(b, last)  # block units in [lo, hi)
@@ -73,15 +74,15 @@ def _factor(value) -> float:
 class CostModel:
     def __init__(self, profile: Profile):
         self.profile = profile
-        self.devices = list(profile.devices)
+        self.daemons = list(profile.daemons)
         self.L = profile.model.num_layers
-        self.num_units = 2 * self.L + 2
+        self.num_units = profile.model.num_units
         # A measured profile's grids describe each device slowed by its co-located neighbours (all
         # busy at once, as in a pipeline); this takes that factor back out, for schedules in which
         # a device computes alone.
         factors = profile.meta.get("colocation_factors") or {}
-        self.alone_scale = [1.0 / _factor(factors.get(d.name, 1.0)) for d in self.devices]
-        index = {d.name: i for i, d in enumerate(self.devices)}
+        self.alone_scale = [1.0 / _factor(factors.get(d.name, 1.0)) for d in self.daemons]
+        index = {d.name: i for i, d in enumerate(self.daemons)}
         self._links = {(index[l.src], index[l.dst]): l for l in profile.links}
         self._counts: dict[tuple[int, int], tuple[int, int, int, int]] = {}
         self._kind_memo: dict[tuple, np.ndarray] = {}
@@ -94,7 +95,7 @@ class CostModel:
         per stage and per candidate cut, and interpolating the grids was three quarters of a
         simulation's time: short item arrays (a schedule's items, not the slicing DP's tables) are
         remembered."""
-        grid = self.devices[dev].compute[kind]
+        grid = self.daemons[dev].compute[kind]
         if s.size > MEMO_MAX_ITEMS:
             return grid.times(s, c, batch)
         key = (dev, kind, batch, s.tobytes(), c.tobytes())
@@ -129,7 +130,7 @@ class CostModel:
         if ml:
             t = t + ml * self._kind_times(dev, "mlp", s, np.zeros_like(c), batch)
         if h:
-            t = t + np.asarray(head, dtype=float) * self.devices[dev].compute["head"].time(1, 0, batch)
+            t = t + np.asarray(head, dtype=float) * self.daemons[dev].compute["head"].time(1, 0, batch)
         return t
 
     def stage_time(self, dev: int, a: int, bnd: int, s: int, c: int, batch: int, head: bool = True) -> float:
@@ -148,7 +149,7 @@ class CostModel:
         with the compute, so this adds to the stage's time. Zero on accelerators, whose host threads
         run beside the device."""
         s = np.asarray(s, dtype=float)
-        if not self.devices[dev].device.startswith("cpu"):
+        if not self.daemons[dev].device.startswith("cpu"):
             return np.zeros_like(s)
         nbytes = s * batch * self.profile.activation_bytes_per_token()
         t = np.zeros_like(s)
@@ -170,4 +171,4 @@ class CostModel:
         return weights + kv + working_bytes(p, work.batch, slice_tokens or work.seq_len, bool(h)) + FIXED_STAGE_BYTES
 
     def fits(self, dev: int, a: int, b: int, work: Workload) -> bool:
-        return self.stage_memory(a, b, work) <= self.devices[dev].memory_bytes
+        return self.stage_memory(a, b, work) <= self.daemons[dev].memory_bytes

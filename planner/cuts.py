@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpipe.errors import HpipeError
+from hpipe.core.errors import HpipeError
+from hpipe.core.units import num_units
 from planner.costs import FIXED_STAGE_BYTES, CostModel, Workload, working_bytes
 
 EXACT_DEVICES = 8
@@ -34,7 +35,7 @@ class InfeasibleError(HpipeError):
 class Cuts:
     bottleneck: float
     bounds: tuple[int, ...]  # 0 = b0 < b1 < ... < bk = num_units
-    devices: tuple[int, ...]  # device index of each stage
+    daemons: tuple[int, ...]  # daemon index (in the profile) of each stage
 
     @property
     def cuts(self) -> list[int]:
@@ -43,7 +44,7 @@ class Cuts:
 
 def count_matrices(num_layers: int) -> tuple[np.ndarray, ...]:
     """(embed, attn, mlp, head) unit counts of every range [a, b) as [U+1, U+1] matrices."""
-    u = 2 * num_layers + 2
+    u = num_units(num_layers)
     kinds = np.zeros((4, u))
     kinds[0, 0] = kinds[3, u - 1] = 1
     kinds[1, 1:u - 1:2] = 1  # attn_i at 1, 3, 5, ...
@@ -55,7 +56,7 @@ def count_matrices(num_layers: int) -> tuple[np.ndarray, ...]:
 
 def stage_table(cost: CostModel, work: Workload) -> np.ndarray:
     """``T[m, a, b]``: compute seconds of units [a, b) on device m for the whole sequence (inf if it does not fit)."""
-    n, u = len(cost.devices), cost.num_units
+    n, u = len(cost.daemons), cost.num_units
     e, at, ml, h = count_matrices(cost.L)
     p = cost.profile
     weights = (e * p.unit_weight_bytes("embed") + at * p.unit_weight_bytes("attn") + ml * p.unit_weight_bytes("mlp")
@@ -67,7 +68,7 @@ def stage_table(cost: CostModel, work: Workload) -> np.ndarray:
               + h * working_bytes(p, work.batch, 0, True) + FIXED_STAGE_BYTES)
     a_idx, b_idx = np.meshgrid(np.arange(u + 1), np.arange(u + 1), indexing="ij")
     table = np.full((n, u + 1, u + 1), math.inf)
-    for m, dev in enumerate(cost.devices):
+    for m, dev in enumerate(cost.daemons):
         g = dev.compute
         s, b = work.seq_len, work.batch
         t = (e * g["embed"].time(s, 0, b) + at * g["attn"].time(s, 0, b) + ml * g["mlp"].time(s, 0, b)
@@ -78,12 +79,12 @@ def stage_table(cost: CostModel, work: Workload) -> np.ndarray:
 
 
 def best_cuts(cost: CostModel, work: Workload, allowed: list[int] | None = None) -> Cuts:
-    devices = allowed if allowed is not None else list(range(len(cost.devices)))
+    devices = allowed if allowed is not None else list(range(len(cost.daemons)))
     if not devices:
         raise InfeasibleError("no devices to plan for")
     table = stage_table(cost, work)
     comm = np.array([[cost.comm_time(i, j, work.seq_len, work.batch) if i != j else 0.0
-                      for j in range(len(cost.devices))] for i in range(len(cost.devices))])
+                      for j in range(len(cost.daemons))] for i in range(len(cost.daemons))])
     if len(devices) <= EXACT_DEVICES:
         result = _subset_dp(table, comm, devices, cost.num_units)
     else:
@@ -92,7 +93,7 @@ def best_cuts(cost: CostModel, work: Workload, allowed: list[int] | None = None)
         result = _ordered_dp(table, comm, speed, cost.num_units)
     if not math.isfinite(result.bottleneck):
         need = cost.stage_memory(0, cost.num_units, work)
-        have = sum(cost.devices[m].memory_bytes for m in devices)
+        have = sum(cost.daemons[m].memory_bytes for m in devices)
         raise InfeasibleError(
             f"the model does not fit: weights + KV cache for {work.kv_len} tokens x batch {work.batch} + working space "
             f"need about {need / 2**30:.2f} GiB in all, the devices offer {have / 2**30:.2f} GiB, and no split into "
@@ -162,10 +163,6 @@ def _ordered_dp(table: np.ndarray, comm: np.ndarray, order: list[int], u: int) -
             break
         a, i = b, k
     return Cuts(value, tuple(bounds), tuple(devs))
-
-
-def even_bounds(num_units: int, stages: int) -> tuple[int, ...]:
-    return tuple(round(i * num_units / stages) for i in range(stages + 1))
 
 
 def bottleneck_of(cost: CostModel, work: Workload, bounds: tuple[int, ...], devices: tuple[int, ...]) -> float:

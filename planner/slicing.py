@@ -25,7 +25,9 @@ GRANULARITY = 16
 
 
 @dataclass(frozen=True)
-class Stage:
+class CostStage:
+    """A stage as the slicing DP prices it: its daemon index, units [start, end), and neighbours."""
+
     device: int
     start: int
     end: int
@@ -33,7 +35,7 @@ class Stage:
     prev_device: int | None = None
 
 
-def slice_times(cost: CostModel, stages: list[Stage], s, c, batch: int) -> np.ndarray:
+def slice_times(cost: CostModel, stages: list[CostStage], s, c, batch: int) -> np.ndarray:
     """Per-stage time (compute, its host's share of moving the slice, outgoing transfer) of slices
     ``s`` at contexts ``c``: shape [stages, ...].
 
@@ -57,7 +59,7 @@ class SlicingTable:
     estimate: dict[int, float]          # the DP's latency estimate for that length
 
 
-def slicing_table(cost: CostModel, stages: list[Stage], max_len: int, batch: int,
+def slicing_table(cost: CostModel, stages: list[CostStage], max_len: int, batch: int,
                   granularity: int = GRANULARITY, levels: int = 64) -> SlicingTable:
     g = granularity
     p_max = max_len // g
@@ -102,21 +104,3 @@ def slicing_table(cost: CostModel, stages: list[Stage], max_len: int, batch: int
         table[p * g] = tuple(reversed(out))
         estimate[p * g] = float(best[p])
     return SlicingTable(g, p_max * g, table, estimate)
-
-
-def fit_slices(slices: tuple[int, ...], length: int) -> list[int]:
-    """Trim a slicing planned for a length >= ``length`` down to exactly ``length`` tokens."""
-    out, total = [], 0
-    for s in slices:
-        if total + s >= length:
-            out.append(length - total)
-            return out
-        out.append(s)
-        total += s
-    out[-1] += length - total
-    return out
-
-
-def uniform(length: int, k: int) -> list[int]:
-    base, rest = divmod(length, k)
-    return [base + (1 if i < rest else 0) for i in range(k)]

@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import math
 import time
-
-import numpy as np
 from dataclasses import dataclass
 
+import numpy as np
+
+from hpipe.core.plan import Plan, Stage, StrategyPlan, fit_slices, uniform
+from hpipe.core.profile import Profile
+from hpipe.core.units import even_cuts
 from planner.costs import CostModel, Workload
-from planner.cuts import Cuts, InfeasibleError, best_cuts, even_bounds
-from planner.plan import Plan, StagePlan, StrategyPlan
+from planner.cuts import InfeasibleError, best_cuts
 from planner.refine import refine
 from planner.simulator import Timeline, simulate
-from planner.slicing import GRANULARITY, Stage, slicing_table, uniform
-from profiler.schema import Profile
+from planner.slicing import GRANULARITY, CostStage, slicing_table
 
 MAX_UNIFORM_SLICES = 64
 REFINE_STARTS = 3      # the local search polishes the best few starting schedules
@@ -42,7 +43,7 @@ MAX_RANGES = 3         # the most unit ranges hpipe gives one device unless told
 @dataclass(frozen=True)
 class Candidate:
     bounds: tuple[int, ...]
-    devices: tuple[int, ...]
+    daemons: tuple[int, ...]
     micro_batches: int
     slices: tuple[int, ...]
     makespan: float
@@ -104,7 +105,7 @@ def _fits(cost: CostModel, work: Workload, bounds, devices) -> bool:
     need: dict[int, int] = {}
     for j, (a, b) in enumerate(zip(bounds, bounds[1:])):
         need[devices[j]] = need.get(devices[j], 0) + cost.stage_memory(a, b, work)
-    return all(n <= cost.devices[d].memory_bytes for d, n in need.items())
+    return all(n <= cost.daemons[d].memory_bytes for d, n in need.items())
 
 
 def interleave(bounds: tuple[int, ...], devices: tuple[int, ...],
@@ -149,7 +150,7 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
 
     ``max_ranges``: the most unit ranges hpipe may give one device. Interleaved chains are
     candidates like any other, chosen only where the simulator says they are faster (1: none; see
-    docs/benchmarks.md, "Eleventh day", for the measurements behind the default)."""
+    docs/decisions/interleaving.md for the measurements behind the default)."""
     t_start = time.perf_counter()
     cost = CostModel(profile)
     context = profile.model.max_position_embeddings
@@ -161,16 +162,16 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
         raise InfeasibleError(f"length {work.kv_len} exceeds the model's context of {context} tokens")
     if work.kv_len < work.seq_len:
         raise InfeasibleError(f"--max-len {work.kv_len} is below --seq-len {work.seq_len}")
-    n = len(cost.devices)
+    n = len(cost.daemons)
     L = work.seq_len
     mbs = _divisors(work.batch)
     one = lambda m: [[L]]  # noqa: E731
 
     dp = best_cuts(cost, work)
     k = min(n, cost.num_units)  # an even split cannot use more devices than there are units
-    even = (even_bounds(cost.num_units, k), tuple(range(k)))
+    even = ((0, *even_cuts(cost.num_units, k), cost.num_units), tuple(range(k)))
     even_ok = _fits(cost, work, *even)
-    splits = [(dp.bounds, dp.devices)] + ([even] if even_ok and even != (dp.bounds, dp.devices) else [])
+    splits = [(dp.bounds, dp.daemons)] + ([even] if even_ok and even != (dp.bounds, dp.daemons) else [])
 
     tables = {}
 
@@ -178,14 +179,13 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
         def gen(m):
             key = (bounds, devices, m)
             if key not in tables:
-                stages = [Stage(devices[j], a, b, devices[j + 1] if j + 1 < len(devices) else None,
+                stages = [CostStage(devices[j], a, b, devices[j + 1] if j + 1 < len(devices) else None,
                                 devices[j - 1] if j > 0 else None)
                           for j, (a, b) in enumerate(zip(bounds, bounds[1:]))]
                 max_len = max(granularity, (work.kv_len // granularity) * granularity)
                 tables[key] = slicing_table(cost, stages, max_len, work.batch // m, granularity)
             table = tables[key]
             key_len = min((k for k in table.slices if k >= L), default=max(table.slices))
-            from planner.slicing import fit_slices
 
             return [fit_slices(table.slices[key_len], L)] + _uniforms(L)
         return gen
@@ -208,12 +208,12 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
     results["hpipe"] = best_h
     results["base"] = _best(cost, work, *even, [1], one) if even_ok else None
     results["gpipe"] = _best(cost, work, *even, mbs, one) if even_ok else None
-    results["gp_b"] = _best(cost, work, dp.bounds, dp.devices, mbs, one)
+    results["gp_b"] = _best(cost, work, dp.bounds, dp.daemons, mbs, one)
     results["terapipe"] = _best(cost, work, *even, [1], lambda m: _uniforms(L)) if even_ok else None
 
-    key = (best_h.bounds, best_h.devices, best_h.micro_batches)
+    key = (best_h.bounds, best_h.daemons, best_h.micro_batches)
     if key not in tables:
-        hpipe_slicings(best_h.bounds, best_h.devices)(best_h.micro_batches)
+        hpipe_slicings(best_h.bounds, best_h.daemons)(best_h.micro_batches)
     schedule = dict(tables[key].slices)
 
     strategies = {}
@@ -234,22 +234,22 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
 def _refined(cost: CostModel, work: Workload, cand: Candidate, granularity: int) -> Candidate:
     """``cand`` after local search over its cuts and slices (devices and micro-batches fixed)."""
     def evaluate(bounds, slices):
-        return simulate_schedule(cost, work, bounds, cand.devices, cand.micro_batches, slices)
+        return simulate_schedule(cost, work, bounds, cand.daemons, cand.micro_batches, slices)
 
     def feasible(bounds):
-        return _fits(cost, work, bounds, cand.devices)
+        return _fits(cost, work, bounds, cand.daemons)
 
     makespan, bounds, slices = refine(evaluate, cand.bounds, cand.slices, granularity=granularity,
                                       feasible=feasible, max_evals=REFINE_EVALS, time_budget_s=REFINE_CAP_S)
-    return Candidate(bounds, cand.devices, cand.micro_batches, slices, makespan)
+    return Candidate(bounds, cand.daemons, cand.micro_batches, slices, makespan)
 
 
-def _stage_plans(cost: CostModel, work: Workload, cand: Candidate) -> tuple[StagePlan, ...]:
-    computes = stage_computes(cost, work, cand.bounds, cand.devices, cand.micro_batches, cand.slices)
+def _stage_plans(cost: CostModel, work: Workload, cand: Candidate) -> tuple[Stage, ...]:
+    computes = stage_computes(cost, work, cand.bounds, cand.daemons, cand.micro_batches, cand.slices)
     out = []
     for j, (a, b) in enumerate(zip(cand.bounds, cand.bounds[1:])):
-        dev = cost.devices[cand.devices[j]]
-        out.append(StagePlan(dev.name, dev.address, a, b, cost.stage_memory(a, b, work, max(cand.slices)),
+        dev = cost.daemons[cand.daemons[j]]
+        out.append(Stage(dev.name, dev.address, a, b, cost.stage_memory(a, b, work, max(cand.slices)),
                              dev.memory_bytes, float(computes[j].sum())))
     return tuple(out)
 
@@ -257,7 +257,7 @@ def _stage_plans(cost: CostModel, work: Workload, cand: Candidate) -> tuple[Stag
 def ideal_seconds(cost: CostModel, work: Workload) -> float:
     """Total work over the devices' summed speed: 1 / sum_d (1 / T_d), T_d = whole model on d, unsliced."""
     speeds = 0.0
-    for m in range(len(cost.devices)):
+    for m in range(len(cost.daemons)):
         t = cost.stage_time(m, 0, cost.num_units, work.seq_len, 0, work.batch)
         if t > 0:
             speeds += 1.0 / t
@@ -266,7 +266,7 @@ def ideal_seconds(cost: CostModel, work: Workload) -> float:
 
 def timeline(profile: Profile, work: Workload, sp: StrategyPlan) -> Timeline:
     cost = CostModel(profile)
-    names = [d.name for d in cost.devices]
+    names = [d.name for d in cost.daemons]
     bounds = tuple(s.unit_start for s in sp.stages) + (sp.stages[-1].unit_end,)
-    devices = tuple(names.index(s.device) for s in sp.stages)
+    devices = tuple(names.index(s.daemon) for s in sp.stages)
     return simulate_schedule(cost, work, bounds, devices, sp.micro_batches, sp.slices, keep=True)

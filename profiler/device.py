@@ -19,11 +19,11 @@ import time
 import psutil
 import torch
 
-from hpipe.config import ModelConfig
+from hpipe.core.config import ModelConfig
+from hpipe.core.units import UnitRange
 from hpipe.model import StageCache, StageModel, packed
 from hpipe.model.layers import Attention
 from hpipe.model.rope import cos_sin
-from hpipe.units import UnitRange
 
 
 def _cgroup_quota() -> str:
@@ -79,12 +79,6 @@ def fingerprint(device: torch.device) -> str:
     packs = device.type == "cpu" and packed.pays()
     sw = f"torch={torch.__version__}/threads={torch.get_num_threads()}/mkl_packed={int(packs)}"
     return hashlib.sha256(f"{hw}|{sw}".encode()).hexdigest()[:16] + f" {hw}"
-
-
-def available_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    return int(psutil.virtual_memory().available)
 
 
 def _sync(device: torch.device) -> None:

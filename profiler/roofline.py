@@ -15,8 +15,8 @@ output is an ordinary profile with ``source: simulated``, on the same grid a mea
 
 from __future__ import annotations
 
-from hpipe.config import ModelConfig
-from profiler.schema import DTYPE_BYTES, ComputeGrid, DeviceProfile, LinkProfile, Profile
+from hpipe.core.config import ModelConfig
+from hpipe.core.profile import DTYPE_BYTES, ComputeGrid, DaemonProfile, LinkProfile, Profile
 
 
 def unit_cost(cfg: ModelConfig, kind: str, s: int, c: int, b: int, itemsize: int) -> tuple[float, float]:
@@ -71,7 +71,7 @@ def simulated_profile(model_name: str, cfg: ModelConfig, daemons, links: dict, d
                     plane.append(tuple(row))
                 planes.append(tuple(plane))
             grids[kind] = ComputeGrid(batches, tokens, ctxs, tuple(planes))
-        devices.append(DeviceProfile(d.name, d.address, d.device, int(spec["memory"]), grids,
+        devices.append(DaemonProfile(d.name, d.address, d.device, int(spec["memory"]), grids,
                                      fingerprint=f"spec:{spec['peak_tflops']}TF/{spec['mem_bw_gbs']}GBs"))
     link_profiles = tuple(LinkProfile(a, b, lat, bw) for (a, b), (lat, bw) in links.items())
     return Profile(cfg, model_name, dtype, tuple(devices), link_profiles, source="simulated",

@@ -1,4 +1,4 @@
-"""gRPC channels and the client side of the Stage service: auth token, TLS, limits, deadlines."""
+"""gRPC channels and the client side of a daemon's services: auth token, TLS, limits, deadlines."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from hpipe.errors import HpipeError
+from hpipe.core.errors import HpipeError
 from runtime.wire import CHANNEL_OPTIONS, pb, pb_grpc
 
 TOKEN_HEADER = "authorization"
@@ -33,6 +33,11 @@ class Security:
                 raise HpipeError(f"token file {token_file} is empty")
         return cls(token=token, tls_ca=Path(tls_ca) if tls_ca else None)
 
+    @classmethod
+    def of(cls, cluster) -> "Security":
+        """What a client of ``cluster`` (a :class:`hpipe.core.cluster.ClusterSpec`) presents and checks."""
+        return cls.from_files(cluster.token_file, cluster.tls_ca)
+
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((TOKEN_HEADER, f"Bearer {self.token}"),) if self.token else ()
 
@@ -44,17 +49,20 @@ def open_channel(address: str, security: Security = Security()) -> grpc.Channel:
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
-class StageClient:
+class DaemonClient:
     """A thin client of one daemon; every call carries the token and a deadline."""
 
     def __init__(self, address: str, security: Security = Security(), name: str | None = None):
         self.address, self.name = address, name or address
         self.channel = open_channel(address, security)
-        self.stub = pb_grpc.StageStub(self.channel)
+        self.stub = pb_grpc.StageServiceStub(self.channel)
+        self.profiler = pb_grpc.ProfilerServiceStub(self.channel)
         self.metadata = security.metadata()
 
     def call(self, method: str, request, timeout: float = 30.0):
-        return getattr(self.stub, method)(request, timeout=timeout, metadata=self.metadata)
+        """``method`` of the stage service, or of the profiler service every daemon also serves."""
+        stub = self.stub if hasattr(self.stub, method) else self.profiler
+        return getattr(stub, method)(request, timeout=timeout, metadata=self.metadata)
 
     def results(self, sequence_id: int):
         return self.stub.Results(pb.ResultsRequest(sequence_id=sequence_id), metadata=self.metadata)

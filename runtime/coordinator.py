@@ -8,10 +8,8 @@ sequence: an unreachable stage, or a stage that recorded an error (a failed send
 successor it could not reach), fails the sequence at once with a message naming the stage, and
 the surviving stages are told to free the sequence's KV cache.
 
-A daemon may hold several stages (an interleaved schedule): it gets one ``Load`` with all of its
-unit ranges, one ``Open`` per sequence, and reports statistics per range, which are put back in
-stage order. ``Pipeline.clients`` has one client per daemon (a *host*); ``StageInfo.host`` maps
-each stage to its host.
+A daemon may hold several stages (an interleaved schedule): it gets one ``Load`` naming all of
+them, one ``Open`` per sequence, and reports statistics per stage.
 """
 
 from __future__ import annotations
@@ -22,16 +20,17 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Sequence as Seq
 
 import grpc
 import torch
 
-from hpipe.errors import HpipeError, InputError
-from runtime.channels import Security, StageClient
-from runtime.cluster import ClusterSpec, DaemonSpec
-from runtime.wire import dtype_to_wire, pb, tensor_bytes, tensor_from_proto
+from hpipe.core.cluster import ClusterSpec, DaemonSpec
+from hpipe.core.errors import HpipeError, InputError
+from hpipe.core.plan import PlanError, Stage, stages_from_cuts
+from runtime.channels import DaemonClient, Security
+from runtime.wire import dtype_to_wire, pb, stage_to_wire, tensor_bytes, tensor_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -43,80 +42,76 @@ class StageFailure(HpipeError):
     """A stage died, became unreachable, or failed a sequence."""
 
 
-@dataclass(frozen=True)
-class StageInfo:
-    index: int
-    daemon: DaemonSpec
-    unit_start: int
-    unit_end: int
-    host: int             # index of its daemon in Pipeline.hosts / clients
-    parameters: int       # of the daemon's whole deployment (all its stages)
-    weight_bytes: int
-    load_s: float
+def cut_stages(cluster: ClusterSpec, cuts: Seq[int], num_units: int, daemons: Seq[str] | None = None) -> list[Stage]:
+    """Stages ``[0, c1), [c1, c2), ...`` on the named daemons (default: the cluster's first ones, in
+    file order): a pipeline from ``--cuts``, without a plan."""
+    n = len(cuts) + 1
+    chosen = [cluster.daemon(name) for name in daemons] if daemons else list(cluster.daemons[:n])
+    if len(chosen) != n:
+        raise InputError(f"{n} stages need {n} daemons; cluster {cluster.name!r} has {len(cluster.daemons)}")
+    try:
+        return stages_from_cuts([(d.name, d.address) for d in chosen], list(cuts), num_units)
+    except PlanError as e:
+        raise InputError(str(e)) from None
 
 
 class Pipeline:
-    """Stages deployed on the daemons of a cluster, in pipeline order."""
+    """Stages deployed on the daemons of a cluster, in pipeline order.
+
+    ``daemons`` are the daemons in use, in order of their first stage, with one client each in
+    ``clients``; ``stage_daemon[i]`` is the index of stage i's daemon there."""
 
     def __init__(self, cluster: ClusterSpec, security: Security | None = None):
         self.cluster = cluster
-        self.security = security if security is not None else cluster.security()
-        self.stages: list[StageInfo] = []
-        self.hosts: list[DaemonSpec] = []      # the daemons in use, in order of their first stage
-        self.clients: list[StageClient] = []   # one per host
+        self.security = security if security is not None else Security.of(cluster)
+        self.stages: list[Stage] = []
+        self.daemons: list[DaemonSpec] = []
+        self.stage_daemon: list[int] = []
+        self.clients: list[DaemonClient] = []
+        self.loads: list[pb.LoadReply] = []    # per daemon in use: what its Load reported
         self.vocab_size = 0
 
-    def describe_host(self, h: int) -> str:
-        d, stages = self.hosts[h], self.host_stages(h)
-        return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} ({d.name} at {d.address})"
+    def describe_daemon(self, d: int) -> str:
+        spec, stages = self.daemons[d], self.daemon_stages(d)
+        return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} ({spec.name} at {spec.address})"
 
-    def host_stages(self, h: int) -> list[int]:
-        return [s.index for s in self.stages if s.host == h]
+    def daemon_stages(self, d: int) -> list[int]:
+        return [i for i, dd in enumerate(self.stage_daemon) if dd == d]
 
-    def deploy(self, model: str, cuts: Seq[int], num_units: int, dtype: torch.dtype,
-               daemons: Seq[str] | None = None) -> list[StageInfo]:
-        """Load ``[0,c1), [c1,c2), ...`` onto the named daemons (default: the first ones, in file order).
+    def deploy(self, model: str, stages: Seq[Stage], dtype: torch.dtype) -> list[Stage]:
+        """Load ``stages`` (a plan's, or :func:`stages_from_cuts`) onto their daemons in the cluster.
 
         A daemon named for several stages holds them all (an interleaved schedule); two stages in a
-        row on one daemon would be one stage and are refused."""
-        bounds = [0, *cuts, num_units]
-        n = len(bounds) - 1
-        chosen = [self.cluster.daemon(name) for name in daemons] if daemons else list(self.cluster.daemons[:n])
-        if len(chosen) != n:
-            raise InputError(f"{n} stages need {n} daemons; cluster {self.cluster.name!r} has "
-                             f"{len(self.cluster.daemons)}")
-        repeated = [i for i in range(1, n) if chosen[i].name == chosen[i - 1].name]
+        row on one daemon would be one stage and are refused. Addresses are the cluster's."""
+        if not stages:
+            raise InputError("a pipeline needs at least one stage")
+        stages = [replace(s, address=self.cluster.daemon(s.daemon).address) for s in stages]
+        repeated = [i for i in range(1, len(stages)) if stages[i].daemon == stages[i - 1].daemon]
         if repeated:
-            raise InputError(f"stages {repeated[0] - 1} and {repeated[0]} are both on {chosen[repeated[0]].name}: "
-                             "merge them into one stage")
+            i = repeated[0]
+            raise InputError(f"stages {i - 1} and {i} are both on {stages[i].daemon}: merge them into one stage")
         self.close()
-        by_name: dict[str, DaemonSpec] = {}
-        for d in chosen:
-            by_name.setdefault(d.name, d)
-        hosts = list(by_name.values())
-        host_index = {name: h for h, name in enumerate(by_name)}
-        host_of = [host_index[d.name] for d in chosen]
-        self.clients = [StageClient(d.address, self.security, d.name) for d in hosts]
-        requests = [pb.LoadRequest(model=model, dtype=dtype_to_wire(dtype), parts=[
-            pb.StagePart(unit_start=bounds[i], unit_end=bounds[i + 1], stage_index=i,
-                         next_address=chosen[i + 1].address if i + 1 < n else "",
-                         next_name=chosen[i + 1].name if i + 1 < n else "")
-            for i in range(n) if host_of[i] == h]) for h in range(len(hosts))]
+        names = list(dict.fromkeys(s.daemon for s in stages))
+        daemons = [self.cluster.daemon(n) for n in names]
+        stage_daemon = [names.index(s.daemon) for s in stages]
+        self.clients = [DaemonClient(d.address, self.security, d.name) for d in daemons]
+        wire = [stage_to_wire(s) for s in stages]
+        requests = [pb.LoadRequest(model=model, dtype=dtype_to_wire(dtype), stages=wire,
+                                   held=[i for i, dd in enumerate(stage_daemon) if dd == d])
+                    for d in range(len(daemons))]
 
-        def load(h):
+        def load(d):
             try:
-                return self.clients[h].call("Load", requests[h], timeout=600.0)
+                return self.clients[d].call("Load", requests[d], timeout=600.0)
             except grpc.RpcError as e:
-                ranges = ", ".join(f"[{p.unit_start}, {p.unit_end})" for p in requests[h].parts)
-                raise StageFailure(f"{hosts[h].name} at {hosts[h].address} could not load units {ranges}: "
+                ranges = ", ".join(stages[i].units for i in requests[d].held)
+                raise StageFailure(f"{daemons[d].name} at {daemons[d].address} could not load units {ranges}: "
                                    f"{e.code().name}: {e.details()}") from None
 
-        with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
-            replies = list(pool.map(load, range(len(hosts))))
-        self.hosts = hosts
-        self.stages = [StageInfo(i, chosen[i], bounds[i], bounds[i + 1], host_of[i], replies[host_of[i]].parameters,
-                                 replies[host_of[i]].weight_bytes, replies[host_of[i]].load_s) for i in range(n)]
-        self.vocab_size = replies[host_of[-1]].vocab_size
+        with ThreadPoolExecutor(max_workers=len(daemons)) as pool:
+            self.loads = list(pool.map(load, range(len(daemons))))
+        self.daemons, self.stages, self.stage_daemon = daemons, stages, stage_daemon
+        self.vocab_size = self.loads[stage_daemon[-1]].vocab_size
         return self.stages
 
     def open(self, max_len: int, batch: int = 1, idle_timeout_s: float = 60.0,
@@ -128,7 +123,7 @@ class Pipeline:
     def close(self) -> None:
         for c in self.clients:
             c.close()
-        self.clients, self.hosts, self.stages = [], [], []
+        self.clients, self.daemons, self.stages, self.stage_daemon, self.loads = [], [], [], [], []
 
 
 class RemoteSequence:
@@ -145,27 +140,27 @@ class RemoteSequence:
         self._closed = False
         opened = []
         try:
-            for h in range(len(pipe.clients)):
-                reply = self._rpc(h, "Open", pb.OpenRequest(sequence_id=self.id, batch=batch, max_len=max_len,
+            for d in range(len(pipe.clients)):
+                reply = self._rpc(d, "Open", pb.OpenRequest(sequence_id=self.id, batch=batch, max_len=max_len,
                                                            idle_timeout_s=idle_timeout_s))
-                opened.append(h)
-                for i, kv in zip(pipe.host_stages(h), reply.parts_kv_bytes):
+                opened.append(d)
+                for i, kv in zip(pipe.daemon_stages(d), reply.stages_kv_bytes):
                     self.kv_bytes[i] = kv
         except HpipeError:
-            for h in opened:
-                self._close_host(h)
+            for d in opened:
+                self._close_daemon(d)
             raise
-        self._last = pipe.stages[-1].host
+        self._last = pipe.stage_daemon[-1]
         self._stream = pipe.clients[self._last].results(self.id)
         self._reader = threading.Thread(target=self._read_results, daemon=True, name=f"results-{self.id}")
         self._reader.start()
 
-    def _rpc(self, h: int, method: str, request, timeout: float = 30.0):
-        """``method`` on host ``h``, its failure as a :class:`StageFailure` naming the host's stages."""
+    def _rpc(self, d: int, method: str, request, timeout: float = 30.0):
+        """``method`` on daemon ``d``, its failure as a :class:`StageFailure` naming the daemon's stages."""
         try:
-            return self.pipe.clients[h].call(method, request, timeout=timeout)
+            return self.pipe.clients[d].call(method, request, timeout=timeout)
         except grpc.RpcError as e:
-            code, who = e.code(), self.pipe.describe_host(h)
+            code, who = e.code(), self.pipe.describe_daemon(d)
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise StageFailure(f"{who} is not responding ({code.name}: {e.details()})") from None
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -189,10 +184,9 @@ class RemoteSequence:
         n = ids.shape[1]
         if self.position + n > self.max_len:
             raise InputError(f"positions up to {self.position + n} exceed the sequence's max length {self.max_len}")
-        first = self.pipe.stages[0]
-        self._rpc(first.host, "Submit", pb.Slice(sequence_id=self.id, unit_start=first.unit_start,
-                                                 start=self.position, length=n, payload=tensor_bytes(ids),
-                                                 want_logits=want_logits, all_logits=all_logits))
+        self._rpc(self.pipe.stage_daemon[0], "Submit", pb.Slice(sequence_id=self.id, stage=0, start=self.position,
+                                                                length=n, payload=tensor_bytes(ids),
+                                                                want_logits=want_logits, all_logits=all_logits))
         self.position += n
 
     def result(self) -> pb.SliceResult:
@@ -209,7 +203,7 @@ class RemoteSequence:
                 continue
             if isinstance(item, grpc.RpcError):
                 self._abort()
-                raise StageFailure(f"{self.pipe.describe_host(self._last)}: results stream broke "
+                raise StageFailure(f"{self.pipe.describe_daemon(self._last)}: results stream broke "
                                    f"({item.code().name}: {item.details()})")
             if item.error:
                 self._check_stages()  # name the stage that failed, if it can be found
@@ -224,50 +218,50 @@ class RemoteSequence:
         a symptom, the dead daemon the cause.
         """
         replies, dead = {}, None
-        for h in range(len(self.pipe.clients)):
+        for d in range(len(self.pipe.clients)):
             try:
-                replies[h] = self.pipe.clients[h].call("Status", pb.StatusRequest(sequence_ids=[self.id]),
+                replies[d] = self.pipe.clients[d].call("Status", pb.StatusRequest(sequence_ids=[self.id]),
                                                        timeout=STATUS_TIMEOUT_S)
             except grpc.RpcError as e:
-                dead = dead or (h, e)
+                dead = dead or (d, e)
         if dead:
-            h, e = dead
-            self._abort(skip=h)
-            raise StageFailure(f"{self.pipe.describe_host(h)} is not responding ({e.code().name}: {e.details()})")
-        for h, reply in replies.items():
+            d, e = dead
+            self._abort(skip=d)
+            raise StageFailure(f"{self.pipe.describe_daemon(d)} is not responding ({e.code().name}: {e.details()})")
+        for d, reply in replies.items():
             state = reply.sequences[0]
             if state.error:
                 self._abort()
-                raise StageFailure(f"{self.pipe.describe_host(h)}: {state.error}")
+                raise StageFailure(f"{self.pipe.describe_daemon(d)}: {state.error}")
             if not state.open:
                 self._abort()
-                raise StageFailure(f"{self.pipe.describe_host(h)} no longer holds sequence {self.id} (idle timeout?)")
+                raise StageFailure(f"{self.pipe.describe_daemon(d)} no longer holds sequence {self.id} (idle timeout?)")
 
     def logits(self, msg: pb.SliceResult) -> torch.Tensor:
         return tensor_from_proto(msg.logits)
 
     # --- life cycle -------------------------------------------------------------------------
-    def _close_host(self, h: int) -> dict[int, dict]:
-        """Free the sequence on host ``h``; its statistics per stage index ({} if it did not answer)."""
+    def _close_daemon(self, d: int) -> dict[int, dict]:
+        """Free the sequence on daemon ``d``; its statistics per stage index ({} if it did not answer)."""
         try:
-            reply = self.pipe.clients[h].call("Close", pb.SequenceRequest(sequence_id=self.id), timeout=5.0)
+            reply = self.pipe.clients[d].call("Close", pb.SequenceRequest(sequence_id=self.id), timeout=5.0)
         except grpc.RpcError:
             return {}
-        index = {self.pipe.stages[i].unit_start: i for i in self.pipe.host_stages(h)}
-        return {index[s.unit_start]: {
+        mine = set(self.pipe.daemon_stages(d))
+        return {s.stage: {
             "compute_s": s.compute_s, "send_s": s.send_s, "recv_decode_s": s.recv_decode_s,
             "slices": s.slices, "bytes_sent": s.bytes_sent,
             "spans": [(x.start, x.length, x.received_s, x.begin_s, x.end_s) for x in s.spans]}
-            for s in reply.stats if s.unit_start in index}
+            for s in reply.stats if s.stage in mine}
 
     def _abort(self, skip: int | None = None) -> None:
-        """Free the sequence on every host that still answers."""
+        """Free the sequence on every daemon that still answers."""
         if self._closed:
             return
         self._closed = True
-        for h in range(len(self.pipe.clients)):
-            if h != skip:
-                self._close_host(h)
+        for d in range(len(self.pipe.clients)):
+            if d != skip:
+                self._close_daemon(d)
         self._stream.cancel()
 
     def close(self) -> list[dict]:
@@ -275,8 +269,8 @@ class RemoteSequence:
         if not self._closed:
             self._closed = True
             per_stage: dict[int, dict] = {}
-            for h in range(len(self.pipe.clients)):
-                per_stage.update(self._close_host(h))
+            for d in range(len(self.pipe.clients)):
+                per_stage.update(self._close_daemon(d))
             self.stats = [per_stage.get(i, {}) for i in range(len(self.pipe.stages))]
             self._stream.cancel()
         return self.stats
@@ -312,8 +306,8 @@ class RemoteRunner:
 
 def generate_on_cluster(pipe: Pipeline, source, tokenizer, prompt: str, *, chat: bool, max_new_tokens: int,
                         sampling, slices, idle_timeout_s: float = 60.0):
-    """:func:`hpipe.generate.generate` through a deployed pipeline, with per-stage timings."""
-    from hpipe.generate import generate
+    """:func:`hpipe.model.generate.generate` through a deployed pipeline, with per-stage timings."""
+    from hpipe.model.generate import generate
 
     opened: list[RemoteSequence] = []
 
@@ -331,8 +325,8 @@ def generate_on_cluster(pipe: Pipeline, source, tokenizer, prompt: str, *, chat:
             seq.close()
     seq = opened[0]
     result.extra["stages"] = [
-        {"stage": s.index, "daemon": s.daemon.name, "address": s.daemon.address, "units": [s.unit_start, s.unit_end],
+        {"stage": i, "daemon": s.daemon, "address": s.address, "units": [s.unit_start, s.unit_end],
          "kv_bytes": kv, **{k: v for k, v in stats.items() if k != "spans"}}
-        for s, kv, stats in zip(pipe.stages, seq.kv_bytes, seq.stats)
+        for i, (s, kv, stats) in enumerate(zip(pipe.stages, seq.kv_bytes, seq.stats))
     ]
     return result

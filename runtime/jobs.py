@@ -22,11 +22,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hpipe.errors import HpipeError, InputError
-from hpipe.generate import encode_prompt, generate_ids
+from hpipe.core.errors import HpipeError, InputError
+from hpipe.core.plan import Plan
+from hpipe.model.generate import encode_prompt, generate_ids
+from hpipe.model.sampling import SamplingParams
 from hpipe.model.stage import DTYPES
-from hpipe.sampling import SamplingParams
-from planner.plan import Plan
 from runtime.coordinator import Pipeline, RemoteRunner
 
 log = logging.getLogger(__name__)
@@ -94,8 +94,7 @@ def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: P
     context = source.config.max_position_embeddings
     strategy = job.strategy or plan.strategy
     sp = plan.strategies[strategy]
-    pipe.deploy(plan.model_name, sp.cuts, source.config.num_units, DTYPES[plan.dtype],
-                daemons=[s.device for s in sp.stages])
+    pipe.deploy(plan.model_name, sp.stages, DTYPES[plan.dtype])
     skip = done_documents(results)
     todo = [d for d in documents if d not in skip]
     if skip & set(documents):

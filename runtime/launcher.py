@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from hpipe.errors import HpipeError
-from hpipe.sources import cache_root
-from runtime.channels import StageClient
-from runtime.cluster import ClusterSpec, DaemonSpec
+from hpipe.core.cluster import ClusterSpec, DaemonSpec
+from hpipe.core.errors import HpipeError
+from hpipe.core.paths import cache_root
+from runtime.channels import DaemonClient, Security
 
 log = logging.getLogger(__name__)
 
@@ -30,22 +30,9 @@ def state_dir(cluster: ClusterSpec) -> Path:
     return d
 
 
-def daemon_command(cluster: ClusterSpec, d: DaemonSpec) -> list[str]:
-    cmd = [sys.executable, "-m", "hpipe.cli", "daemon", "--device", d.device, "--host", d.host,
-           "--port", str(d.port), "--name", d.name]
-    if d.threads:
-        cmd += ["--threads", str(d.threads)]
-    if d.memory_budget:
-        cmd += ["--memory-budget", str(d.memory_budget)]
-    if not d.cuda_graphs:
-        cmd += ["--no-cuda-graphs"]
-    if cluster.token_file:
-        cmd += ["--token-file", str(cluster.token_file)]
-    if d.tls_cert:
-        cmd += ["--tls-cert", str(d.tls_cert), "--tls-key", str(d.tls_key)]
-        if cluster.tls_ca:
-            cmd += ["--tls-ca", str(cluster.tls_ca)]
-    return cmd
+def daemon_command(d: DaemonSpec) -> list[str]:
+    """The command that starts daemon ``d`` on this machine."""
+    return [sys.executable, "-m", "hpipe", "daemon", *d.options().argv()]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -70,7 +57,7 @@ def up(cluster: ClusterSpec, timeout_s: float = 180.0) -> dict[str, str]:
     if remote:
         raise HpipeError(f"cluster up starts local daemons only; start {', '.join(remote)} on their machines "
                          "with `hpipe daemon`")
-    security = cluster.security()
+    security = Security.of(cluster)
     sdir = state_dir(cluster)
     emu = None
     if emulate.needed(cluster):
@@ -82,7 +69,7 @@ def up(cluster: ClusterSpec, timeout_s: float = 180.0) -> dict[str, str]:
     started: dict[str, subprocess.Popen] = {}
     status = {}
     for d in cluster.daemons:
-        client = StageClient(d.address, security, d.name)
+        client = DaemonClient(d.address, security, d.name)
         if client.health(timeout=1.0):
             status[d.name] = "already running"
             client.close()
@@ -95,14 +82,14 @@ def up(cluster: ClusterSpec, timeout_s: float = 180.0) -> dict[str, str]:
             # part of the device fingerprint: a cached profile is reused only under the same limits
             settings = {**d.emulate, **({"quota_period_us": emulate.QUOTA_PERIOD_US} if "cpu_quota" in d.emulate else {})}
             env["HPIPE_EMULATION"] = ",".join(f"{k}={v}" for k, v in sorted(settings.items()))
-        proc = subprocess.Popen(prefix + daemon_command(cluster, d), stdout=logf, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(prefix + daemon_command(d), stdout=logf, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         (sdir / f"{d.name}.pid").write_text(f"{proc.pid}\n")
         started[d.name] = proc
     deadline = time.monotonic() + timeout_s
     for name, proc in started.items():
         d = cluster.daemon(name)
-        client = StageClient(d.address, security, name)
+        client = DaemonClient(d.address, security, name)
         try:
             while not client.health(timeout=1.0):
                 if proc.poll() is not None:
@@ -155,10 +142,10 @@ def down(cluster: ClusterSpec, timeout_s: float = 15.0) -> dict[str, str]:
 def status(cluster: ClusterSpec) -> list[dict]:
     from runtime.wire import pb
 
-    security = cluster.security()
+    security = Security.of(cluster)
     rows = []
     for d in cluster.daemons:
-        client = StageClient(d.address, security, d.name)
+        client = DaemonClient(d.address, security, d.name)
         row = {"name": d.name, "address": d.address, "device": d.device, "healthy": client.health(timeout=2.0)}
         if row["healthy"]:
             try:

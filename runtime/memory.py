@@ -32,6 +32,13 @@ def _malloc_trim():
 _TRIM = _malloc_trim()
 
 
+def available(device: torch.device) -> int:
+    """Bytes free on ``device`` now: GPU memory, or the machine's available RAM."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(psutil.virtual_memory().available)
+
+
 def release_free(device: torch.device) -> None:
     """Collect garbage and return freed memory to the system (glibc arenas; CUDA's cache)."""
     gc.collect()

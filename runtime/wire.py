@@ -11,7 +11,8 @@ import warnings
 
 import torch
 
-from hpipe.errors import InputError
+from hpipe.core.errors import InputError
+from hpipe.core.plan import Stage
 from runtime.protogen import ensure as _ensure_generated
 
 _ensure_generated()
@@ -90,3 +91,11 @@ def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
 
 def tensor_from_proto(msg: pb.Tensor) -> torch.Tensor:
     return bytes_to_tensor(msg.data, tuple(msg.shape), dtype_from_wire(msg.dtype))
+
+
+def stage_to_wire(s: Stage) -> pb.Stage:
+    return pb.Stage(unit_start=s.unit_start, unit_end=s.unit_end, daemon=s.daemon, address=s.address)
+
+
+def stage_from_wire(m: pb.Stage) -> Stage:
+    return Stage(m.daemon, m.address, m.unit_start, m.unit_end)

@@ -2,13 +2,13 @@
 
 import shutil
 import socket
-import textwrap
+import tempfile
 from pathlib import Path
 
+from hpipe.app.daemon import build
+from hpipe.core.cluster import ClusterSpec, DaemonOptions, DaemonSpec
 from runtime import launcher
-from runtime.channels import Security, StageClient
-from runtime.cluster import ClusterSpec, DaemonSpec
-from runtime.daemon import DaemonConfig, build_server
+from runtime.channels import DaemonClient, Security
 
 
 def free_ports(n):
@@ -54,19 +54,25 @@ def discard_state(spec: ClusterSpec) -> None:
 
 
 class Served:
-    """An in-process daemon on a free loopback port."""
+    """An in-process daemon on a free loopback port (with the profiler, as ``hpipe daemon`` serves)."""
 
-    def __init__(self, name: str = "d", **kw):
+    def __init__(self, name: str = "d", token: str | None = None, tls_cert=None, tls_key=None, **kw):
         self.name = name
-        self.server, self.stage, port = build_server(DaemonConfig(port=0, **kw))
+        if token is not None:
+            with tempfile.NamedTemporaryFile("w", suffix=".token", delete=False) as f:
+                f.write(token)
+            kw["token_file"] = Path(f.name)
+        if tls_cert:
+            kw.update(tls_cert=Path(tls_cert), tls_key=Path(tls_key))
+        self.server, self.stage, port = build(DaemonOptions(name=name, port=0, **kw))
         self.server.start()
         self.address = f"127.0.0.1:{port}"
 
     def client(self, security=Security()):
-        return StageClient(self.address, security)
+        return DaemonClient(self.address, security)
 
     def spec(self) -> DaemonSpec:
-        return DaemonSpec(self.name, self.address, str(self.stage.device))
+        return DaemonSpec.at(self.name, self.address, device=str(self.stage.device))
 
     def stop(self):
         self.stage.shutdown()

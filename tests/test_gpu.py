@@ -5,12 +5,12 @@ import shutil
 import pytest
 import torch
 
-from hpipe.generate import LocalModel, decode_loop
+from hpipe.core.units import ranges_from_cuts
 from hpipe.model import StageModel
-from hpipe.sampling import Sampler
-from hpipe.sources import resolve_model
-from hpipe.units import ranges_from_cuts
-from runtime.coordinator import Pipeline, RemoteRunner
+from hpipe.model.generate import LocalModel, decode_loop
+from hpipe.model.sampling import Sampler
+from hpipe.model.sources import resolve_model
+from runtime.coordinator import Pipeline, RemoteRunner, cut_stages
 from tests.cluster_helpers import RunningCluster, Served, cluster_of, write_cluster
 from tests.helpers import hf_model, max_rel_diff, run_split
 
@@ -37,7 +37,7 @@ def test_cuda_stages_match_hf(tiny_dirs, dtype):
 def _greedy(daemons, model, cuts, num_units, dtype, slices=(5, 7)):
     pipe = Pipeline(cluster_of(*daemons))
     try:
-        pipe.deploy(model, cuts, num_units, dtype)
+        pipe.deploy(model, cut_stages(pipe.cluster, cuts, num_units), dtype)
         with pipe.open(len(PROMPT) + NEW) as seq:
             out, *_ = decode_loop(RemoteRunner(seq), PROMPT, max_new_tokens=NEW, sampler=Sampler(), eos_ids=[],
                                   slices=list(slices))
@@ -84,7 +84,7 @@ def test_mps_daemons_of_unequal_shares(tmp_path):
         daemons = cluster.spec.daemons
         pipe = Pipeline(cluster.spec)
         try:
-            pipe.deploy("random:tiny", [5], 10, torch.bfloat16)
+            pipe.deploy("random:tiny", cut_stages(pipe.cluster, [5], 10), torch.bfloat16)
             with pipe.open(len(PROMPT) + 4) as seq:
                 out, *_ = decode_loop(RemoteRunner(seq), PROMPT, max_new_tokens=4, sampler=Sampler(), eos_ids=[],
                                       slices=[12])
@@ -115,10 +115,12 @@ def test_redeployment_does_not_hold_the_old_model():
     c = d.client()
     try:
         for end in (40, 26):  # units [0, 40), then [0, 26): neither holds the head
-            info = c.call("Load", pb.LoadRequest(model="random:llama-7b", dtype=dtype_to_wire(torch.bfloat16), parts=[
-                pb.StagePart(unit_start=0, unit_end=end, next_address="127.0.0.1:1")]))
+            stages = [pb.Stage(unit_start=0, unit_end=end, address=d.address),
+                      pb.Stage(unit_start=end, unit_end=66, address="127.0.0.1:1")]
+            info = c.call("Load", pb.LoadRequest(model="random:llama-7b", dtype=dtype_to_wire(torch.bfloat16),
+                                                 stages=stages, held=[0]))
             c.call("Open", pb.OpenRequest(sequence_id=1, batch=1, max_len=64))
-            c.call("Submit", pb.Slice(sequence_id=1, unit_start=0, start=0, length=64,
+            c.call("Submit", pb.Slice(sequence_id=1, stage=0, start=0, length=64,
                                       payload=torch.randint(0, 32000, (1, 64)).numpy().tobytes()))
             deadline = time.monotonic() + 30
             while c.call("Status", pb.StatusRequest(sequence_ids=[1])).sequences[0].length < 64:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hpipe.errors import InputError
+from hpipe.core.errors import InputError
 
 
 @dataclass

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from hpipe.config import ModelConfig
+from hpipe.core.config import ModelConfig
+from hpipe.core.units import ATTN, EMBED, HEAD, MLP, unit_kind
 from hpipe.model.kvcache import LayerCache
 from hpipe.model.rope import apply_rotary
-from hpipe.units import ATTN, EMBED, HEAD, MLP, unit_kind
 
 
 class RMSNorm(nn.Module):

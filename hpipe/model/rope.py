@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from hpipe.config import RopeConfig
+from hpipe.core.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> torch.Tensor:

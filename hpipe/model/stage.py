@@ -14,14 +14,14 @@ import hashlib
 import torch
 from torch import nn
 
-from hpipe.config import ModelConfig
-from hpipe.errors import InputError
-from hpipe.model.kvcache import StageCache
+from hpipe.core.config import ModelConfig
+from hpipe.core.errors import InputError
+from hpipe.core.units import UnitRange
 from hpipe.model import packed
+from hpipe.model.kvcache import StageCache
 from hpipe.model.layers import Attention, FeedForward, build_unit, checkpoint_names
 from hpipe.model.rope import cos_sin, inverse_frequencies
-from hpipe.units import UnitRange
-from hpipe.weights import WeightStore
+from hpipe.model.weights import WeightStore
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}

@@ -2,8 +2,8 @@
 
 import random
 
-from hpipe.config import ModelConfig
-from profiler.schema import ComputeGrid, DeviceProfile, LinkProfile, Profile
+from hpipe.core.config import ModelConfig
+from hpipe.core.profile import ComputeGrid, DaemonProfile, LinkProfile, Profile
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=1000, hidden_size=64,
             intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -23,7 +23,7 @@ def make_profile(rng: random.Random, n: int, layers: int = 2, memory=None, batch
     devices = []
     for i in range(n):
         speed = rng.uniform(0.2, 3.0)
-        devices.append(DeviceProfile(
+        devices.append(DaemonProfile(
             f"d{i}", f"127.0.0.1:{5000 + i}", "cpu",
             memory if memory is not None else 10**9,
             {"embed": grid(1e-6 / speed, 1e-5, batches=batches),

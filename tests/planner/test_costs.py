@@ -17,7 +17,7 @@ def test_remembered_unit_times_equal_the_grids():
     c = np.array([0.0, 16.0, 116.0])
     first = cost.stage_times(1, 0, cost.num_units, s, c, 1)
     again = cost.stage_times(1, 0, cost.num_units, s, c, 1)
-    grids = profile.devices[1].compute
+    grids = profile.daemons[1].compute
     direct = (grids["embed"].times(s, c, 1) + 3 * grids["attn"].times(s, c, 1)
               + 3 * grids["mlp"].times(s, 0 * c, 1) + grids["head"].time(1, 0, 1))
     np.testing.assert_allclose(first, direct)

@@ -13,7 +13,7 @@ from tests.planner.synthetic import make_profile
 
 
 def brute_force(cost, work, order_fixed=None):
-    u, n = cost.num_units, len(cost.devices)
+    u, n = cost.num_units, len(cost.daemons)
     best = math.inf
     orders = [order_fixed] if order_fixed else None
     for k in range(1, n + 1):
@@ -34,7 +34,7 @@ def test_subset_dp_equals_brute_force(seed):
     work = Workload(seq_len=rng.choice([64, 512, 2048]), batch=1)
     result = best_cuts(cost, work)
     assert result.bounds[0] == 0 and result.bounds[-1] == cost.num_units
-    assert math.isclose(bottleneck_of(cost, work, result.bounds, result.devices), result.bottleneck, rel_tol=1e-9)
+    assert math.isclose(bottleneck_of(cost, work, result.bounds, result.daemons), result.bottleneck, rel_tol=1e-9)
     assert math.isclose(result.bottleneck, brute_force(cost, work), rel_tol=1e-9)
 
 
@@ -57,7 +57,7 @@ def test_memory_is_respected_and_devices_are_left_out():
     work = Workload(seq_len=128)
     result = best_cuts(cost, work)
     for j, (a, b) in enumerate(zip(result.bounds, result.bounds[1:])):
-        assert cost.fits(result.devices[j], a, b, work)
+        assert cost.fits(result.daemons[j], a, b, work)
 
 
 def test_model_that_fits_nowhere_names_the_shortfall():

@@ -6,8 +6,9 @@ import random
 
 import numpy as np
 
+from hpipe.core.plan import fit_slices, uniform
 from planner.costs import CostModel
-from planner.slicing import Stage, fit_slices, slice_times, slicing_table, uniform
+from planner.slicing import CostStage, slice_times, slicing_table
 from tests.planner.synthetic import make_profile
 
 
@@ -22,7 +23,7 @@ def test_table_is_optimal_for_its_objective():
     rng = random.Random(3)
     profile = make_profile(rng, n=3, layers=2)
     cost = CostModel(profile)
-    stages = [Stage(0, 0, 2, 1), Stage(1, 2, 4, 2), Stage(2, 4, 6, None)]
+    stages = [CostStage(0, 0, 2, 1), CostStage(1, 2, 4, 2), CostStage(2, 4, 6, None)]
     g, levels = 16, 64
     table = slicing_table(cost, stages, 9 * g, batch=1, granularity=g, levels=levels)
 

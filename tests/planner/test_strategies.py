@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from hpipe.cli import main
+from hpipe.app.cli import main
+from hpipe.core.plan import Plan, PlanError
+from hpipe.core.profile import Profile, ProfileError
 from planner.costs import Workload
 from planner.cuts import InfeasibleError
-from planner.plan import Plan, PlanError
 from planner.strategies import plan
-from profiler.schema import Profile, ProfileError
 from tests.planner.synthetic import make_profile
 
 
@@ -48,12 +48,12 @@ def test_interleaving_shortens_fill_and_drain():
     base = make_profile(rng, n=3, layers=30)
     devices = tuple(replace(d, compute={"embed": grid(1e-6 / v, 1e-5), "attn": grid(2e-5 / v, 1e-4, 1e-9 / v),
                                         "mlp": grid(3e-5 / v, 1e-4), "head": grid(1e-5 / v, 5e-5)})
-                    for d, v in zip(base.devices, (1.0, 0.5, 0.27)))
+                    for d, v in zip(base.daemons, (1.0, 0.5, 0.27)))
     links = tuple(replace(link, latency_s=1e-4, bandwidth_Bps=1.25e8) for link in base.links)
-    profile = replace(base, devices=devices, links=links)
+    profile = replace(base, daemons=devices, links=links)
     work = Workload(seq_len=2048)
     hp = plan(profile, work).strategies["hpipe"]  # interleaving is a default candidate
-    names = [s.device for s in hp.stages]
+    names = [s.daemon for s in hp.stages]
     assert len(names) > len(set(names)) == 3  # a device holds several ranges
     assert all(a != b for a, b in zip(names, names[1:]))
     chain = plan(profile, work, max_ranges=1).strategies["hpipe"]  # one range per device
@@ -97,13 +97,13 @@ def test_a_scaled_profile_re_predicts_a_plan():
     for sp in p.strategies.values():  # unscaled: exactly the plan's prediction
         assert timeline(profile.scaled({}), work, sp).makespan == pytest.approx(sp.predicted_s, rel=1e-12)
     hp = p.strategies["hpipe"]
-    slower = profile.scaled({d.name: 2.0 for d in profile.devices})
+    slower = profile.scaled({d.name: 2.0 for d in profile.daemons})
     t = timeline(slower, work, hp).makespan
     assert hp.predicted_s < t < 2 * hp.predicted_s + 1e-12  # compute doubles, links do not
     # only one device slower: only schedules using it change
-    one = hp.stages[0].device
+    one = hp.stages[0].daemon
     assert timeline(profile.scaled({one: 1.5}), work, hp).makespan > hp.predicted_s
-    with pytest.raises(ProfileError, match="no device nope"):
+    with pytest.raises(ProfileError, match="no daemon nope"):
         profile.scaled({"nope": 1.0})
     with pytest.raises(ProfileError, match="finite and > 0"):
         profile.scaled({one: 0.0})
@@ -115,7 +115,7 @@ def test_one_item_schedules_run_at_the_devices_speed_alone():
 
     profile = make_profile(random.Random(7), n=3, layers=3)
     work = Workload(seq_len=600, max_len=1024)
-    factors = {d.name: 1.5 for d in profile.devices}
+    factors = {d.name: 1.5 for d in profile.daemons}
     colocated = replace(profile.scaled(factors), meta={**profile.meta, "colocation_factors": factors})
     alone, together = plan(profile, work), plan(colocated, work)
     base0, base1 = alone.strategies["base"], together.strategies["base"]
@@ -145,10 +145,10 @@ def test_moving_slices_costs_a_cpu_hosts_compute_not_an_accelerators():
         assert list(more[j] - plain[j]) == pytest.approx([extra, extra], rel=1e-9)
     # the planner's predictions include it; an accelerator's stages do not pay it
     assert plan(costly, work).strategies["hpipe"].predicted_s > plan(base, work).strategies["hpipe"].predicted_s
-    gpu = replace(costly, devices=tuple(replace(d, device="cuda:0") for d in costly.devices))
+    gpu = replace(costly, daemons=tuple(replace(d, device="cuda:0") for d in costly.daemons))
     on_gpu = stage_computes(CostModel(gpu), work, bounds, devices, 1, slices)
     assert all(list(a) == pytest.approx(list(b), rel=1e-12) for a, b in zip(on_gpu, stage_computes(
-        CostModel(replace(base, devices=gpu.devices)), work, bounds, devices, 1, slices)))
+        CostModel(replace(base, daemons=gpu.daemons)), work, bounds, devices, 1, slices)))
     # profiles from before the measurement read as costing nothing, and round-trip with it
     assert Profile.from_json(costly.to_json()) == costly
     old = json.loads(base.to_json())
@@ -186,14 +186,14 @@ def test_cli_what_if_profile(tmp_path, capsys):
     assert main(["profile", "--simulate", "--cluster", "clusters/paper-hpipe.yaml", "--model", "random:llama-7b",
                  "--dtype", "float16", "--max-len", "2048", "--batch", "6", "-o", str(out)]) == 0
     profile = Profile.from_json(out.read_text())
-    assert profile.source == "simulated" and len(profile.devices) == 6
+    assert profile.source == "simulated" and len(profile.daemons) == 6
     assert profile.link("p100-0", "rtx3090-0").bandwidth_Bps == pytest.approx(125e6)
     assert main(["profile", "--simulate", "--cluster", "clusters/local-3.yaml", "--model", "random:llama-7b"]) == 1
     assert "needs a 'spec'" in capsys.readouterr().err
 
 
 def test_the_demo_benches_each_distinct_baseline_once():
-    from hpipe.demo import distinct_strategies
+    from hpipe.app.demo import distinct_strategies
 
     p = plan(make_profile(random.Random(3), n=3, layers=2), Workload(seq_len=512))
     assert p.strategies["gpipe"].micro_batches == 1  # batch 1: GPipe's schedule is Base's

@@ -1,16 +1,16 @@
 """hpipe profile against live daemons: structure, cache, links, failures named."""
 
-import json
 import time
 
 import pytest
 
-from hpipe.cli import main
-from hpipe.errors import HpipeError
+from hpipe.app.cli import main
+from hpipe.core.cluster import ClusterSpec
+from hpipe.core.errors import HpipeError
+from hpipe.core.profile import ComputeGrid, Profile
+from profiler.grid import grid_axes, grids_from_reply
 from profiler.links import fit_host_cpu, fit_link
-from profiler.measure import _grids, grid_axes, profile_cluster
-from profiler.schema import ComputeGrid, Profile
-from runtime.cluster import ClusterSpec
+from profiler.measure import profile_cluster
 from tests.cluster_helpers import free_ports
 
 
@@ -22,17 +22,17 @@ def test_profile_live_cluster_and_cache(cluster3, smollm2, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "links (latency ms / bandwidth MB/s)" in err and "s2" in err
     profile = Profile.from_json(out.read_text())
-    assert profile.source == "measured" and [d.name for d in profile.devices] == ["s0", "s1", "s2"]
+    assert profile.source == "measured" and [d.name for d in profile.daemons] == ["s0", "s1", "s2"]
     assert len(profile.links) == 6 and all(l.bandwidth_Bps > 1e6 for l in profile.links)
     # moving activations costs each end's host CPU: measured per byte on every link
     assert all(l.send_cpu_s_per_byte > 0 and l.recv_cpu_s_per_byte > 0 for l in profile.links)
     assert all(1e-6 < l.send_cpu(128 * 576 * 4) < 0.1 for l in profile.links)
     assert "host CPU ms per 128-token slice" in err
-    attn = profile.devices[0].compute["attn"]
+    attn = profile.daemons[0].compute["attn"]
     assert attn.tokens[-1] == 128 and len(attn.contexts) > 1
     # attention grows with the slice, and the profile is a usable cost model
     assert attn.time(128, 0, 1) > attn.time(16, 0, 1) > 0
-    assert all(d.memory_bytes > 0 for d in profile.devices)
+    assert all(d.memory_bytes > 0 for d in profile.daemons)
     # how much CPU the hypervisor took from each daemon while it was profiled (Linux knows)
     assert set(profile.meta["steal_s"]) == {"s0", "s1", "s2"} and min(profile.meta["steal_s"].values()) >= 0
     assert "CPU steal while profiling" in err
@@ -54,7 +54,7 @@ def test_profile_live_cluster_and_cache(cluster3, smollm2, tmp_path, capsys):
 def test_calibration_needs_a_profile_with_reference_timings(cluster3):
     import random
 
-    from profiler.measure import calibrate
+    from profiler.reference import calibrate
     from tests.planner.synthetic import make_profile
 
     with pytest.raises(HpipeError, match="no reference timings"):  # synthetic and simulated profiles have none
@@ -74,7 +74,7 @@ def test_malformed_reply_is_refused():
 
     bad = NS(units=[NS(kind="attn", batches=[1], tokens=[1, 2], contexts=[0], seconds=[0.1])])
     with pytest.raises(HpipeError, match="malformed attn profile"):
-        _grids(NS(name="x", address="a:1"), bad)
+        grids_from_reply(NS(name="x", address="a:1"), bad)
 
 
 def test_the_token_axis_has_the_step_after_each_block_boundary():
@@ -101,18 +101,6 @@ def test_host_cpu_fit_separates_per_message_from_per_byte():
     assert per_message == 0.0 and per_byte > 0
     # an unmeasured host (a daemon whose replies carry no CPU time) costs nothing
     assert fit_host_cpu(sizes, messages, [0.0, 0.0]) == (0.0, 0.0)
-
-
-def test_config_dict_round_trips_every_family_and_shape(tiny_dirs):
-    """Daemons rebuild the model's shape from config_dict: it must lose nothing that changes the work."""
-    from hpipe.config import ModelConfig
-    from hpipe.shapes import SHAPES, model_shape
-    from profiler.measure import config_dict
-
-    configs = [ModelConfig.from_file(d / "config.json") for d in tiny_dirs.values()]
-    configs += [model_shape(f"random:{name}")[1] for name in SHAPES]
-    for cfg in configs:
-        assert ModelConfig.from_dict(config_dict(cfg)) == cfg, cfg.architecture
 
 
 def _bursty_points(n_points: int, burst: range):
@@ -173,8 +161,8 @@ def test_a_timed_stage_is_kept_for_the_next_timing_of_its_shape():
     import torch
 
     import profiler.device as device
-    from hpipe.config import ModelConfig
-    from hpipe.units import UnitRange
+    from hpipe.core.config import ModelConfig
+    from hpipe.core.units import UnitRange
 
     cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=100,
                                      hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -8,9 +8,9 @@ import grpc
 import pytest
 import torch
 
-from runtime.channels import Security, StageClient
-from runtime.cluster import ClusterSpec, DaemonSpec
-from runtime.coordinator import Pipeline, StageFailure
+from hpipe.core.cluster import ClusterSpec, DaemonSpec
+from runtime.channels import DaemonClient, Security
+from runtime.coordinator import Pipeline, cut_stages
 from runtime.wire import pb, tensor_bytes
 from tests.cluster_helpers import Served
 
@@ -28,9 +28,13 @@ def code_of(fn):
     return info.value.code(), info.value.details()
 
 
-def load(client, model, start, end, dtype=pb.FLOAT32, next_address=""):
-    return client.call("Load", pb.LoadRequest(model=str(model), dtype=dtype, parts=[
-        pb.StagePart(unit_start=start, unit_end=end, next_address=next_address)]))
+def load(client, model, start, end, dtype=pb.FLOAT32, num_units=8):
+    """Hold units [start, end) of a pipeline whose other stages (if any) are on an unused address."""
+    bounds = sorted({0, start, end, num_units})
+    stages = [pb.Stage(unit_start=a, unit_end=b, daemon=f"d{i}", address="127.0.0.1:1")
+              for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    held = [i for i, st in enumerate(stages) if st.unit_start == start]
+    return client.call("Load", pb.LoadRequest(model=str(model), dtype=dtype, stages=stages, held=held))
 
 
 def test_bad_messages_then_good_request(daemon, tiny_dirs):
@@ -40,11 +44,11 @@ def test_bad_messages_then_good_request(daemon, tiny_dirs):
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "no model is loaded" in msg
     assert code_of(lambda: load(c, "no-such-model", 0, 8))[0] == grpc.StatusCode.FAILED_PRECONDITION
     code, msg = code_of(lambda: load(c, model, 0, 99))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "outside the model's units" in msg
-    code, msg = code_of(lambda: c.call("Load", pb.LoadRequest(model=str(model), dtype=pb.FLOAT32, parts=[
-        pb.StagePart(unit_start=0, unit_end=4, next_address="127.0.0.1:1"),
-        pb.StagePart(unit_start=3, unit_end=6, next_address="127.0.0.1:1")])))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "overlap" in msg
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "the model's units [0, 8)" in msg
+    code, msg = code_of(lambda: c.call("Load", pb.LoadRequest(model=str(model), dtype=pb.FLOAT32, stages=[
+        pb.Stage(unit_start=0, unit_end=4, address="127.0.0.1:1"),
+        pb.Stage(unit_start=3, unit_end=8, address="127.0.0.1:1")], held=[0, 1])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "do not cover the model's units" in msg
     assert code_of(lambda: c.call("Load", pb.LoadRequest(model=str(model), dtype=pb.FLOAT32)))[0] == \
         grpc.StatusCode.INVALID_ARGUMENT
 
@@ -54,7 +58,7 @@ def test_bad_messages_then_good_request(daemon, tiny_dirs):
     good = tensor_bytes(torch.randn(1, 4, 64))
 
     def submit(**kw):
-        args = dict(sequence_id=7, unit_start=3, start=0, length=4, payload=good)
+        args = dict(sequence_id=7, stage=1, start=0, length=4, payload=good)
         args.update(kw)
         return c.call("Submit", pb.Slice(**args))
 
@@ -67,7 +71,7 @@ def test_bad_messages_then_good_request(daemon, tiny_dirs):
         "beyond max length": (dict(start=0, length=17, payload=tensor_bytes(torch.randn(1, 17, 64))),
                               grpc.StatusCode.OUT_OF_RANGE, "declared max length 16"),
         "gap in positions": (dict(start=2), grpc.StatusCode.FAILED_PRECONDITION, "continues at 0"),
-        "units not held": (dict(unit_start=0), grpc.StatusCode.FAILED_PRECONDITION, "holds units [3, 8)"),
+        "units not held": (dict(stage=0), grpc.StatusCode.FAILED_PRECONDITION, "holds units [3, 8)"),
         "empty slice": (dict(length=0, payload=b""), grpc.StatusCode.INVALID_ARGUMENT, "length must be >= 1"),
     }
     for name, (kw, want_code, want_msg) in cases.items():
@@ -85,15 +89,15 @@ def test_bad_messages_then_good_request(daemon, tiny_dirs):
     first = next(stream)
     assert first.start == 0 and first.length == 4 and list(first.logits.shape) == [1, 384]
     closed = c.call("Close", pb.SequenceRequest(sequence_id=7))
-    assert closed.existed and closed.stats[0].slices == 1 and closed.stats[0].unit_start == 3
+    assert closed.existed and closed.stats[0].slices == 1 and closed.stats[0].stage == 1
     assert c.call("Status", pb.StatusRequest()).kv_bytes == 0
 
 
 def test_token_ids_out_of_range_and_results_on_middle_stage(daemon, tiny_dirs):
     c = daemon.client()
-    load(c, tiny_dirs["llama"], 0, 3, next_address="127.0.0.1:1")
+    load(c, tiny_dirs["llama"], 0, 3)
     c.call("Open", pb.OpenRequest(sequence_id=1, batch=1, max_len=8))
-    code, msg = code_of(lambda: c.call("Submit", pb.Slice(sequence_id=1, unit_start=0, start=0, length=1,
+    code, msg = code_of(lambda: c.call("Submit", pb.Slice(sequence_id=1, stage=0, start=0, length=1,
                                                            payload=tensor_bytes(torch.tensor([[5000]])))))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "token ids must lie" in msg
     code, msg = code_of(lambda: next(c.results(1)))
@@ -128,15 +132,15 @@ def test_token_required(tiny_dirs):
 
 def _two_stage_pipeline(tiny_dirs, security, **kw):
     a, b = Served(**kw), Served(**kw)
-    spec = ClusterSpec("t", (DaemonSpec("a", a.address), DaemonSpec("b", b.address)))
+    spec = ClusterSpec("t", (DaemonSpec.at("a", a.address), DaemonSpec.at("b", b.address)))
     pipe = Pipeline(spec, security)
-    pipe.deploy(str(tiny_dirs["llama"]), [3], 8, torch.float32)
+    pipe.deploy(str(tiny_dirs["llama"]), cut_stages(spec, [3], 8), torch.float32)
     return a, b, pipe
 
 
 def _greedy(pipe, n=6):
-    from hpipe.generate import decode_loop
-    from hpipe.sampling import Sampler
+    from hpipe.model.generate import decode_loop
+    from hpipe.model.sampling import Sampler
     from runtime.coordinator import RemoteRunner
 
     with pipe.open(32) as seq:
@@ -162,7 +166,7 @@ def test_tls(tiny_dirs, tmp_path):
     a, b, pipe = _two_stage_pipeline(tiny_dirs, Security(tls_ca=cert), tls_cert=str(cert), tls_key=str(key))
     try:
         assert len(_greedy(pipe)) == 6
-        plain = StageClient(a.address)  # a plaintext client cannot talk to a TLS daemon
+        plain = DaemonClient(a.address)  # a plaintext client cannot talk to a TLS daemon
         assert not plain.health(timeout=1.0)
     finally:
         pipe.close(), a.stop(), b.stop()

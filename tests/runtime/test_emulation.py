@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from hpipe.errors import HpipeError
+from hpipe.core.cluster import ClusterSpec
+from hpipe.core.errors import HpipeError
 from profiler.measure import profile_cluster
 from runtime import emulate, launcher
-from runtime.cluster import ClusterSpec
 from tests.cluster_helpers import discard_state
-
 
 UNAVAILABLE = emulate.unavailable()
 
@@ -46,7 +45,7 @@ def test_profile_sees_throttled_device_and_shaped_link(tmp_path, smollm2):
         profile = profile_cluster(cluster, "smollm2-135m", smollm2.config, max_len=512, repeats=3)
     finally:
         down = launcher.down(cluster)
-    fast, slow = profile.device("fast"), profile.device("slow")
+    fast, slow = profile.daemon("fast"), profile.daemon("slow")
     # a 40% quota: the slow device's MLP takes about 2.5x as long (measured 2.5-2.9x on a 2-core VM)
     ratio = slow.compute["mlp"].time(256, 0, 1) / fast.compute["mlp"].time(256, 0, 1)
     assert 1.8 < ratio < 4.0, ratio
@@ -97,4 +96,4 @@ def test_a_quota_the_threads_cannot_exceed_is_not_applied(tmp_path):
     path.write_text("daemons:\n  - {name: a, address: '198.18.0.41:1', threads: 1, emulate: {cpus: '0', cpu_quota: 1.0}}\n")
     emu = emulate.Emulation(ClusterSpec.load(path), tmp_path)
     assert emu.limit_cpu(emu.cluster.daemons[0], os.getpid()) == "100% of a core: no quota needed for 1 thread(s)"
-    assert emu._state()["cgroups"] == []  # nothing created, nothing to remove
+    assert emu.record.read()["cgroups"] == []  # nothing created, nothing to remove

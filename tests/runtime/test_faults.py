@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime import launcher
-from runtime.coordinator import Pipeline, StageFailure
+from runtime.coordinator import Pipeline, StageFailure, cut_stages
 from runtime.wire import pb
 from tests.cluster_helpers import RunningCluster, write_cluster
 
@@ -17,7 +17,7 @@ from tests.cluster_helpers import RunningCluster, write_cluster
 def test_killed_daemon_mid_prefill(tmp_path, smollm2):
     with RunningCluster(write_cluster(tmp_path, 3, name="faulty")) as cluster:
         pipe = Pipeline(cluster.spec)
-        pipe.deploy("smollm2-135m", [21, 41], smollm2.config.num_units, torch.float32)
+        pipe.deploy("smollm2-135m", cut_stages(pipe.cluster, [21, 41], smollm2.config.num_units), torch.float32)
         seq = pipe.open(1024, idle_timeout_s=300)
         ids = torch.randint(0, smollm2.config.vocab_size, (1, 1024))
         for k in range(16):

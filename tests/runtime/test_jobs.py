@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from hpipe.cli import main
-from hpipe.generate import LocalModel, generate_ids
+from hpipe.app.cli import main
+from hpipe.model.generate import LocalModel, generate_ids
 from planner.costs import Workload
 from planner.strategies import plan as make_plan
 from profiler.measure import profile_cluster
@@ -73,7 +73,7 @@ def test_bench_reports_every_strategy(cluster3, plan_file, capsys, order, tmp_pa
     assert set(out["strategies"]) == {"hpipe", "base"} and out["ideal_s"] > 0 and out["order"] == order
     if order == "blocks":
         cal = out["calibration"]
-        devices = {s.device for n in ("hpipe", "base") for s in plan.strategies[n].stages}
+        devices = {s.daemon for n in ("hpipe", "base") for s in plan.strategies[n].stages}
         assert set(cal["factors"]) == devices
         # same machine, minutes apart: a factor far from 1 would be a broken measurement, not drift
         assert all(0.3 < f < 3 for f in cal["factors"].values()), cal
@@ -96,16 +96,16 @@ def test_bench_reports_every_strategy(cluster3, plan_file, capsys, order, tmp_pa
         # per-stage statistics come from the median run
         stages = plan.strategies[name].stages
         assert r["stages_run_s"] == sorted(r["runs_s"])[(repeat - 1) // 2] and len(r["stages"]) == len(stages)
-        assert r["devices"] == list(dict.fromkeys(s.device for s in stages))  # once each, if interleaved
-        assert set(r["predicted_memory_bytes"]) == set(r["devices"])
+        assert r["daemons"] == list(dict.fromkeys(s.daemon for s in stages))  # once each, if interleaved
+        assert set(r["predicted_memory_bytes"]) == set(r["daemons"])
         # each daemon's CPU steal during each run: known on Linux, never negative
         assert len(r["runs_steal_s"]) == repeat
-        assert all(set(run) == set(r["devices"]) and all(v is not None and v >= 0 for v in run.values())
+        assert all(set(run) == set(r["daemons"]) and all(v is not None and v >= 0 for v in run.values())
                    for run in r["runs_steal_s"])
         # what moving the slices cost each daemon's host outside its worker: sliced runs send
         # activations between stages, so every daemon but the last spends some CPU on it
-        assert set(r["host_cpu_s"]) == set(r["devices"]) and all(v >= 0 for v in r["host_cpu_s"].values())
-        assert r["host_cpu_s"][r["devices"][0]] > 0
+        assert set(r["host_cpu_s"]) == set(r["daemons"]) and all(v >= 0 for v in r["host_cpu_s"].values())
+        assert r["host_cpu_s"][r["daemons"][0]] > 0
         _check_timeline(r, out["seq_len"])
     assert out["energy_source"] in ("rapl", "nvml", "unavailable")
 
@@ -135,6 +135,6 @@ def _check_timeline(row: dict, seq_len: int) -> None:
         assert abs(sum(x[5] - x[4] for x in tl) - st["compute_s"]) < 0.01 + 0.01 * st["compute_s"]
         ends_before = {(u, a): end for u, a, _, _, _, end in tl}
     # a daemon holding several stages (interleaved) computes one slice at a time over all of them
-    for device in {st["device"] for st in row["stages"]}:
-        spans = sorted(x[4:6] for st in row["stages"] if st["device"] == device for x in st["timeline"])
+    for device in {st["daemon"] for st in row["stages"]}:
+        spans = sorted(x[4:6] for st in row["stages"] if st["daemon"] == device for x in st["timeline"])
         assert all(e <= b2 + 1e-6 for (_, e), (b2, _) in zip(spans, spans[1:]))

@@ -6,10 +6,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from hpipe.cli import main
-from hpipe.generate import LocalModel, generate
-from hpipe.sampling import SamplingParams
-from runtime.coordinator import Pipeline, generate_on_cluster
+from hpipe.app.cli import main
+from hpipe.model.generate import LocalModel, generate
+from hpipe.model.sampling import SamplingParams
+from runtime.coordinator import Pipeline, cut_stages, generate_on_cluster
 
 PROMPTS = ["What is the capital of France?", "Name three colours of the rainbow."]
 MAX_NEW = 12
@@ -36,7 +36,7 @@ def run(pipe, smollm2, prompt, slices=None):
 def test_cuts_and_slices_equal_single_process(cluster3, smollm2, reference, cuts):
     pipe = Pipeline(cluster3.spec)
     try:
-        pipe.deploy("smollm2-135m", cuts, smollm2.config.num_units, torch.float32)
+        pipe.deploy("smollm2-135m", cut_stages(pipe.cluster, cuts, smollm2.config.num_units), torch.float32)
         assert len(pipe.stages) == len(cuts) + 1
         prompt = PROMPTS[0]
         want, n = reference[prompt]
@@ -59,11 +59,12 @@ def test_interleaved_stages_equal_single_process(cluster3, smollm2, reference):
 
     pipe = Pipeline(cluster3.spec)
     try:
-        pipe.deploy("smollm2-135m", [6, 20, 31, 45], smollm2.config.num_units, torch.float32,
-                    daemons=["s0", "s1", "s2", "s0", "s1"])
-        assert [h.name for h in pipe.hosts] == ["s0", "s1", "s2"] and [s.host for s in pipe.stages] == [0, 1, 2, 0, 1]
-        held = pipe.clients[0].call("Status", pb.StatusRequest()).parts
-        assert [(p.unit_start, p.unit_end, p.stage_index) for p in held] == [(0, 6, 0), (31, 45, 3)]
+        stages = cut_stages(pipe.cluster, [6, 20, 31, 45], smollm2.config.num_units, ["s0", "s1", "s2", "s0", "s1"])
+        pipe.deploy("smollm2-135m", stages, torch.float32)
+        assert [d.name for d in pipe.daemons] == ["s0", "s1", "s2"] and pipe.stage_daemon == [0, 1, 2, 0, 1]
+        status = pipe.clients[0].call("Status", pb.StatusRequest())
+        held = [(status.stages[i].unit_start, status.stages[i].unit_end, i) for i in status.held]
+        assert held == [(0, 6, 0), (31, 45, 3)]
         prompt = PROMPTS[1]
         want, n = reference[prompt]
         for slices in (None, [7, 3, n - 10]):
@@ -76,8 +77,8 @@ def test_interleaved_stages_equal_single_process(cluster3, smollm2, reference):
             assert len({s["slices"] for s in stages}) == 1 and stages[0]["slices"] >= len(slices or [n])
             assert all(s["kv_bytes"] > 0 for s in stages)
         with pytest.raises(Exception, match="both on s0"):
-            pipe.deploy("smollm2-135m", [6, 20], smollm2.config.num_units, torch.float32,
-                        daemons=["s1", "s0", "s0"])
+            pipe.deploy("smollm2-135m", cut_stages(pipe.cluster, [6, 20], smollm2.config.num_units,
+                                                   ["s1", "s0", "s0"]), torch.float32)
     finally:
         pipe.close()
 
@@ -87,7 +88,7 @@ def test_several_sequences_in_flight(cluster3, smollm2, reference, daemons):
     pipe = Pipeline(cluster3.spec)
     try:
         cuts = [6, 31] if daemons is None else [6, 31, 40]
-        pipe.deploy("smollm2-135m", cuts, smollm2.config.num_units, torch.float32, daemons=daemons)
+        pipe.deploy("smollm2-135m", cut_stages(pipe.cluster, cuts, smollm2.config.num_units, daemons), torch.float32)
         jobs = [(p, s) for p in PROMPTS for s in (None, [4, 4, 4])] * 2
         jobs = [(p, s if s is None else s + [reference[p][1] - 12]) for p, s in jobs]
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
@@ -115,7 +116,7 @@ def test_cli_slices_must_add_up(cluster3, capsys):
 
 def test_all_position_logits_through_three_daemons_equal_hf(cluster3, smollm2):
     """The strongest check of the wire path: every position's logits, sliced over three processes."""
-    from hpipe.generate import encode_prompt
+    from hpipe.model.generate import encode_prompt
     from tests.helpers import hf_model, max_rel_diff
 
     tok = smollm2.tokenizer()
@@ -125,7 +126,8 @@ def test_all_position_logits_through_three_daemons_equal_hf(cluster3, smollm2):
         ref = hf_model(smollm2.path)(ids).logits
     pipe = Pipeline(cluster3.spec)
     try:
-        pipe.deploy("smollm2-135m", [6, 31], smollm2.config.num_units, torch.float32)  # 6: attn_2 | mlp_2
+        # 6: attn_2 | mlp_2
+        pipe.deploy("smollm2-135m", cut_stages(pipe.cluster, [6, 31], smollm2.config.num_units), torch.float32)
         with pipe.open(n) as seq:
             slices, start = [4, 1, n - 5], 0
             for k in slices:

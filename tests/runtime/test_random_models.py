@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from hpipe.cli import main
-from hpipe.generate import LocalRunner, decode_loop
+from hpipe.app.cli import main
+from hpipe.core.units import UnitRange
 from hpipe.model import StageModel
-from hpipe.sampling import Sampler
-from hpipe.shapes import model_shape
-from hpipe.units import UnitRange
-from runtime.coordinator import Pipeline, RemoteRunner
+from hpipe.model.generate import LocalRunner, decode_loop
+from hpipe.model.sampling import Sampler
+from hpipe.model.sources import model_shape
+from runtime.coordinator import Pipeline, RemoteRunner, cut_stages
 from tests.cluster_helpers import Served, cluster_of
 
 PROMPT = [5, 17, 99, 3, 250, 7, 64, 11, 400, 2, 31, 8]
@@ -29,7 +29,8 @@ def test_random_model_split_over_daemons_equals_one_process():
     daemons = [Served(f"d{i}") for i in range(3)]
     pipe = Pipeline(cluster_of(*daemons))
     try:
-        stages = pipe.deploy("random:tiny", [3, 6], cfg.num_units, torch.float32)  # 3: attn_1 | mlp_1
+        # 3: attn_1 | mlp_1
+        stages = pipe.deploy("random:tiny", cut_stages(pipe.cluster, [3, 6], cfg.num_units), torch.float32)
         assert [(s.unit_start, s.unit_end) for s in stages] == [(0, 3), (3, 6), (6, 10)]
         with pipe.open(len(PROMPT) + NEW) as seq:
             out, *_ = decode_loop(RemoteRunner(seq), PROMPT, max_new_tokens=NEW, sampler=Sampler(), eos_ids=[],
@@ -46,7 +47,7 @@ def test_unknown_shape_is_refused_by_the_daemon():
     pipe = Pipeline(cluster_of(d))
     try:
         with pytest.raises(Exception, match="unknown built-in shape 'nope'"):
-            pipe.deploy("random:nope", [], 10, torch.float32)
+            pipe.deploy("random:nope", cut_stages(pipe.cluster, [], 10), torch.float32)
     finally:
         pipe.close()
         d.stop()

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hpipe.errors import InputError
+from hpipe.core.errors import InputError
 from runtime.wire import bytes_to_tensor, tensor_bytes, tensor_from_proto, tensor_to_proto
 
 

@@ -1,0 +1,221 @@
+"""The ``hpipe`` command: parses arguments and hands them to :mod:`hpipe.app.commands`.
+
+Data goes to stdout (``--json`` for scripts), messages and progress to stderr; every failure a
+user can cause ends with a one-line ``hpipe: error: ...`` and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import fields
+from typing import Sequence
+
+from hpipe.app import commands
+from hpipe.core.cluster import DaemonOptions, option_flag
+from hpipe.core.errors import HpipeError
+
+log = logging.getLogger("hpipe")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage is one ``--help`` away)."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _at_least_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _daemon_arguments(p: argparse.ArgumentParser) -> None:
+    """``hpipe daemon``'s flags, made from :class:`DaemonOptions` (their one definition)."""
+    for f in fields(DaemonOptions):
+        if f.type == "bool":
+            p.add_argument(option_flag(f), dest=f.name, action="store_false", help=f.metadata["help"])
+        else:
+            p.add_argument(option_flag(f), dest=f.name, required=f.name == "port", help=f.metadata["help"])
+
+
+def _generate_parser(sub) -> None:
+    g = sub.add_parser("generate", help="generate text from a prompt (single process, or on a cluster)")
+    g.add_argument("--model", default="smollm2-135m",
+                   help="built-in name (smollm2-135m), Hugging Face model directory, or .gguf file")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from a file ('-' for stdin)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-new-tokens", type=_positive, default=128)
+    g.add_argument("--temperature", type=_at_least_zero, default=0.0, help="0 (default) is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (GPU)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    g.add_argument("--threads", type=_positive, help="torch CPU threads")
+    g.add_argument("--cuts", type=_int_list, help="unit indices where stages change (c1,c2,...)")
+    g.add_argument("--slices", type=_int_list, help="prompt token slice lengths (must sum to the prompt length)")
+    g.add_argument("--cluster", help="run through the daemons of this cluster file instead of in-process")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=commands.generate)
+
+
+def _profile_parser(sub) -> None:
+    from profiler.grid import DEFAULT_MAX_LEN
+
+    pr = sub.add_parser("profile", help="measure every device and link of a cluster (or simulate from specs)")
+    pr.add_argument("--cluster", required=True)
+    pr.add_argument("--model", default="smollm2-135m", help="model source, config.json, or random:NAME shape")
+    pr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    pr.add_argument("--max-len", type=_positive,
+                    help=f"longest input to profile for (default: the model's context, at most {DEFAULT_MAX_LEN}: "
+                         "plans for longer inputs extrapolate attention past it)")
+    pr.add_argument("--batch", type=_positive, default=1)
+    pr.add_argument("--simulate", action="store_true", help="derive the profile from the cluster file's specs")
+    pr.add_argument("--force", action="store_true", help="re-measure even when a cached profile matches")
+    pr.add_argument("--repeats", type=_positive, default=None,
+                    help="passes over the compute grid, each timing every point; the median across them is kept "
+                         "(default: profiler.grid.SWEEPS, 7)")
+    pr.add_argument("--no-colocation", action="store_true",
+                    help="do not measure how daemons sharing a machine or GPU slow each other down")
+    pr.add_argument("--colocation-rounds", type=_positive, default=3,
+                    help="rounds (each alone, then all together) behind each co-location factor (median)")
+    pr.add_argument("-o", "--output", default="profile.json")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=commands.profile)
+
+
+def _plan_parser(sub) -> None:
+    pl = sub.add_parser("plan", help="choose layer cuts and token slicing from a profile")
+    pl.add_argument("--profile", required=True)
+    pl.add_argument("--seq-len", type=_positive, required=True)
+    pl.add_argument("--batch", type=_positive, default=1)
+    pl.add_argument("--max-len", type=_positive, help="longest input the plan supports (default: --seq-len)")
+    pl.add_argument("--strategy", default="hpipe", choices=["hpipe", "base", "gpipe", "gp-b", "terapipe"])
+    pl.add_argument("--granularity", type=_positive, default=16, help="slice lengths are multiples of this")
+    pl.add_argument("--max-ranges-per-device", type=int, choices=(1, 2, 3), metavar="V",
+                    help="hpipe may give a daemon up to V unit ranges (an interleaved chain: shorter pipeline fill "
+                         "and drain, V times the hops per slice and per decoded token), where the simulator finds "
+                         "it faster; default: the planner's MAX_RANGES (3); 1: one range each")
+    pl.add_argument("-o", "--output", default="plan.json")
+    pl.add_argument("--chart", help="write the predicted pipelines as a Gantt chart (PNG)")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=commands.plan)
+
+
+def _run_parser(sub) -> None:
+    rn = sub.add_parser("run", help="analyse documents with one instruction on a deployed plan (JSONL out)")
+    rn.add_argument("--plan", required=True)
+    rn.add_argument("--cluster", help="cluster file (token, TLS); default: the plan's daemon addresses")
+    rn.add_argument("--instruction", required=True)
+    rn.add_argument("--chat", action="store_true")
+    rn.add_argument("--max-new-tokens", type=_positive, default=128)
+    rn.add_argument("--truncate", choices=["none", "head", "tail"], default="none",
+                    help="documents over the plan's max length: fail (none), keep the start (head) or end (tail)")
+    rn.add_argument("--parallel", type=_positive, default=2, help="documents in flight at once")
+    rn.add_argument("--strategy", help="run a baseline of the plan instead (base, gpipe, gp-b, terapipe)")
+    rn.add_argument("-o", "--output", default="results.jsonl")
+    rn.add_argument("--json", action="store_true")
+    rn.add_argument("documents", nargs="+", help="text or markdown files; '-' for stdin")
+    rn.set_defaults(func=commands.run)
+
+
+def _bench_parser(sub) -> None:
+    bn = sub.add_parser("bench", help="measure hpipe against the baselines on the live cluster")
+    bn.add_argument("--plan", required=True)
+    bn.add_argument("--cluster", help="cluster file (token, TLS); default: the plan's daemon addresses")
+    bn.add_argument("--seq-len", type=_positive, help="default: the plan's")
+    bn.add_argument("--batch", type=_positive, help="default: the plan's")
+    bn.add_argument("--strategies", help="comma-separated (default: all in the plan)")
+    bn.add_argument("--repeat", type=_positive, default=3)
+    bn.add_argument("--interleave", action="store_true",
+                    help="run the strategies round by round (redeploying each time) rather than one after another, "
+                         "so a drifting machine speed hits them alike")
+    bn.add_argument("--profile", help="the profile the plan came from: every daemon re-times its reference stage "
+                                      "before and after, and predictions are re-simulated at today's speeds "
+                                      "(predicted_now_s)")
+    bn.add_argument("--chart", help="chart (PNG): measured vs predicted latency, and hpipe's pipeline as it ran "
+                    "(under the one planned, with --profile)")
+    bn.add_argument("--json", action="store_true")
+    bn.set_defaults(func=commands.bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hpipe.app.demo import INSTRUCTION
+
+    parser = _Parser(prog="hpipe", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+
+    dm = sub.add_parser("daemon", help="serve this device as a pipeline stage (gRPC)")
+    _daemon_arguments(dm)
+    dm.set_defaults(func=commands.daemon)
+
+    cl = sub.add_parser("cluster", help="start, stop or inspect the local daemons of a cluster file")
+    cl.add_argument("action", choices=["up", "down", "status"])
+    cl.add_argument("file")
+    cl.add_argument("--json", action="store_true")
+    cl.set_defaults(func=commands.cluster)
+
+    _profile_parser(sub)
+    _plan_parser(sub)
+    _run_parser(sub)
+    _bench_parser(sub)
+
+    d = sub.add_parser("demo", help="the main job on built-in defaults: local cluster, SmolLM2, sample report")
+    d.add_argument("--cluster", help="default: clusters/emulated-hetero.yaml as root, else clusters/local-3.yaml")
+    d.add_argument("--instruction", default=INSTRUCTION)
+    d.add_argument("--max-new-tokens", type=_positive, default=48)
+    d.add_argument("--repeat", type=_positive, default=3, help="bench runs per strategy (median)")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=commands.demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except HpipeError as e:
+        print(f"hpipe: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("hpipe: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

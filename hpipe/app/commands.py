@@ -1,0 +1,314 @@
+"""What each ``hpipe`` subcommand does with its parsed arguments: library calls, then printing.
+
+Imports are inside the commands, so that ``hpipe plan`` never loads torch and ``hpipe --help``
+answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from hpipe.core.errors import InputError
+
+log = logging.getLogger("hpipe")
+
+
+def read_text(path: str, what: str) -> str:
+    """The text of ``path``, or a one-line error (missing, unreadable, a folder, not UTF-8 text)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise InputError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{what} {path} is not UTF-8 text") from None
+
+
+def write_or_print(text: str, path: str | None) -> None:
+    if path and path != "-":
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            raise InputError(f"cannot write {path}: {e.strerror or e}") from None
+    else:
+        print(text)
+
+
+def check_output(path: str | None, what: str) -> None:
+    """Refuse, before any work, an output path that cannot be written: a folder, or in a missing one."""
+    if not path or path == "-":
+        return
+    out = Path(path)
+    if out.is_dir():
+        raise InputError(f"-o {out} is a folder; name the {what} file to write")
+    if not out.parent.is_dir():
+        raise InputError(f"cannot write {out}: the folder {out.parent} does not exist")
+
+
+def check_device(device: str) -> None:
+    """Refuse a device this machine cannot compute on, before anything loads."""
+    from hpipe.core.cluster import DEVICE
+
+    if not DEVICE.match(device):
+        raise InputError(f"--device {device!r} is not cpu or cuda:N")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device}: CUDA is not available on this machine")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise InputError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def load_profile(path: str):
+    from hpipe.core.profile import Profile
+
+    return Profile.from_json(read_text(path, "profile"))
+
+
+def load_plan(path: str):
+    from hpipe.core.plan import Plan
+
+    return Plan.from_json(read_text(path, "plan"))
+
+
+def cluster_for(plan, cluster_file: str | None):
+    """The cluster file if given, else one made of the plan's stage addresses (no token, no TLS)."""
+    from hpipe.core.cluster import ClusterSpec, DaemonSpec
+
+    if cluster_file:
+        return ClusterSpec.load(cluster_file)
+    seen = {}
+    for sp in plan.strategies.values():
+        for st in sp.stages:
+            seen.setdefault(st.daemon, st.address)
+    return ClusterSpec("from-plan", tuple(DaemonSpec.at(n, a) for n, a in seen.items()))
+
+
+def generate(args: argparse.Namespace) -> int:
+    check_device(args.device)
+    import torch
+
+    from hpipe.model.generate import LocalModel
+    from hpipe.model.generate import generate as local_generate
+    from hpipe.model.sampling import SamplingParams
+    from hpipe.model.sources import resolve_model
+    from hpipe.model.stage import parse_dtype
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    prompt = args.prompt if args.prompt is not None else (
+        sys.stdin.read() if args.prompt_file == "-" else read_text(args.prompt_file, "prompt file"))
+    cluster = None
+    if args.cluster:
+        from hpipe.core.cluster import ClusterSpec
+
+        cluster = ClusterSpec.load(args.cluster)  # a bad cluster file fails before the model loads
+    source = resolve_model(args.model)
+    dtype = parse_dtype(args.dtype, args.device)
+    tokenizer = source.tokenizer()
+    if cluster is not None:
+        result = _generate_on_cluster(args, cluster, source, dtype, tokenizer, prompt, sampling)
+    else:
+        model = LocalModel(source, dtype=dtype, device=args.device, cuts=args.cuts or ())
+        result = local_generate(model.open, tokenizer, prompt, context=source.config.max_position_embeddings,
+                                eos_ids=source.eos_token_ids(), chat=args.chat, max_new_tokens=args.max_new_tokens,
+                                sampling=sampling, slices=args.slices)
+    if args.json:
+        print(json.dumps({"model": source.name, **result.as_dict()}))
+    else:
+        print(result.text)
+        log.info("%d prompt tokens, %d new tokens, prefill %.3fs, decode %.1f tok/s", result.prompt_tokens,
+                 len(result.token_ids), result.prefill_s, len(result.token_ids) / max(result.decode_s, 1e-9))
+    return 0
+
+
+def _generate_on_cluster(args, cluster, source, dtype, tokenizer, prompt, sampling):
+    from hpipe.core.units import even_cuts
+    from runtime.coordinator import Pipeline, cut_stages, generate_on_cluster
+
+    cfg = source.config
+    cuts = args.cuts if args.cuts is not None else even_cuts(cfg.num_units, min(len(cluster.daemons), cfg.num_units))
+    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    pipe = Pipeline(cluster)
+    try:
+        pipe.deploy(model, cut_stages(cluster, cuts, cfg.num_units), dtype)
+        return generate_on_cluster(pipe, source, tokenizer, prompt, chat=args.chat,
+                                   max_new_tokens=args.max_new_tokens, sampling=sampling, slices=args.slices)
+    finally:
+        pipe.close()
+
+
+def daemon(args: argparse.Namespace) -> int:
+    from hpipe.app.daemon import serve
+    from hpipe.core.cluster import DaemonOptions
+
+    values = {f.name: getattr(args, f.name) for f in fields(DaemonOptions)}
+    return serve(DaemonOptions.from_values({k: v for k, v in values.items() if v is not None}, "hpipe daemon"))
+
+
+def cluster(args: argparse.Namespace) -> int:
+    from hpipe.core.cluster import ClusterSpec
+    from runtime import launcher
+
+    spec = ClusterSpec.load(args.file)
+    if args.action == "status":
+        rows = launcher.status(spec)
+        if args.json:
+            print(json.dumps(rows))
+        else:
+            for r in rows:
+                units = r.get("units")
+                print(f"{r['name']:<12} {r['address']:<22} {r['device']:<8} "
+                      f"{'healthy' if r['healthy'] else 'DOWN':<8} "
+                      f"{'units ' + ' '.join('[%d, %d)' % tuple(u) for u in units) if units else '-':<16} "
+                      f"open sequences: {r.get('open_sequences', '-')}")
+        return 0 if all(r["healthy"] for r in rows) else 1
+    result = launcher.up(spec) if args.action == "up" else launcher.down(spec)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for name, state in result.items():
+            print(f"{name}: {state}")
+    return 0
+
+
+def profile(args: argparse.Namespace) -> int:
+    from hpipe.app.profile_report import summary
+    from hpipe.core.cluster import ClusterSpec
+    from hpipe.model.sources import model_shape
+    from profiler.grid import DEFAULT_MAX_LEN
+
+    check_output(args.output, "profile")
+    spec = ClusterSpec.load(args.cluster)
+    name, cfg = model_shape(args.model)
+    max_len = args.max_len or min(cfg.max_position_embeddings, DEFAULT_MAX_LEN)
+    if not args.max_len and max_len < cfg.max_position_embeddings:
+        print(f"hpipe: profiling inputs up to {max_len} tokens (the model's context is {cfg.max_position_embeddings}; "
+              "plans for longer inputs extrapolate attention; --max-len N to measure further)", file=sys.stderr)
+    if args.simulate:
+        from profiler.roofline import simulated_profile
+
+        missing = [d.name for d in spec.daemons if not d.spec]
+        if missing:
+            raise InputError(f"--simulate needs a 'spec' (peak_tflops, mem_bw_gbs, memory) for {', '.join(missing)}")
+        result = simulated_profile(name, cfg, spec.daemons, spec.link_specs(), args.dtype, max_len, args.batch)
+    else:
+        from profiler.grid import SWEEPS
+        from profiler.measure import profile_cluster
+
+        result = profile_cluster(spec, name, cfg, dtype=args.dtype, max_len=max_len, batch=args.batch,
+                                 force=args.force, repeats=args.repeats or SWEEPS, colocation=not args.no_colocation,
+                                 colocation_rounds=args.colocation_rounds,
+                                 say=lambda msg: print(f"hpipe: {msg}", file=sys.stderr, flush=True))
+    print(summary(result), file=sys.stderr)
+    write_or_print(result.to_json(), args.output)
+    if args.json and args.output not in (None, "-"):
+        print(json.dumps({"profile": args.output, "daemons": [d.name for d in result.daemons],
+                          "source": result.source}))
+    return 0
+
+
+def plan(args: argparse.Namespace) -> int:
+    from hpipe.app.plan_report import plan_table
+    from planner.costs import Workload
+    from planner.strategies import plan as make_plan
+    from planner.strategies import timeline
+
+    check_output(args.output, "plan")
+    prof = load_profile(args.profile)
+    work = Workload(args.seq_len, args.batch, args.max_len)
+    measured = prof.meta.get("max_len")
+    if measured and work.kv_len > measured:
+        print(f"hpipe: the profile was measured up to {measured} tokens; attention past that is extrapolated "
+              f"for this {work.kv_len}-token plan", file=sys.stderr)
+    strategy = args.strategy.replace("-", "_")
+    ranges = {} if args.max_ranges_per_device is None else {"max_ranges": args.max_ranges_per_device}
+    result = make_plan(prof, work, strategy=strategy, granularity=args.granularity, **ranges)
+    print(plan_table(result), file=sys.stderr)
+    write_or_print(result.to_json(), args.output)
+    if args.chart:
+        from hpipe.app.plan_chart import gantt
+
+        gantt(result, {n: timeline(prof, work, sp) for n, sp in result.strategies.items()}, args.chart)
+        print(f"chart: {args.chart}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({
+            "cuts": result.chosen.cuts, "daemons": [s.daemon for s in result.chosen.stages],
+            "slices": list(result.chosen.slices), "micro_batches": result.chosen.micro_batches,
+            "predicted": {n: sp.predicted_s for n, sp in result.strategies.items()}, "ideal_s": result.ideal_s,
+            "planning_s": result.meta["planning_s"], "plan": args.output,
+        }))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpipe.model.sources import resolve_model
+    from runtime.coordinator import Pipeline
+    from runtime.jobs import JobConfig, run_job
+
+    the_plan = load_plan(args.plan)
+    if args.strategy and args.strategy.replace("-", "_") not in the_plan.strategies:
+        raise InputError(f"the plan has no strategy {args.strategy!r} (it has {', '.join(the_plan.strategies)})")
+    check_output(args.output, "results (JSONL)")
+    output = Path(args.output)
+    source = resolve_model(the_plan.model_name)
+    pipe = Pipeline(cluster_for(the_plan, args.cluster))
+    job = JobConfig(instruction=args.instruction, chat=args.chat, max_new_tokens=args.max_new_tokens,
+                    truncate=args.truncate, parallel=args.parallel,
+                    strategy=args.strategy.replace("-", "_") if args.strategy else None)
+    try:
+        summary = run_job(the_plan, pipe, source, args.documents, output, job)
+    finally:
+        pipe.close()
+    print(json.dumps(summary) if args.json else
+          f"{summary['documents']} analysed, {summary['skipped']} skipped, {len(summary['failed'])} failed; "
+          f"{summary['tokens_per_s']} tokens/s -> {args.output}", file=sys.stdout if args.json else sys.stderr)
+    if summary["failed"]:
+        print("hpipe: error: failed documents: " + "; ".join(f"{k}: {v}" for k, v in summary["failed"].items()),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    from hpipe.app.bench import bench as run_bench
+    from hpipe.app.bench import table
+    from runtime.coordinator import Pipeline
+
+    the_plan = load_plan(args.plan)
+    strategies = [s.strip().replace("-", "_") for s in args.strategies.split(",")] if args.strategies else None
+    prof = load_profile(args.profile) if args.profile else None
+    pipe = Pipeline(cluster_for(the_plan, args.cluster))
+    try:
+        result = run_bench(the_plan, pipe, seq_len=args.seq_len, batch=args.batch, strategies=strategies,
+                           repeat=args.repeat, interleave=args.interleave, profile=prof)
+    finally:
+        pipe.close()
+    print(table(result), file=sys.stderr)
+    if args.chart:
+        from hpipe.app.bench_chart import draw
+
+        draw(result, args.chart)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    """The main job on built-in defaults (see :mod:`hpipe.app.demo`)."""
+    from hpipe.app.demo import run_demo
+
+    result = run_demo(Path(args.cluster) if args.cluster else None, args.instruction, args.max_new_tokens,
+                      args.repeat)
+    if args.json:
+        print(json.dumps(result))
+    return 0

@@ -1,0 +1,57 @@
+"""``hpipe daemon``: one device served as a pipeline stage, with the profiler beside it.
+
+This is where the daemon is put together: the stage service (:mod:`runtime.daemon`), the
+profiler's service (:mod:`profiler.service`), and the name an emulated device's CPU quota finds
+its worker thread by (:mod:`runtime.emulate`).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import grpc
+import torch
+
+from hpipe.core.cluster import DaemonOptions
+from hpipe.core.errors import HpipeError
+from profiler import service as profiler_service
+from runtime.daemon import bind_warning, build_server
+from runtime.emulate import WORKER_THREAD_NAME, name_this_thread
+from runtime.stage_server import StageServer
+
+log = logging.getLogger(__name__)
+
+
+def build(options: DaemonOptions) -> tuple[grpc.Server, StageServer, int]:
+    """The daemon's server (not started), its stage server, and its port."""
+    return build_server(options, services=(profiler_service.add_to,),
+                        on_worker_start=lambda: name_this_thread(WORKER_THREAD_NAME))
+
+
+def serve(options: DaemonOptions) -> int:
+    """Serve until SIGTERM or SIGINT."""
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise HpipeError(f"--device {options.device}: CUDA is not available on this machine")
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    warning = bind_warning(options.host)
+    if warning:
+        log.warning("%s", warning)
+    server, stage, port = build(options)
+    server.start()
+    log.warning("hpipe daemon %s serving %s on %s:%d (pid-safe stop: SIGTERM)", options.name, options.device,
+                options.host, port)
+    stopped = threading.Event()
+
+    def on_signal(signum, frame):
+        log.warning("signal %d: stopping", signum)
+        stopped.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stopped.wait()
+    stage.shutdown()
+    server.stop(grace=3).wait()
+    return 0

@@ -1,0 +1,36 @@
+"""Human-readable plan summary (stderr): stages, memory, predicted times, hpipe vs baselines."""
+
+from __future__ import annotations
+
+import math
+
+from hpipe.core.plan import Plan
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def plan_table(plan: Plan) -> str:
+    sp = plan.chosen
+    lines = [f"plan: {plan.model_name} {plan.dtype}, {plan.seq_len} tokens x batch {plan.batch} "
+             f"(max length {plan.max_len}), strategy {sp.name}",
+             f"{'stage':>5} {'daemon':<14} {'units':<12} {'memory GiB':>11} {'of GiB':>7} {'compute s':>10}"]
+    for i, st in enumerate(sp.stages):
+        lines.append(f"{i:>5} {st.daemon:<14} {f'[{st.unit_start}, {st.unit_end})':<12} "
+                     f"{_gib(st.memory_bytes):>11} {_gib(st.memory_limit):>7} {st.compute_s:>10.3f}")
+    lines.append(f"slices ({len(sp.slices)}): {list(sp.slices)[:24]}{' ...' if len(sp.slices) > 24 else ''}; "
+                 f"micro-batches: {sp.micro_batches}")
+    lines.append("")
+    lines.append(f"{'strategy':<10} {'predicted s':>12} {'tokens/s':>10} {'hpipe / it':>11}")
+    hp = plan.strategies["hpipe"].predicted_s
+    for name in ("hpipe", "base", "gpipe", "gp_b", "terapipe"):
+        s = plan.strategies.get(name)
+        if s is None:
+            lines.append(f"{name:<10} {'infeasible':>12}")
+            continue
+        tps = plan.batch * plan.seq_len / s.predicted_s if s.predicted_s > 0 else math.inf
+        lines.append(f"{name:<10} {s.predicted_s:>12.3f} {tps:>10.0f} {hp / s.predicted_s:>11.2f}")
+    lines.append(f"{'ideal':<10} {plan.ideal_s:>12.3f}   (total work / summed device speed)")
+    lines.append(f"planned in {plan.meta.get('planning_s', 0):.2f} s")
+    return "\n".join(lines)

@@ -1,0 +1,298 @@
+"""Cluster files (``clusters/*.yaml``) and the options a daemon runs with, each defined once.
+
+```yaml
+name: local-3
+token_file: secret.txt        # optional, relative to this file: every RPC must carry it
+tls_ca: ca.pem                # optional: verify daemons' TLS certificates against this
+daemons:
+  - name: a
+    address: 127.0.0.1:50151  # host:port the daemon binds and clients reach
+    device: cpu               # cpu | cuda:N
+    threads: 1                # torch CPU threads (optional)
+    memory_budget: 2GiB       # optional cap on weights + KV cache
+    cuda_graphs: false        # optional: GPU decode steps eagerly instead of as CUDA graphs
+    tls_cert: a.pem           # optional, with tls_key
+    tls_key: a.key
+    emulate: {...}            # optional, see runtime/emulate/
+    spec: {...}               # optional published specs, for `hpipe profile --simulate`
+```
+
+:class:`DaemonOptions` is the one definition of what a daemon is started with: the cluster file's
+daemon entries are read into it, ``hpipe daemon``'s flags are made from its fields, and ``hpipe
+cluster up`` turns it back into those flags (:meth:`DaemonOptions.argv`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from importlib.resources import files
+from pathlib import Path
+
+import yaml
+
+from hpipe.core.errors import HpipeError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.I)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def parse_size(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise HpipeError(f"cannot read memory size {value!r} (examples: 2GiB, 512MiB, 1000000)")
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = _SIZE.match(str(value))
+    if not m:
+        raise HpipeError(f"cannot read memory size {value!r} (examples: 2GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+
+
+def _int(value) -> int:
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(value)
+    return int(value)
+
+
+def _bool(value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(value)
+    return value
+
+
+def _path(value) -> Path:
+    return Path(value)
+
+
+def _option(help: str, parse=None, flag: str | None = None) -> dict:
+    """Field metadata: the help text, how to read a value from text, the flag if not ``--name``."""
+    return {"help": help, "parse": parse, "flag": flag}
+
+
+@dataclass(frozen=True)
+class DaemonOptions:
+    """What a stage daemon runs with. Port 0 binds any free port (for tests)."""
+
+    name: str = field(default="", metadata=_option("name in logs and error messages", str))
+    host: str = field(default="127.0.0.1", metadata=_option("address to bind (default: loopback only)", str))
+    port: int = field(default=50151, metadata=_option("port to bind", _int))
+    device: str = field(default="cpu", metadata=_option("cpu or cuda:N", str))
+    threads: int | None = field(default=None, metadata=_option("torch CPU threads", _int))
+    memory_budget: int | None = field(default=None, metadata=_option("cap on weights + KV cache, e.g. 2GiB",
+                                                                     parse_size))
+    cuda_graphs: bool = field(default=True, metadata=_option("run GPU decode steps eagerly", _bool,
+                                                                             "--no-cuda-graphs"))
+    token_file: Path | None = field(default=None, metadata=_option("shared secret every RPC must carry", _path))
+    tls_cert: Path | None = field(default=None, metadata=_option("TLS certificate (with --tls-key)", _path))
+    tls_key: Path | None = field(default=None, metadata=_option("TLS private key", _path))
+    tls_ca: Path | None = field(default=None, metadata=_option("CA to verify the successor's certificate "
+                                                               "(default: --tls-cert)", _path))
+
+    def __post_init__(self) -> None:
+        who = f"daemon {self.name}" if self.name else "daemon"
+        if not DEVICE.match(self.device):
+            raise HpipeError(f"{who}: device {self.device!r} is not cpu or cuda:N")
+        if not 0 <= self.port <= 65535:
+            raise HpipeError(f"{who}: port {self.port} is outside 0-65535")
+        if self.threads is not None and self.threads < 1:
+            raise HpipeError(f"{who}: threads must be >= 1, got {self.threads}")
+        if self.memory_budget is not None and self.memory_budget < 1:
+            raise HpipeError(f"{who}: memory budget must be positive, got {self.memory_budget}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise HpipeError(f"{who}: a TLS certificate and key go together")
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def is_local(self) -> bool:
+        return self.host in LOOPBACK or self.host.startswith("127.")
+
+    def argv(self) -> list[str]:
+        """These options as ``hpipe daemon`` flags (the ones that differ from the defaults)."""
+        out = []
+        for f in fields(DaemonOptions):
+            value = getattr(self, f.name)
+            if value == f.default and f.name != "port":  # hpipe daemon requires --port
+                continue
+            if isinstance(value, bool):
+                out.append(f.metadata["flag"])
+            else:
+                out += [option_flag(f), str(value)]
+        return out
+
+    @classmethod
+    def from_values(cls, values: dict, who: str = "daemon") -> "DaemonOptions":
+        """Options from text or YAML values by field name, each read by its field's parser."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise HpipeError(f"{who}: unknown settings {unknown}")
+        out = {}
+        for name, value in values.items():
+            if value is None:
+                continue
+            parse = known[name].metadata["parse"]
+            try:
+                out[name] = parse(value)
+            except (TypeError, ValueError):
+                raise HpipeError(f"{who}: {name} {value!r} is not valid ({known[name].metadata['help']})") from None
+        return cls(**out)
+
+
+def option_flag(f) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class DaemonSpec(DaemonOptions):
+    """A daemon as a cluster file lists it: its options, plus emulation and what-if settings."""
+
+    emulate: dict = field(default_factory=dict, hash=False, compare=False)
+    #: published specs for what-if planning: peak_tflops, mem_bw_gbs, memory, efficiency, overhead_us
+    spec: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @classmethod
+    def at(cls, name: str, address: str, **kw) -> "DaemonSpec":
+        host, port = split_address(address, f"daemon {name}")
+        return cls(name=name, host=host, port=port, **kw)
+
+    def options(self) -> DaemonOptions:
+        return DaemonOptions(**{f.name: getattr(self, f.name) for f in fields(DaemonOptions)})
+
+
+def split_address(address: str, who: str) -> tuple[str, int]:
+    m = re.match(r"^([^:\s\[\]]+):(\d+)$|^\[([0-9a-fA-F:]+)\]:(\d+)$", address)
+    if not m:
+        raise HpipeError(f"{who}: address {address!r} is not host:port")
+    host = m.group(1) or m.group(3)
+    return host, int(m.group(2) or m.group(4))
+
+
+def _spec(who: str, spec) -> dict:
+    if not spec:
+        return {}
+    need = ("peak_tflops", "mem_bw_gbs", "memory")
+    if not isinstance(spec, dict) or any(k not in spec for k in need):
+        raise HpipeError(f"{who}: spec needs {', '.join(need)}")
+    return {**spec, "memory": parse_size(spec["memory"])}
+
+
+def bundled_clusters() -> dict[str, Path]:
+    """The cluster files shipped with hpipe (``clusters/`` in the source), by name."""
+    folder = Path(str(files("hpipe").joinpath("data", "clusters")))
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def cluster_file(name: str | Path) -> Path:
+    """``name`` as a path, or, where no such file exists, the bundled cluster of that name
+    (``local-3``, ``emulated-hetero``, ...), so that an installed hpipe finds its own."""
+    path = Path(name)
+    if path.exists():
+        return path
+    shipped = bundled_clusters()
+    key = path.name.removesuffix(".yaml")
+    if key in shipped and (path.parent in (Path("."), Path("clusters"))):
+        return shipped[key]
+    raise HpipeError(f"cannot read cluster file {name}: no such file (bundled clusters: {', '.join(shipped)})")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    daemons: tuple[DaemonSpec, ...]
+    path: Path | None = None
+    token_file: Path | None = None
+    tls_ca: Path | None = None
+    #: what-if links: {same_host: {gbit_s, latency_ms}, between_hosts: {...}, pairs: [{src, dst, ...}]}
+    links: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.daemons:
+            raise HpipeError(f"cluster {self.name!r} lists no daemons")
+        for kind in ("name", "address"):
+            values = [getattr(d, kind) for d in self.daemons]
+            dup = {v for v in values if values.count(v) > 1}
+            if dup:
+                raise HpipeError(f"cluster {self.name!r}: duplicate daemon {kind}s {sorted(dup)}")
+
+    def daemon(self, name: str) -> DaemonSpec:
+        for d in self.daemons:
+            if d.name == name:
+                return d
+        raise HpipeError(f"cluster {self.name!r} has no daemon named {name!r}")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ClusterSpec":
+        """Read a cluster file (a path, or the name of a bundled one: :func:`cluster_file`)."""
+        path = cluster_file(path)
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise HpipeError(f"cannot read cluster file {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise HpipeError(f"cluster file {path} is not UTF-8 text") from None
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+            raise HpipeError(f"{path}: not valid YAML{at} ({getattr(e, 'problem', None) or 'syntax error'})") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("daemons"), list):
+            raise HpipeError(f"{path}: a cluster file needs a 'daemons' list")
+        base = path.resolve().parent
+
+        def rel(p):
+            return (base / str(p)) if p else None
+
+        token_file, tls_ca = rel(raw.get("token_file")), rel(raw.get("tls_ca"))
+        daemons = []
+        for i, d in enumerate(raw["daemons"]):
+            who = f"{path}: daemon #{i}"
+            if not isinstance(d, dict) or "address" not in d:
+                raise HpipeError(f"{who} needs at least an address (host:port)")
+            d = dict(d)
+            host, port = split_address(str(d.pop("address")), who)
+            emulate, spec = d.pop("emulate", None) or {}, d.pop("spec", None)
+            if not isinstance(emulate, dict):
+                raise HpipeError(f"{who}: emulate must be a mapping")
+            for key in ("tls_cert", "tls_key"):
+                if d.get(key):
+                    d[key] = rel(d[key])
+            if "token_file" in d or "tls_ca" in d:
+                raise HpipeError(f"{who}: token_file and tls_ca are set for the whole cluster, at the top level")
+            options = DaemonOptions.from_values({"name": f"d{i}", **d, "host": host, "port": port}, who)
+            daemons.append(DaemonSpec(**{**vars(options), "token_file": token_file, "tls_ca": tls_ca},
+                                      emulate=emulate, spec=_spec(who, spec)))
+        return cls(name=str(raw.get("name", path.stem)), daemons=tuple(daemons), path=path.resolve(),
+                   token_file=token_file, tls_ca=tls_ca, links=dict(raw.get("links") or {}))
+
+    def link_specs(self) -> dict[tuple[str, str], tuple[float, float]]:
+        """What-if links as {(src, dst): (latency s, bandwidth bytes/s)} for every directed pair."""
+        def conv(entry, what):
+            try:
+                return float(entry.get("latency_ms", 0.1)) / 1e3, float(entry["gbit_s"]) * 1e9 / 8
+            except (KeyError, TypeError, ValueError):
+                raise HpipeError(f"cluster {self.name!r}: link {what} needs gbit_s (and optional latency_ms)") from None
+
+        pairs = {(p["src"], p["dst"]): conv(p, f"{p.get('src')}->{p.get('dst')}")
+                 for p in self.links.get("pairs", [])}
+        out = {}
+        for a in self.daemons:
+            for b in self.daemons:
+                if a is b:
+                    continue
+                if (a.name, b.name) in pairs:
+                    out[a.name, b.name] = pairs[a.name, b.name]
+                    continue
+                kind = "same_host" if a.host == b.host else "between_hosts"
+                if kind not in self.links:
+                    raise HpipeError(f"cluster {self.name!r}: no '{kind}' link spec for {a.name}->{b.name}")
+                out[a.name, b.name] = conv(self.links[kind], kind)
+        return out

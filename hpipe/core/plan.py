@@ -1,0 +1,181 @@
+"""``plan.json``: typed, validated, versioned; the runtime can execute any strategy in it.
+
+A plan holds the stages (daemon, unit range, predicted memory) and schedule of hpipe and of each
+baseline, their predicted latencies for the planned length, and hpipe's slicing table for every
+supported length (multiples of ``granularity`` up to ``max_len``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hpipe.core.config import ModelConfig
+from hpipe.core.errors import HpipeError
+
+FORMAT_VERSION = 2
+
+
+class PlanError(HpipeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage of a pipeline: the units ``[unit_start, unit_end)`` held by one daemon.
+
+    A daemon may hold several stages of one pipeline (an interleaved chain). The predictions are
+    the planner's (0 for stages made without a plan, e.g. from ``--cuts``)."""
+
+    daemon: str            # the daemon's name in the cluster file
+    address: str           # where it serves, host:port
+    unit_start: int
+    unit_end: int
+    memory_bytes: int = 0  # predicted: weights + KV cache + working space
+    memory_limit: int = 0  # what the daemon's device offers
+    compute_s: float = 0.0  # predicted compute of this stage over the planned sequence
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.unit_start < self.unit_end:
+            raise PlanError(f"stage on {self.daemon}: unit range [{self.unit_start}, {self.unit_end}) is empty")
+
+    @property
+    def units(self) -> str:
+        return f"[{self.unit_start}, {self.unit_end})"
+
+
+def stages_from_cuts(daemons: list[tuple[str, str]], cuts: list[int], num_units: int) -> list[Stage]:
+    """``[0, c1), [c1, c2), ...`` on ``daemons`` ((name, address) each, in pipeline order)."""
+    bounds = [0, *cuts, num_units]
+    if len(daemons) != len(bounds) - 1:
+        raise PlanError(f"{len(bounds) - 1} stages need {len(bounds) - 1} daemons, got {len(daemons)}")
+    if any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise PlanError(f"cuts {cuts} must be strictly increasing within (0, {num_units})")
+    return [Stage(name, address, a, b) for (name, address), a, b in zip(daemons, bounds, bounds[1:])]
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    name: str
+    stages: tuple[Stage, ...]
+    micro_batches: int
+    slices: tuple[int, ...]     # token slices of the planned length
+    predicted_s: float
+
+    def __post_init__(self) -> None:
+        bounds = [s.unit_start for s in self.stages] + [self.stages[-1].unit_end] if self.stages else []
+        if not self.stages or bounds[0] != 0 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+            raise PlanError(f"strategy {self.name}: stages must cover the units contiguously from 0")
+        if self.micro_batches < 1 or not self.slices or min(self.slices) < 1:
+            raise PlanError(f"strategy {self.name}: micro-batches and slices must be positive")
+
+    @property
+    def cuts(self) -> list[int]:
+        return [s.unit_start for s in self.stages[1:]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_name: str
+    model: ModelConfig
+    dtype: str
+    batch: int
+    seq_len: int
+    max_len: int
+    granularity: int
+    strategy: str                              # the one to execute by default
+    strategies: dict[str, StrategyPlan] = field(hash=False)
+    schedule: dict[int, tuple[int, ...]] = field(hash=False)  # hpipe: length -> slices
+    ideal_s: float = 0.0
+    version: int = FORMAT_VERSION
+    meta: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.version != FORMAT_VERSION:
+            raise PlanError(f"plan format version {self.version} is not supported (expected {FORMAT_VERSION}): "
+                            "make it again with `hpipe plan`")
+        if self.strategy not in self.strategies:
+            raise PlanError(f"plan has no strategy {self.strategy!r}")
+        units = self.model.num_units
+        for sp in self.strategies.values():
+            if sp.stages[-1].unit_end != units:
+                raise PlanError(f"strategy {sp.name}: stages end at unit {sp.stages[-1].unit_end}, the model has {units}")
+
+    @property
+    def chosen(self) -> StrategyPlan:
+        return self.strategies[self.strategy]
+
+    def slices_for(self, length: int, strategy: str | None = None) -> list[int]:
+        """Slice lengths for a document of ``length`` tokens under ``strategy`` (default: the plan's)."""
+        name = strategy or self.strategy
+        if length < 1:
+            raise PlanError("an empty input has no slicing")
+        if length > self.max_len:
+            raise PlanError(f"input of {length} tokens exceeds the plan's max length {self.max_len}")
+        if length == self.seq_len:
+            return list(self.strategies[name].slices)  # exactly what was simulated
+        if name == "hpipe":
+            key = min(k for k in self.schedule if k >= length) if length > min(self.schedule) else min(self.schedule)
+            return fit_slices(self.schedule[key], length)
+        sp = self.strategies[name]
+        if len(sp.slices) == 1:
+            return [length]
+        return uniform(length, min(len(sp.slices), length))
+
+    # --- JSON -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        def finite(x):
+            return x if math.isfinite(x) else None
+
+        return {
+            "version": self.version, "model_name": self.model_name, "model": self.model.to_dict(), "dtype": self.dtype,
+            "batch": self.batch, "seq_len": self.seq_len, "max_len": self.max_len, "granularity": self.granularity,
+            "strategy": self.strategy, "ideal_s": self.ideal_s, "meta": self.meta,
+            "strategies": {k: {**asdict(v), "predicted_s": finite(v.predicted_s)} for k, v in self.strategies.items()},
+            "schedule": {str(k): list(v) for k, v in sorted(self.schedule.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        try:
+            strategies = {}
+            for k, v in d["strategies"].items():
+                stages = tuple(Stage(**s) for s in v["stages"])
+                pred = v["predicted_s"] if v["predicted_s"] is not None else math.inf
+                strategies[k] = StrategyPlan(v["name"], stages, int(v["micro_batches"]), tuple(v["slices"]), pred)
+            return cls(d["model_name"], ModelConfig.from_dict(d["model"]), d["dtype"], int(d["batch"]), int(d["seq_len"]),
+                       int(d["max_len"]), int(d["granularity"]), d["strategy"], strategies,
+                       {int(k): tuple(v) for k, v in d["schedule"].items()}, float(d.get("ideal_s", 0.0)),
+                       int(d["version"]), dict(d.get("meta", {})))
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"not a valid hpipe plan: {e!r}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan is not valid JSON: {e}") from None
+
+
+def fit_slices(slices: tuple[int, ...], length: int) -> list[int]:
+    """Trim a slicing planned for a length >= ``length`` down to exactly ``length`` tokens."""
+    out, total = [], 0
+    for s in slices:
+        if total + s >= length:
+            out.append(length - total)
+            return out
+        out.append(s)
+        total += s
+    out[-1] += length - total
+    return out
+
+
+def uniform(length: int, k: int) -> list[int]:
+    base, rest = divmod(length, k)
+    return [base + (1 if i < rest else 0) for i in range(k)]

@@ -1,0 +1,267 @@
+"""``profile.json``: typed, validated, versioned. Pure Python (no torch), shared with the planner.
+
+A profile holds, for one model shape and dtype:
+
+- per device, per unit kind (embed, attn, mlp, head), a measured grid of seconds for a slice of
+  ``s`` tokens x batch ``B`` whose context starts at ``c`` (``seconds[b][i][j]`` for
+  ``batches[b]``, ``tokens[i]``, ``contexts[j]``; only attention varies with ``c``, the others
+  carry a single context column 0). Lookups interpolate linearly inside the grid and extrapolate
+  from the last two points outside it; nothing assumes linearity in ``s``.
+- per device, the memory it can give to weights + KV cache + working space;
+- per directed pair of devices, link latency (s) and bandwidth (bytes/s).
+
+Format version 2 (the model as its Hugging Face ``config.json``, :meth:`ModelConfig.to_dict`). ``Profile.from_dict(p.to_dict()) == p``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from hpipe.core.config import ModelConfig
+from hpipe.core.errors import HpipeError
+
+FORMAT_VERSION = 2
+UNIT_KINDS = ("embed", "attn", "mlp", "head")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class ProfileError(HpipeError):
+    pass
+
+
+def interp1(xs, ys, x):
+    """Piecewise-linear through (xs, ys), extrapolated from the end segments; ``x`` may be an array.
+
+    Below the smallest measured point the value is never less than proportional scaling of it
+    (small slices do not get cheaper than linear), and times are never negative.
+    """
+    xs = np.asarray(xs, dtype=float)
+    ys = np.asarray(ys, dtype=float)
+    x = np.asarray(x, dtype=float)
+    if len(xs) == 1:
+        scale = np.where(x > xs[0], x / max(xs[0], 1e-12), 1.0) if xs[0] else np.ones_like(x)
+        return ys[0] * scale
+    i = np.clip(np.searchsorted(xs, x), 1, len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    y = np.where(x < xs[0], np.maximum(y, ys[0] * np.maximum(x, 1) / max(xs[0], 1)), y)
+    return np.maximum(y, 0.0)
+
+
+@dataclass(frozen=True)
+class ComputeGrid:
+    batches: tuple[int, ...]
+    tokens: tuple[int, ...]
+    contexts: tuple[int, ...]
+    seconds: tuple[tuple[tuple[float, ...], ...], ...]  # [batch][tokens][context]
+
+    def __post_init__(self) -> None:
+        for name in ("batches", "tokens", "contexts"):
+            v = getattr(self, name)
+            if not v or list(v) != sorted(set(v)) or min(v) < 0:
+                raise ProfileError(f"compute grid {name} must be non-empty, increasing, >= 0: {v}")
+        if (len(self.seconds) != len(self.batches) or any(len(r) != len(self.tokens) for r in self.seconds)
+                or any(len(c) != len(self.contexts) for r in self.seconds for c in r)):
+            raise ProfileError("compute grid seconds do not match its axes")
+        if any(t < 0 for r in self.seconds for c in r for t in c):
+            raise ProfileError("negative time in compute grid")
+
+    def plane(self, b: float) -> np.ndarray:
+        """The [tokens, context] grid interpolated at batch ``b`` (cached per batch)."""
+        return _plane(self, float(b))
+
+    def times(self, s, c, b: float):
+        """Seconds for slices of ``s`` tokens at contexts ``c`` (arrays of equal shape), batch ``b``."""
+        plane = self.plane(b)
+        s = np.asarray(s, dtype=float)
+        c = np.asarray(c, dtype=float)
+        per_context = np.stack([interp1(self.tokens, plane[:, j], s) for j in range(len(self.contexts))])
+        if len(self.contexts) == 1:
+            return per_context[0]
+        xs = np.asarray(self.contexts, dtype=float)
+        i = np.clip(np.searchsorted(xs, c), 1, len(xs) - 1)
+        x0, x1 = xs[i - 1], xs[i]
+        y0 = np.take_along_axis(per_context, (i - 1)[None, ...], 0)[0]
+        y1 = np.take_along_axis(per_context, i[None, ...], 0)[0]
+        return np.maximum(y0 + (y1 - y0) * (c - x0) / (x1 - x0), 0.0)
+
+    def time(self, s: float, c: float, b: float) -> float:
+        return float(self.times(np.array([s]), np.array([c]), b)[0])
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ComputeGrid":
+        return cls(tuple(d["batches"]), tuple(d["tokens"]), tuple(d["contexts"]),
+                   tuple(tuple(tuple(float(x) for x in c) for c in r) for r in d["seconds"]))
+
+
+@lru_cache(maxsize=4096)
+def _plane(grid: ComputeGrid, b: float) -> np.ndarray:
+    seconds = np.asarray(grid.seconds, dtype=float)  # [batch, tokens, context]
+    flat = seconds.reshape(len(grid.batches), -1)
+    return np.stack([interp1(grid.batches, flat[:, k], b) for k in range(flat.shape[1])]).reshape(
+        len(grid.tokens), len(grid.contexts))
+
+
+@dataclass(frozen=True)
+class DaemonProfile:
+    name: str
+    address: str
+    device: str
+    memory_bytes: int  # what it can give to weights + KV cache + working space
+    compute: dict[str, ComputeGrid] = field(hash=False)
+    fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        missing = [k for k in UNIT_KINDS if k not in self.compute]
+        if missing:
+            raise ProfileError(f"daemon {self.name}: no compute grid for {missing}")
+        if self.memory_bytes <= 0:
+            raise ProfileError(f"daemon {self.name}: memory_bytes must be > 0")
+
+    def scaled(self, factor: float) -> "DaemonProfile":
+        """This device computing ``factor`` times slower (every grid point scaled; links untouched)."""
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ProfileError(f"daemon {self.name}: speed factor must be finite and > 0, got {factor}")
+        if factor == 1.0:
+            return self
+        grids = {k: ComputeGrid(g.batches, g.tokens, g.contexts,
+                                tuple(tuple(tuple(t * factor for t in row) for row in plane) for plane in g.seconds))
+                 for k, g in self.compute.items()}
+        return replace(self, compute=grids)
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    src: str
+    dst: str
+    latency_s: float
+    bandwidth_Bps: float
+    # CPU seconds a message costs the sending and the receiving daemon's host outside its device
+    # worker (serialisation, RPC, the kernel's network stack): per message plus per byte. 0 where
+    # unmeasured (profiles before these fields, what-if profiles).
+    send_cpu_s: float = 0.0
+    send_cpu_s_per_byte: float = 0.0
+    recv_cpu_s: float = 0.0
+    recv_cpu_s_per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or self.bandwidth_Bps <= 0:
+            raise ProfileError(f"link {self.src}->{self.dst}: latency must be >= 0 and bandwidth > 0")
+        if min(self.send_cpu_s, self.send_cpu_s_per_byte, self.recv_cpu_s, self.recv_cpu_s_per_byte) < 0:
+            raise ProfileError(f"link {self.src}->{self.dst}: host CPU costs must be >= 0")
+
+    def time(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+    def send_cpu(self, nbytes):
+        return self.send_cpu_s + nbytes * self.send_cpu_s_per_byte
+
+    def recv_cpu(self, nbytes):
+        return self.recv_cpu_s + nbytes * self.recv_cpu_s_per_byte
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: ModelConfig
+    model_name: str
+    dtype: str
+    daemons: tuple[DaemonProfile, ...]
+    links: tuple[LinkProfile, ...]
+    source: str = "measured"  # or "simulated"
+    version: int = FORMAT_VERSION
+    meta: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.version != FORMAT_VERSION:
+            raise ProfileError(f"profile format version {self.version} is not supported (expected {FORMAT_VERSION}): "
+                               "measure it again with `hpipe profile`")
+        if self.dtype not in DTYPE_BYTES:
+            raise ProfileError(f"profile dtype {self.dtype!r} unknown")
+        names = [d.name for d in self.daemons]
+        if len(set(names)) != len(names):
+            raise ProfileError(f"duplicate daemon names in profile: {names}")
+        pairs = {(l.src, l.dst) for l in self.links}
+        missing = [(a, b) for a in names for b in names if a != b and (a, b) not in pairs]
+        if missing:
+            raise ProfileError(f"profile lacks links {missing[:4]}")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def daemon(self, name: str) -> DaemonProfile:
+        for d in self.daemons:
+            if d.name == name:
+                return d
+        raise ProfileError(f"no daemon {name!r} in the profile")
+
+    def scaled(self, factors: dict[str, float]) -> "Profile":
+        """The profile with each named device's compute scaled by its factor (> 1: slower)."""
+        unknown = sorted(set(factors) - {d.name for d in self.daemons})
+        if unknown:
+            raise ProfileError(f"no daemon {', '.join(unknown)} in the profile")
+        return replace(self, daemons=tuple(d.scaled(factors.get(d.name, 1.0)) for d in self.daemons))
+
+    def link(self, src: str, dst: str) -> LinkProfile:
+        for l in self.links:
+            if l.src == src and l.dst == dst:
+                return l
+        raise ProfileError(f"no link {src}->{dst} in the profile")
+
+    # --- memory, from the model shape ---------------------------------------------------
+    def unit_weight_bytes(self, kind: str) -> int:
+        m, it = self.model, self.itemsize
+        if kind == "embed":
+            return m.vocab_size * m.hidden_size * it
+        if kind == "head":
+            return (m.vocab_size * m.hidden_size + m.hidden_size) * it
+        if kind == "attn":
+            qkv = m.hidden_size * m.head_dim * (m.num_heads + 2 * m.num_kv_heads)
+            bias = m.head_dim * (m.num_heads + 2 * m.num_kv_heads) if m.qkv_bias else 0
+            return (qkv + bias + m.num_heads * m.head_dim * m.hidden_size + m.hidden_size) * it
+        return (3 * m.hidden_size * m.intermediate_size + m.hidden_size) * it
+
+    def kv_bytes_per_token_per_layer(self) -> int:
+        return 2 * self.model.num_kv_heads * self.model.head_dim * self.itemsize
+
+    def activation_bytes_per_token(self) -> int:
+        return self.model.hidden_size * self.itemsize
+
+    # --- JSON -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version, "source": self.source, "model_name": self.model_name, "dtype": self.dtype,
+            "model": self.model.to_dict(), "meta": self.meta,
+            "daemons": [{"name": d.name, "address": d.address, "device": d.device, "memory_bytes": d.memory_bytes,
+                         "fingerprint": d.fingerprint,
+                         "compute": {k: asdict(g) for k, g in d.compute.items()}} for d in self.daemons],
+            "links": [asdict(l) for l in self.links],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        try:
+            devices = tuple(DaemonProfile(x["name"], x["address"], x["device"], int(x["memory_bytes"]),
+                                          {k: ComputeGrid.from_dict(g) for k, g in x["compute"].items()},
+                                          x.get("fingerprint", "")) for x in d["daemons"])
+            links = tuple(LinkProfile(**l) for l in d["links"])
+            return cls(ModelConfig.from_dict(d["model"]), d["model_name"], d["dtype"], devices, links, d.get("source", "measured"),
+                       int(d["version"]), dict(d.get("meta", {})))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"not a valid hpipe profile: {e!r}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"profile is not valid JSON: {e}") from None

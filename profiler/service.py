@@ -1,0 +1,120 @@
+"""The profiler's gRPC service, served by every daemon beside its stage service.
+
+What a daemon measures about itself (device identity, free memory, per-unit compute grids, a
+whole stage's time) and about its links (timed probes to another daemon). Measurements run on
+the stage server's device worker (:meth:`StageServer.run_on_device`), so they use the thread and
+limits that run slices and never overlap one. ``hpipe.app.daemon`` adds it with :func:`add_to`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import torch
+
+from hpipe.core.config import ModelConfig
+from hpipe.core.errors import InputError, StatusError
+from hpipe.core.units import UnitRange
+from profiler.device import fingerprint, host_id, measure_units, release_timed_stages, time_stage
+from profiler.links import time_probes
+from runtime import memory
+from runtime.channels import DaemonClient, Security
+from runtime.daemon import SEND_TIMEOUT_S, compute_dtype, handled
+from runtime.stage_server import StageServer
+from runtime.wire import pb, pb_grpc
+
+MAX_GRID_POINTS = 4096
+MAX_PROBE_BYTES = 256 << 20
+MAX_REPEATS = 500
+
+
+class ProfilerServicer(pb_grpc.ProfilerServiceServicer):
+    def __init__(self, server: StageServer, security: Security = Security()):
+        self.server = server
+        self.security = security  # for the daemon's own calls to other daemons (link probes)
+
+    @handled
+    def GetDeviceInfo(self, request, context):
+        dev = self.server.device
+        return pb.DeviceInfo(device=str(dev), fingerprint=fingerprint(dev), available_bytes=memory.available(dev),
+                             memory_budget=self.server.memory_budget or 0, threads=torch.get_num_threads(),
+                             host_id=host_id())
+
+    @handled
+    def ProfileCompute(self, request, context):
+        cfg = config_from_json(request.config_json)
+        dtype = compute_dtype(request.dtype, self.server.device)
+        axes = (list(request.batches), list(request.tokens), list(request.contexts))
+        if any(not a or min(a) < (0 if i == 2 else 1) for i, a in enumerate(axes)):
+            raise InputError("profile grid axes must be non-empty (batches, tokens >= 1; contexts >= 0)")
+        if max(request.tokens) > request.max_len:
+            raise InputError(f"slice of {max(request.tokens)} tokens exceeds max_len {request.max_len}")
+        check_extent(cfg, max(request.batches), max(request.tokens), max(request.contexts))
+        if len(axes[0]) * len(axes[1]) * len(axes[2]) > MAX_GRID_POINTS:
+            raise InputError(f"profile grid has more than {MAX_GRID_POINTS} points")
+        repeats = min(max(1, request.repeats), MAX_REPEATS)
+        t0 = time.perf_counter()
+        times = self.server.run_on_device(lambda: measure_units(cfg, dtype, self.server.device, *axes,
+                                                                request.max_len, repeats))
+        units = [pb.UnitTimes(kind=k, batches=axes[0], tokens=axes[1],
+                              contexts=axes[2] if k == "attn" else [0],
+                              seconds=[t for plane in v for row in plane for t in row]) for k, v in times.items()]
+        return pb.ProfileReply(units=units, elapsed_s=time.perf_counter() - t0)
+
+    @handled
+    def TimeStage(self, request, context):
+        cfg = config_from_json(request.config_json)
+        units = UnitRange(request.unit_start, request.unit_end, cfg.num_layers)
+        if request.batch < 1 or request.tokens < 1 or request.context < 0:
+            raise InputError("batch and tokens must be >= 1 and context >= 0")
+        check_extent(cfg, request.batch, request.tokens, request.context)
+        dtype = compute_dtype(request.dtype, self.server.device)
+        seconds = self.server.run_on_device(lambda: time_stage(
+            cfg, dtype, self.server.device, units, request.batch, request.tokens, request.context,
+            min(max(1, request.repeats), MAX_REPEATS)))
+        return pb.StageTimeReply(seconds=seconds)
+
+    @handled
+    def MeasureLink(self, request, context):
+        if not request.sizes or min(request.sizes) < 0 or max(request.sizes) > MAX_PROBE_BYTES:
+            raise InputError(f"probe sizes must lie in [0, {MAX_PROBE_BYTES >> 20} MiB]")
+        client = DaemonClient(request.target_address, self.security)
+        try:
+            seconds = time_probes(lambda payload: client.call("Probe", pb.ProbeRequest(payload=payload),
+                                                              timeout=SEND_TIMEOUT_S),
+                                  list(request.sizes), min(max(1, request.repeats), MAX_REPEATS))
+        except grpc.RpcError as e:
+            raise StatusError("UNAVAILABLE", f"cannot reach {request.target_address}: {e.code().name}: "
+                              f"{e.details()}") from None
+        finally:
+            client.close()
+        return pb.LinkReply(sizes=list(request.sizes), seconds=seconds)
+
+    def Probe(self, request, context):
+        return pb.Ack()
+
+
+def config_from_json(text: str) -> ModelConfig:
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise InputError(f"config_json is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise InputError("config_json must be a JSON object")
+    return ModelConfig.from_dict(raw)
+
+
+def check_extent(cfg: ModelConfig, batch: int, tokens: int, context: int) -> None:
+    """Refuse profiling requests far beyond anything the model could run (they would only exhaust memory)."""
+    limit = 2 * cfg.max_position_embeddings
+    if tokens + context > limit or batch > 1024:
+        raise InputError(f"profiling {batch} x ({context} + {tokens}) tokens exceeds twice the model's context "
+                         f"({limit}) or batch 1024")
+
+
+def add_to(server: grpc.Server, stage: StageServer, security: Security) -> None:
+    """Serve the profiler beside ``stage`` (a :data:`runtime.daemon.Service`)."""
+    stage.before_load.append(release_timed_stages)  # a deployed stage no longer needs the timed ones
+    pb_grpc.add_ProfilerServiceServicer_to_server(ProfilerServicer(stage, security), server)

@@ -1,0 +1,88 @@
+"""Emulated hosts: a network namespace per daemon in 198.18.0.0/24, joined to a bridge by a veth
+pair, its uplink shaped with ``tc`` (``rate``: tbf; ``delay_ms``: netem). Needs root."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+import subprocess
+
+from hpipe.core.cluster import ClusterSpec, DaemonSpec
+from hpipe.core.errors import HpipeError
+from runtime.emulate.state import State, run
+
+log = logging.getLogger(__name__)
+
+EMULATED_NET = ipaddress.ip_network("198.18.0.0/24")
+BRIDGE, BRIDGE_IP = "hpbr0", "198.18.0.1"
+
+
+def in_emulated_net(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host) in EMULATED_NET
+    except ValueError:
+        return False
+
+
+def names(d: DaemonSpec) -> tuple[str, str, str]:
+    tag = re.sub(r"[^a-zA-Z0-9]", "", d.name)[:9] or "d"
+    return f"hp-{d.name}", f"hpv{tag}", f"hpe{tag}"
+
+
+def setup_network(cluster: ClusterSpec, record: State) -> None:
+    """One network namespace per emulated host, on a bridge, its uplink shaped with tc."""
+    netns = [d for d in cluster.daemons if in_emulated_net(d.host)]
+    if not netns:
+        return
+    state = record.read()
+    if subprocess.run(["ip", "link", "show", BRIDGE], capture_output=True).returncode != 0:
+        run("ip", "link", "add", BRIDGE, "type", "bridge")
+        run("ip", "addr", "add", f"{BRIDGE_IP}/24", "dev", BRIDGE)
+        state["bridge"] = True
+    run("ip", "link", "set", BRIDGE, "up")
+    for d in netns:
+        ns, host_if, ns_if = names(d)
+        if ns in state["netns"]:
+            continue
+        run("ip", "netns", "add", ns)
+        state["netns"].append(ns)
+        record.write(state)
+        run("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        run("ip", "link", "set", ns_if, "netns", ns)
+        run("ip", "link", "set", host_if, "master", BRIDGE, "up")
+        inside = ("ip", "netns", "exec", ns)
+        run(*inside, "ip", "addr", "add", f"{d.host}/24", "dev", ns_if)
+        run(*inside, "ip", "link", "set", ns_if, "up")
+        run(*inside, "ip", "link", "set", "lo", "up")
+        run(*inside, "ip", "route", "add", "default", "via", BRIDGE_IP)
+        rate, delay = d.emulate.get("rate"), d.emulate.get("delay_ms")
+        parent = ("root",)
+        if delay:
+            r = subprocess.run([*inside, "tc", "qdisc", "add", "dev", ns_if, "root", "handle", "1:", "netem",
+                                "delay", f"{float(delay)}ms"], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise HpipeError(f"daemon {d.name}: delay_ms needs tc netem, which this kernel lacks "
+                                 f"({r.stderr.strip()}); remove delay_ms (rate works without it)")
+            parent = ("parent", "1:")
+        if rate:
+            run(*inside, "tc", "qdisc", "add", "dev", ns_if, *parent, "handle", "2:", "tbf", "rate", str(rate),
+                 "burst", "256kbit", "latency", "100ms")
+        log.info("emulated host %s at %s (rate %s, delay %s ms)", d.name, d.host, rate, delay)
+    record.write(state)
+
+
+def namespace_prefix(d: DaemonSpec) -> list[str]:
+    """The command prefix that runs a process in ``d``'s namespace (none for a daemon not in one)."""
+    return ["ip", "netns", "exec", names(d)[0]] if in_emulated_net(d.host) else []
+
+
+def teardown(state: dict) -> list[str]:
+    removed = []
+    for ns in state.get("netns", []):
+        if subprocess.run(["ip", "netns", "del", ns], capture_output=True).returncode == 0:
+            removed.append(ns)  # deleting the namespace deletes its veth pair
+    if state.get("bridge"):
+        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+        removed.append(BRIDGE)
+    return removed

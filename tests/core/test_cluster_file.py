@@ -1,0 +1,80 @@
+import pytest
+
+from hpipe.core.cluster import ClusterSpec, parse_size
+from hpipe.core.errors import HpipeError
+
+
+def test_shipped_local_cluster():
+    spec = ClusterSpec.load("clusters/local-3.yaml")
+    assert [d.name for d in spec.daemons] == ["a", "b", "c"]
+    assert all(d.is_local and d.device == "cpu" for d in spec.daemons)
+
+
+def test_sizes():
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size("512 MB") == 512 * 10**6 and parse_size(1000) == 1000
+    with pytest.raises(HpipeError, match="memory size"):
+        parse_size("lots")
+
+
+@pytest.mark.parametrize("body,match", [
+    ("daemons: []", "no daemons"),
+    ("daemons:\n  - name: a\n", "needs at least an address"),
+    ("daemons:\n  - address: nohostport\n", "not host:port"),
+    ("daemons:\n  - address: 127.0.0.1:1\n    device: tpu\n", "not cpu or cuda"),
+    ("daemons:\n  - {name: a, address: '127.0.0.1:1'}\n  - {name: a, address: '127.0.0.1:2'}\n", "duplicate"),
+    ("daemons: [", "not valid YAML"),
+])
+def test_bad_files(tmp_path, body, match):
+    p = tmp_path / "c.yaml"
+    p.write_text(body)
+    with pytest.raises(HpipeError, match=match):
+        ClusterSpec.load(p)
+
+
+def test_daemon_options_defined_once_round_trip_through_the_daemon_command(tmp_path):
+    """A cluster file's daemon, turned into `hpipe daemon` flags by the launcher and parsed back by
+    the CLI, is the same set of options (they are defined once, in DaemonOptions)."""
+    from dataclasses import fields
+
+    from hpipe.app.cli import build_parser
+    from hpipe.core.cluster import DaemonOptions
+
+    (tmp_path / "t.token").write_text("s3cret")
+    path = tmp_path / "c.yaml"
+    path.write_text("token_file: t.token\ndaemons:\n"
+                    "  - {name: a, address: '127.0.0.1:50151', threads: 2, memory_budget: 1GiB, cuda_graphs: false}\n"
+                    "  - {name: b, address: '[::1]:7', device: 'cuda:1'}\n")
+    for d in ClusterSpec.load(path).daemons:
+        options = d.options()
+        args = build_parser().parse_args(["daemon", *options.argv()])
+        parsed = {f.name: getattr(args, f.name) for f in fields(DaemonOptions)}
+        assert DaemonOptions.from_values({k: v for k, v in parsed.items() if v is not None}) == options
+    a = ClusterSpec.load(path).daemon("a")
+    assert a.port == 50151 and a.threads == 2 and a.memory_budget == 2**30 and not a.cuda_graphs
+    assert a.token_file == tmp_path / "t.token" and a.address == "127.0.0.1:50151"
+    assert ClusterSpec.load(path).daemon("b").address == "[::1]:7"
+
+
+@pytest.mark.parametrize("entry,match", [
+    ("{name: a, address: '127.0.0.1:99999'}", "outside 0-65535"),
+    ("{name: a, address: '127.0.0.1:1', threads: 0}", "threads must be >= 1"),
+    ("{name: a, address: '127.0.0.1:1', threads: two}", "threads 'two' is not valid"),
+    ("{name: a, address: '127.0.0.1:1', turbo: 1}", "unknown settings \\['turbo'\\]"),
+    ("{name: a, address: '127.0.0.1:1', token_file: x}", "set for the whole cluster"),
+    ("{name: a, address: '127.0.0.1:1', cuda_graphs: 'no'}", "cuda_graphs 'no' is not valid"),
+    ("{name: a, address: '127.0.0.1:1', tls_cert: a.pem}", "go together"),
+])
+def test_bad_daemon_entries(tmp_path, entry, match):
+    p = tmp_path / "c.yaml"
+    p.write_text(f"daemons:\n  - {entry}\n")
+    with pytest.raises(HpipeError, match=match):
+        ClusterSpec.load(p)
+
+
+def test_bundled_clusters_are_found_by_name():
+    from hpipe.core.cluster import bundled_clusters
+
+    assert {"local-3", "emulated-hetero", "mps-3", "paper-hpipe"} <= set(bundled_clusters())
+    assert ClusterSpec.load("local-3").daemons == ClusterSpec.load("clusters/local-3.yaml").daemons
+    with pytest.raises(HpipeError, match="bundled clusters: "):
+        ClusterSpec.load("no-such-cluster")

@@ -1,0 +1,93 @@
+"""The packages import each other one way only: contracts at the bottom, entry points at the top.
+
+Read from the source with ``ast`` (every import, at module level or inside a function), so a
+wrong-way import fails here even if no test happens to execute it.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: package -> the packages it may import (besides itself and third-party libraries)
+ALLOWED = {
+    "hpipe.core": set(),
+    "hpipe.model": {"hpipe.core"},
+    "planner": {"hpipe.core"},
+    "runtime": {"hpipe.core", "hpipe.model"},
+    "profiler": {"hpipe.core", "hpipe.model", "runtime"},
+    "hpipe.app": {"hpipe.core", "hpipe.model", "planner", "profiler", "runtime"},
+}
+OURS = ("hpipe", "planner", "profiler", "runtime")
+MAX_LINES = 400
+
+
+def _package_of(module: str) -> str | None:
+    for pkg in sorted(ALLOWED, key=len, reverse=True):
+        if module == pkg or module.startswith(pkg + "."):
+            return pkg
+    return None
+
+
+def _modules():
+    for top in OURS:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if "proto_gen" in path.parts:
+                continue
+            yield path, ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def _imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append(node.module)
+    return out
+
+
+def test_imports_point_one_way():
+    wrong = []
+    for path, module in _modules():
+        pkg = _package_of(module)
+        if pkg is None:  # hpipe/__init__.py, hpipe/__main__.py: the entry points' shims
+            continue
+        for imported in _imports(path):
+            if not imported.startswith(OURS):
+                continue
+            target = _package_of(imported)
+            if target is None:
+                if imported.split(".")[0] == "hpipe" and imported != "hpipe":
+                    wrong.append(f"{module} imports {imported}, which is in no layer")
+                continue
+            if target != pkg and target not in ALLOWED[pkg]:
+                wrong.append(f"{module} ({pkg}) imports {imported} ({target})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_module_is_in_a_layer_and_short():
+    stray, long = [], []
+    for path, _ in _modules():
+        if not (path.parent / "__init__.py").exists():
+            stray.append(f"{path.parent.relative_to(ROOT)} has no __init__.py (an installed wheel would miss it)")
+    for path, module in _modules():
+        if _package_of(module) is None and module not in ("hpipe", "hpipe.__init__", "hpipe.__main__"):
+            stray.append(module)
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            long.append(f"{module}: {lines} lines")
+    assert not stray and not long, stray + long
+
+
+@pytest.mark.parametrize("package", ["planner", "hpipe.core"])
+def test_planner_and_contracts_load_no_heavy_library(package):
+    modules = [m for _, m in _modules() if _package_of(m) == package]
+    code = (f"import sys\nfor m in {modules!r}:\n    __import__(m)\n"
+            "print(sorted({'torch', 'grpc', 'matplotlib', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
