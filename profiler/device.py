@@ -22,6 +22,7 @@ import torch
 from hpipe.core.config import ModelConfig
 from hpipe.core.units import UnitRange
 from hpipe.model import StageCache, StageModel, packed
+from hpipe.model.kvpool import BatchKV
 from hpipe.model.layers import Attention
 from hpipe.model.rope import cos_sin
 
@@ -161,6 +162,15 @@ def copies_for(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return max(1, min(cfg.num_layers, -(-WORKING_SET_BYTES // (block * itemsize))))
 
 
+def _zeroed(cache: StageCache) -> StageCache:
+    """A cache whose slots hold zeros, not whatever memory was there (NaNs or denormals would time
+    differently from real keys)."""
+    if cache.pool is not None:
+        for t in (*cache.pool.k.values(), *cache.pool.v.values()):
+            t.zero_()
+    return cache
+
+
 @torch.inference_mode()
 def measure_units(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, batches, tokens, contexts,
                   max_len: int, repeats: int = 3, progress=None) -> dict[str, list]:
@@ -182,9 +192,11 @@ def measure_units(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ba
     out = {k: [] for k in ("embed", "attn", "mlp", "head")}
     for b in batches:
         # one cache per attention copy, long enough for every point; a slice at context c writes
-        # [c, c+s) and attends to [0, c+s) of it, exactly as in a stage's preallocated cache
-        caches = [StageCache.allocate([0], b, longest, cfg.num_kv_heads, cfg.head_dim, dtype, device).layers[0]
-                  for _ in range(n)]
+        # [c, c+s) and attends to [0, c+s) of it, as an entry of a micro-batch does in a daemon's pool
+        caches = [_zeroed(StageCache.allocate([a.layer], b, longest, cfg.num_kv_heads, cfg.head_dim, dtype, device))
+                  for a in attns]
+        for cache in caches:
+            cache.entries(0, longest, "none")  # take every block now: the points only read and write them
         kv = list(zip(attns, caches))
 
         def points(sweep: int, b=b, kv=kv):
@@ -195,9 +207,13 @@ def measure_units(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ba
                 yield ("embed", i, 0), lambda: embed(ids)
                 yield ("mlp", i, 0), _Rotation(mlps, lambda m: m(x))
                 yield ("head", i, 0), lambda: head_unit(x[:, -1:])
+                flat = x.reshape(1, b * s, cfg.hidden_size)
                 for j, c in enumerate(contexts):
-                    cos, sin = cos_sin(body.inv_freq, torch.arange(c, c + s, device=device), dtype)
-                    yield ("attn", i, j), _Rotation(kv, lambda ac, c=c, cos=cos, sin=sin: ac[0](x, c, cos, sin, ac[1]))
+                    cos, sin = cos_sin(body.inv_freq, torch.arange(c, c + s, device=device).repeat(b), dtype)
+                    batches_kv = {id(cache): BatchKV(cache.entries(c, s, "none"), cache.pool, device)
+                                  for _, cache in kv}
+                    yield ("attn", i, j), _Rotation(kv, lambda ac, cos=cos, sin=sin, bkv=batches_kv:
+                                                    ac[0](flat, cos, sin, bkv[id(ac[1])]))
                 if progress:
                     progress()
 
@@ -238,8 +254,8 @@ def _stages_for(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, unit
     weight_bytes = first.weight_bytes()
     n = max(1, min(8, WORKING_SET_BYTES // max(weight_bytes, 1)))
     stages = [first] + [StageModel.random(cfg, units, dtype=dtype, device=device, seed=i) for i in range(1, n)]
-    caches = [StageCache.allocate(units.attention_layers(), batch, length, cfg.num_kv_heads,
-                                  cfg.head_dim, dtype, device) for _ in stages]
+    caches = [_zeroed(StageCache.allocate(units.attention_layers(), batch, length, cfg.num_kv_heads,
+                                          cfg.head_dim, dtype, device)) for _ in stages]
     _built = (key, list(zip(stages, caches)))
     return _built[1]
 

@@ -1,24 +1,18 @@
-"""The coordinator: deploy unit ranges onto daemons, stream slices into stage 0, read the last
-stage's results, and notice a dead or failing stage within a deadline.
+"""The coordinator: deploy a plan's stages onto daemons, and run sequences through them.
 
-Design note. The coordinator never relays activations: it submits token ids to stage 0 and
-reads logits from the last stage's ``Results`` stream, one stream per sequence, read by a
-background thread into a queue. While it waits it polls every stage's ``Status`` for that
-sequence: an unreachable stage, or a stage that recorded an error (a failed send names the
-successor it could not reach), fails the sequence at once with a message naming the stage, and
-the surviving stages are told to free the sequence's KV cache.
-
-A daemon may hold several stages (an interleaved schedule): it gets one ``Load`` naming all of
-them, one ``Open`` per sequence, and reports statistics per stage.
+:class:`Pipeline` loads each daemon's stages (one ``Load`` with the whole pipeline and the stages
+it holds, and every daemon's data port, so each can reach the next) and keeps a gRPC client per
+daemon for status. Micro-batches go through a :class:`runtime.session.Session`. For callers that
+think in one sequence at a time, :class:`RemoteSequence` is one sequence (or a batch of rows of
+equal length, each a sequence of its own) on a session, and :class:`RemoteRunner` adapts it to the
+single-sequence generation loop: prefill sends every slice as a micro-batch of its own, without
+waiting, so the slices pipeline through the stages; each decode step waits for its token.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import random
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Sequence as Seq
@@ -27,19 +21,15 @@ import grpc
 import torch
 
 from hpipe.core.cluster import ClusterSpec, DaemonSpec
-from hpipe.core.errors import HpipeError, InputError
+from hpipe.core.errors import InputError
 from hpipe.core.plan import PlanError, Stage, stages_from_cuts
 from runtime.channels import DaemonClient, Security
-from runtime.wire import dtype_to_wire, pb, stage_to_wire, tensor_bytes, tensor_from_proto
+from runtime.session import Session, StageFailure
+from runtime.wire import dtype_to_wire, pb, stage_to_wire
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.5          # how often a waiting coordinator checks on the stages
-STATUS_TIMEOUT_S = 3.0
-
-
-class StageFailure(HpipeError):
-    """A stage died, became unreachable, or failed a sequence."""
+__all__ = ["Pipeline", "RemoteRunner", "RemoteSequence", "StageFailure", "cut_stages", "generate_on_cluster"]
 
 
 def cut_stages(cluster: ClusterSpec, cuts: Seq[int], num_units: int, daemons: Seq[str] | None = None) -> list[Stage]:
@@ -69,6 +59,7 @@ class Pipeline:
         self.stage_daemon: list[int] = []
         self.clients: list[DaemonClient] = []
         self.loads: list[pb.LoadReply] = []    # per daemon in use: what its Load reported
+        self.data_ports: list[int] = []        # per daemon in use
         self.vocab_size = 0
 
     def describe_daemon(self, d: int) -> str:
@@ -78,8 +69,9 @@ class Pipeline:
     def daemon_stages(self, d: int) -> list[int]:
         return [i for i, dd in enumerate(self.stage_daemon) if dd == d]
 
-    def deploy(self, model: str, stages: Seq[Stage], dtype: torch.dtype) -> list[Stage]:
-        """Load ``stages`` (a plan's, or :func:`stages_from_cuts`) onto their daemons in the cluster.
+    def deploy(self, model: str, stages: Seq[Stage], dtype: torch.dtype, kv_pool_bytes: int = 0) -> list[Stage]:
+        """Load ``stages`` (a plan's, or :func:`cut_stages`) onto their daemons in the cluster, each
+        daemon's KV pools ``kv_pool_bytes`` in all (0: the daemon sizes them).
 
         A daemon named for several stages holds them all (an interleaved schedule); two stages in a
         row on one daemon would be one stage and are refused. Addresses are the cluster's."""
@@ -95,8 +87,15 @@ class Pipeline:
         daemons = [self.cluster.daemon(n) for n in names]
         stage_daemon = [names.index(s.daemon) for s in stages]
         self.clients = [DaemonClient(d.address, self.security, d.name) for d in daemons]
-        wire = [stage_to_wire(s) for s in stages]
-        requests = [pb.LoadRequest(model=model, dtype=dtype_to_wire(dtype), stages=wire,
+        ports = []
+        for d, client in zip(daemons, self.clients):
+            try:
+                ports.append(client.call("Status", pb.StatusRequest(), timeout=10.0).data_port)
+            except grpc.RpcError as e:
+                raise StageFailure(f"{d.name} at {d.address} is not responding: {e.code().name}: {e.details()}") \
+                    from None
+        wire = [stage_to_wire(s, ports[stage_daemon[i]]) for i, s in enumerate(stages)]
+        requests = [pb.LoadRequest(model=model, dtype=dtype_to_wire(dtype), stages=wire, kv_pool_bytes=kv_pool_bytes,
                                    held=[i for i, dd in enumerate(stage_daemon) if dd == d])
                     for d in range(len(daemons))]
 
@@ -110,170 +109,75 @@ class Pipeline:
 
         with ThreadPoolExecutor(max_workers=len(daemons)) as pool:
             self.loads = list(pool.map(load, range(len(daemons))))
-        self.daemons, self.stages, self.stage_daemon = daemons, stages, stage_daemon
+        self.daemons, self.stages, self.stage_daemon, self.data_ports = daemons, stages, stage_daemon, ports
         self.vocab_size = self.loads[stage_daemon[-1]].vocab_size
         return self.stages
 
-    def open(self, max_len: int, batch: int = 1, idle_timeout_s: float = 60.0,
-             result_timeout_s: float = 600.0) -> "RemoteSequence":
-        if not self.stages:
-            raise HpipeError("no model is deployed")
-        return RemoteSequence(self, max_len, batch, idle_timeout_s, result_timeout_s)
+    def pools(self) -> list[pb.Pool]:
+        """Every held stage's KV pool now, in stage order."""
+        out = {}
+        for client in self.clients:
+            for p in client.call("Status", pb.StatusRequest(), timeout=10.0).pools:
+                out[p.stage] = p
+        return [out[i] for i in sorted(out)]
+
+    def session(self, result_timeout_s: float = 600.0) -> Session:
+        return Session(self, result_timeout_s)
+
+    def open(self, max_len: int, batch: int = 1) -> "RemoteSequence":
+        """One sequence on a session of its own (closed with it)."""
+        return RemoteSequence(self.session(), max_len, batch, owns_session=True)
 
     def close(self) -> None:
         for c in self.clients:
             c.close()
-        self.clients, self.daemons, self.stages, self.stage_daemon, self.loads = [], [], [], [], []
+        self.clients, self.daemons, self.stages, self.stage_daemon, self.loads, self.data_ports = \
+            [], [], [], [], [], []
 
 
 class RemoteSequence:
-    """One sequence (batch of equal-length rows) open on every stage of a pipeline."""
+    """One sequence of ``batch`` rows of equal length (each row a sequence of its own), fed one
+    slice at a time, each slice a micro-batch of one entry per row."""
 
-    def __init__(self, pipe: Pipeline, max_len: int, batch: int, idle_timeout_s: float, result_timeout_s: float):
-        self.pipe, self.batch, self.max_len = pipe, batch, max_len
-        self.id = random.getrandbits(63)
-        self.result_timeout_s = result_timeout_s
+    def __init__(self, session: Session, max_len: int, batch: int = 1, owns_session: bool = False):
+        self.session, self.batch, self.max_len, self._owns = session, batch, max_len, owns_session
+        self.ids = [random.getrandbits(63) for _ in range(batch)]
         self.position = 0
-        self.kv_bytes: list[int] = [0] * len(pipe.stages)  # per stage
-        self.stats: list[dict] = []                        # per stage, once closed
-        self._results: queue.Queue = queue.Queue()
-        self._closed = False
-        opened = []
-        try:
-            for d in range(len(pipe.clients)):
-                reply = self._rpc(d, "Open", pb.OpenRequest(sequence_id=self.id, batch=batch, max_len=max_len,
-                                                           idle_timeout_s=idle_timeout_s))
-                opened.append(d)
-                for i, kv in zip(pipe.daemon_stages(d), reply.stages_kv_bytes):
-                    self.kv_bytes[i] = kv
-        except HpipeError:
-            for d in opened:
-                self._close_daemon(d)
-            raise
-        self._last = pipe.stage_daemon[-1]
-        self._stream = pipe.clients[self._last].results(self.id)
-        self._reader = threading.Thread(target=self._read_results, daemon=True, name=f"results-{self.id}")
-        self._reader.start()
+        self._pending: list[int] = []
 
-    def _rpc(self, d: int, method: str, request, timeout: float = 30.0):
-        """``method`` on daemon ``d``, its failure as a :class:`StageFailure` naming the daemon's stages."""
-        try:
-            return self.pipe.clients[d].call(method, request, timeout=timeout)
-        except grpc.RpcError as e:
-            code, who = e.code(), self.pipe.describe_daemon(d)
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise StageFailure(f"{who} is not responding ({code.name}: {e.details()})") from None
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise StageFailure(f"{who} is out of memory: {e.details()}") from None
-            raise StageFailure(f"{who}: {method} failed: {code.name}: {e.details()}") from None
-
-    def _read_results(self) -> None:
-        try:
-            for msg in self._stream:
-                self._results.put(msg)
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                self._results.put(e)
-
-    # --- data path ------------------------------------------------------------------------
-    def submit(self, ids: torch.Tensor, *, want_logits: bool = True, all_logits: bool = False) -> None:
-        """Send one slice of token ids ``[batch, tokens]`` into stage 0 (returns without waiting)."""
-        if self._closed:
-            raise HpipeError(f"sequence {self.id} is closed")
+    def submit(self, ids: torch.Tensor, *, want_logits: bool = True, all_logits: bool = False) -> int:
+        """Send one slice of token ids ``[batch, tokens]`` into the pipeline (returns without waiting)."""
         ids = ids.to(torch.int64).reshape(self.batch, -1)
         n = ids.shape[1]
         if self.position + n > self.max_len:
             raise InputError(f"positions up to {self.position + n} exceed the sequence's max length {self.max_len}")
-        self._rpc(self.pipe.stage_daemon[0], "Submit", pb.Slice(sequence_id=self.id, stage=0, start=self.position,
-                                                                length=n, payload=tensor_bytes(ids),
-                                                                want_logits=want_logits, all_logits=all_logits))
+        logits = pb.ALL_LOGITS if all_logits else pb.LAST_LOGITS if want_logits else pb.NO_LOGITS
+        entries = [pb.Entry(sequence_id=i, start=self.position, length=n, logits=logits,
+                            max_len=self.max_len if self.position == 0 else 0) for i in self.ids]
+        mb = self.session.submit(entries, ids)
         self.position += n
+        self._pending.append((mb, n if all_logits else 0))
+        return mb
 
-    def result(self) -> pb.SliceResult:
-        """The next slice result from the last stage, or a :class:`StageFailure` naming the culprit."""
-        deadline = time.monotonic() + self.result_timeout_s
-        while True:
-            try:
-                item = self._results.get(timeout=POLL_S)
-            except queue.Empty:
-                self._check_stages()
-                if time.monotonic() > deadline:
-                    self._abort()
-                    raise StageFailure(f"no result for sequence {self.id} within {self.result_timeout_s:.0f}s")
-                continue
-            if isinstance(item, grpc.RpcError):
-                self._abort()
-                raise StageFailure(f"{self.pipe.describe_daemon(self._last)}: results stream broke "
-                                   f"({item.code().name}: {item.details()})")
-            if item.error:
-                self._check_stages()  # name the stage that failed, if it can be found
-                self._abort()
-                raise StageFailure(item.error)
-            return item
-
-    def _check_stages(self) -> None:
-        """Raise :class:`StageFailure` if any stage is unreachable or failed this sequence.
-
-        Unreachable stages are blamed first: when a daemon dies, its predecessor's failed send is
-        a symptom, the dead daemon the cause.
-        """
-        replies, dead = {}, None
-        for d in range(len(self.pipe.clients)):
-            try:
-                replies[d] = self.pipe.clients[d].call("Status", pb.StatusRequest(sequence_ids=[self.id]),
-                                                       timeout=STATUS_TIMEOUT_S)
-            except grpc.RpcError as e:
-                dead = dead or (d, e)
-        if dead:
-            d, e = dead
-            self._abort(skip=d)
-            raise StageFailure(f"{self.pipe.describe_daemon(d)} is not responding ({e.code().name}: {e.details()})")
-        for d, reply in replies.items():
-            state = reply.sequences[0]
-            if state.error:
-                self._abort()
-                raise StageFailure(f"{self.pipe.describe_daemon(d)}: {state.error}")
-            if not state.open:
-                self._abort()
-                raise StageFailure(f"{self.pipe.describe_daemon(d)} no longer holds sequence {self.id} (idle timeout?)")
-
-    def logits(self, msg: pb.SliceResult) -> torch.Tensor:
-        return tensor_from_proto(msg.logits)
-
-    # --- life cycle -------------------------------------------------------------------------
-    def _close_daemon(self, d: int) -> dict[int, dict]:
-        """Free the sequence on daemon ``d``; its statistics per stage index ({} if it did not answer)."""
+    def result(self) -> torch.Tensor:
+        """The logits of the oldest slice not yet read: ``[batch, vocab]`` (``[batch, tokens, vocab]``
+        for ``all_logits``; no rows for a slice that wanted none). A failed row is a :class:`StageFailure`."""
+        mb, positions = self._pending.pop(0)
         try:
-            reply = self.pipe.clients[d].call("Close", pb.SequenceRequest(sequence_id=self.id), timeout=5.0)
-        except grpc.RpcError:
-            return {}
-        mine = set(self.pipe.daemon_stages(d))
-        return {s.stage: {
-            "compute_s": s.compute_s, "send_s": s.send_s, "recv_decode_s": s.recv_decode_s,
-            "slices": s.slices, "bytes_sent": s.bytes_sent,
-            "spans": [(x.start, x.length, x.received_s, x.begin_s, x.end_s) for x in s.spans]}
-            for s in reply.stats if s.stage in mine}
-
-    def _abort(self, skip: int | None = None) -> None:
-        """Free the sequence on every daemon that still answers."""
-        if self._closed:
-            return
-        self._closed = True
-        for d in range(len(self.pipe.clients)):
-            if d != skip:
-                self._close_daemon(d)
-        self._stream.cancel()
+            result = self.session.result(mb, self.ids)
+        except StageFailure:
+            self.session.close_sequences(self.ids)  # the daemons that still answer free it
+            raise
+        failed = [result.failed[i] for i in self.ids if i in result.failed]
+        if failed:
+            self.session.close_sequences(self.ids)
+            raise StageFailure(f"{failed[0][0]}: {failed[0][1]}")
+        return result.logits.view(self.batch, positions, -1) if positions else result.logits
 
     def close(self) -> list[dict]:
-        """Free the sequence everywhere; statistics per stage ({} for a stage that did not answer)."""
-        if not self._closed:
-            self._closed = True
-            per_stage: dict[int, dict] = {}
-            for d in range(len(self.pipe.clients)):
-                per_stage.update(self._close_daemon(d))
-            self.stats = [per_stage.get(i, {}) for i in range(len(self.pipe.stages))]
-            self._stream.cancel()
-        return self.stats
+        """Free the sequence (and its own session, with that session's statistics per stage)."""
+        self.session.close_sequences(self.ids)
+        return self.session.close() if self._owns else []
 
     def __enter__(self) -> "RemoteSequence":
         return self
@@ -287,32 +191,33 @@ class RemoteRunner:
 
     def __init__(self, seq: RemoteSequence):
         self.seq = seq
-        self.slice_times: list[float] = []
 
     def prefill(self, ids: torch.Tensor, slices: Seq[int]) -> torch.Tensor:
         start = 0
         for k, n in enumerate(slices):
             self.seq.submit(ids[:, start:start + n], want_logits=k == len(slices) - 1)
             start += n
-        msg = None
+        logits = None
         for _ in slices:  # results arrive in order; only the last carries logits
-            msg = self.seq.result()
-        return self.seq.logits(msg)[0]
+            logits = self.seq.result()
+        return logits[0]
 
     def step(self, token: int) -> torch.Tensor:
         self.seq.submit(torch.tensor([[token]]))
-        return self.seq.logits(self.seq.result())[0]
+        return self.seq.result()[0]
 
 
 def generate_on_cluster(pipe: Pipeline, source, tokenizer, prompt: str, *, chat: bool, max_new_tokens: int,
-                        sampling, slices, idle_timeout_s: float = 60.0):
+                        sampling, slices):
     """:func:`hpipe.model.generate.generate` through a deployed pipeline, with per-stage timings."""
     from hpipe.model.generate import generate
 
+    session = pipe.session()
     opened: list[RemoteSequence] = []
+    block_bytes = {p.stage: (p.block_size, p.block_bytes) for p in pipe.pools()}
 
     def open_runner(max_len: int) -> RemoteRunner:
-        seq = pipe.open(max_len, idle_timeout_s=idle_timeout_s)
+        seq = RemoteSequence(session, max_len)
         opened.append(seq)
         return RemoteRunner(seq)
 
@@ -323,10 +228,16 @@ def generate_on_cluster(pipe: Pipeline, source, tokenizer, prompt: str, *, chat:
     finally:
         for seq in opened:
             seq.close()
-    seq = opened[0]
+        stats = session.close()
+    positions = opened[0].position
+
+    def kv_bytes(i: int) -> int:  # the blocks the sequence held on stage i at its end
+        size, per_block = block_bytes.get(i, (1, 0))
+        return -(-positions // size) * per_block
+
     result.extra["stages"] = [
         {"stage": i, "daemon": s.daemon, "address": s.address, "units": [s.unit_start, s.unit_end],
-         "kv_bytes": kv, **{k: v for k, v in stats.items() if k != "spans"}}
-        for i, (s, kv, stats) in enumerate(zip(pipe.stages, seq.kv_bytes, seq.stats))
+         "kv_bytes": kv_bytes(i), **{k: v for k, v in st.items() if k != "spans"}}
+        for i, (s, st) in enumerate(zip(pipe.stages, stats))
     ]
     return result

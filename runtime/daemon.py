@@ -22,10 +22,11 @@ from hpipe.core.cluster import DaemonOptions
 from hpipe.core.errors import HpipeError, InputError, ModelSourceError, StatusError, UnsupportedModelError
 from hpipe.model.stage import parse_dtype
 from runtime import hoststat
-from runtime.channels import TOKEN_HEADER, DaemonClient, Security
+from runtime.channels import TOKEN_HEADER, Security
 from runtime.deployment import Deployment
 from runtime.stage_server import StageServer
-from runtime.wire import CHANNEL_OPTIONS, dtype_from_wire, pb, pb_grpc, stage_from_wire, stage_to_wire, tensor_to_proto
+from runtime.transport import client_context, server_context
+from runtime.wire import CHANNEL_OPTIONS, dtype_from_wire, pb, pb_grpc, stage_from_wire, stage_to_wire
 
 log = logging.getLogger(__name__)
 
@@ -70,56 +71,40 @@ class StageServicer(pb_grpc.StageServiceServicer):
     def Load(self, request, context):
         if not request.stages:
             raise StatusError("INVALID_ARGUMENT", "a deployment needs at least one stage")
+        if request.kv_pool_bytes < 0:
+            raise StatusError("INVALID_ARGUMENT", f"kv_pool_bytes must be >= 0, got {request.kv_pool_bytes}")
         dep = Deployment(request.model, compute_dtype(request.dtype, self.server.device),
-                         tuple(stage_from_wire(s) for s in request.stages), tuple(request.held))
-        return pb.LoadReply(**self.server.load(dep))
-
-    @handled
-    def Open(self, request, context):
-        kv = self.server.open(request.sequence_id, request.batch, request.max_len, request.idle_timeout_s)
-        return pb.OpenReply(kv_bytes=sum(kv), stages_kv_bytes=kv)
-
-    @handled
-    def Submit(self, request, context):
-        self.server.submit(request.sequence_id, request.stage, request.start, request.length, request.payload,
-                           request.all_logits, request.want_logits)
-        return pb.Ack()
-
-    def Results(self, request, context):
-        try:
-            for out in self.server.results(request.sequence_id, context.is_active):
-                msg = pb.SliceResult(sequence_id=request.sequence_id, start=out.start, length=out.length,
-                                     error=out.error)
-                if out.logits is not None:
-                    msg.logits.CopyFrom(tensor_to_proto(out.logits))
-                yield msg
-        except HpipeError as e:
-            context.abort(status_code(e), str(e))
-
-    @handled
-    def Close(self, request, context):
-        per_stage = self.server.close(request.sequence_id)
-        if per_stage is None:
-            return pb.CloseReply(existed=False)
-        reply = pb.CloseReply(existed=True)
-        for stats in per_stage:
-            fields = {k: v for k, v in vars(stats).items() if k != "spans"}
-            spans = [pb.SliceSpan(start=a, length=n, received_s=r, begin_s=b, end_s=e) for a, n, r, b, e in stats.spans]
-            reply.stats.append(pb.StageStats(spans=spans, **fields))
-        return reply
+                         tuple(stage_from_wire(s) for s in request.stages), tuple(request.held),
+                         tuple(s.data_port for s in request.stages), request.kv_pool_bytes)
+        info = self.server.load(dep)
+        pools = [pb.Pool(**p) for p in info.pop("pools")]
+        return pb.LoadReply(pools=pools, **info)
 
     @handled
     def Status(self, request, context):
         info = self.server.status(list(request.sequence_ids))
         seqs = [pb.SequenceState(**s) for s in info.pop("sequences")]
+        pools = [pb.Pool(**p) for p in info.pop("pools")]
         dep = self.server.deployment
-        reply = pb.StatusReply(sequences=seqs, clock_s=time.time(), host_cpu_s=self.server.host_cpu_seconds(),
-                               stages=[stage_to_wire(s) for s in dep.stages] if dep else [],
-                               held=list(dep.held) if dep else [],
-                               **{k: v for k, v in info.items() if k != "stages"})
+        reply = pb.StatusReply(sequences=seqs, pools=pools, clock_s=time.time(),
+                               host_cpu_s=self.server.host_cpu_seconds(),
+                               stages=[stage_to_wire(s, port) for s, port in zip(dep.stages, dep.data_ports)]
+                               if dep else [],
+                               held=list(dep.held) if dep else [], **info)
         steal = hoststat.steal_seconds()
         if steal is not None:
             reply.cpu_steal_s = steal
+        return reply
+
+    @handled
+    def EndSession(self, request, context):
+        reply = pb.SessionStats()
+        for st in self.server.end_session(request.session):
+            spans = [pb.Span(micro_batch=mb, tokens=n, received_s=r, begin_s=b, end_s=e)
+                     for mb, n, r, b, e in st.spans()]
+            reply.stats.append(pb.StageStats(stage=st.stage, compute_s=st.compute_s, send_s=st.send_s,
+                                             recv_s=st.recv_s, micro_batches=st.micro_batches,
+                                             bytes_sent=st.bytes_sent, spans=spans))
         return reply
 
 
@@ -133,13 +118,12 @@ class TokenInterceptor(grpc.ServerInterceptor):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, handler_call_details):
         sent = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_HEADER, "")
         if hmac.compare_digest(sent.encode(), self._expected):
             return continuation(handler_call_details)
-        return self._deny_stream if handler_call_details.method.endswith("/Results") else self._deny
+        return self._deny
 
 
 def outgoing_security(options: DaemonOptions) -> Security:
@@ -147,24 +131,6 @@ def outgoing_security(options: DaemonOptions) -> Security:
     and the CA (default: its own certificate) their certificates are checked against."""
     security = Security.from_files(options.token_file)
     return Security(token=security.token, tls_ca=(options.tls_ca or options.tls_cert) if options.tls_cert else None)
-
-
-def _sender_factory(security: Security):
-    def connect(address: str):
-        client = DaemonClient(address, security)
-
-        def send(seq_id: int, stage: int, start: int, length: int, payload: bytes, all_logits: bool,
-                 want_logits: bool) -> None:
-            try:
-                client.call("Submit", pb.Slice(sequence_id=seq_id, stage=stage, start=start, length=length,
-                                               payload=payload, all_logits=all_logits, want_logits=want_logits),
-                            timeout=SEND_TIMEOUT_S)
-            except grpc.RpcError as e:
-                raise HpipeError(f"{e.code().name}: {e.details()}") from None
-
-        return send
-
-    return connect
 
 
 #: adds a service to a daemon's gRPC server: (grpc server, the stage server, outgoing security) -> None
@@ -175,8 +141,9 @@ def build_server(options: DaemonOptions, services: tuple[Service, ...] = (),
                  on_worker_start: Callable[[], None] | None = None) -> tuple[grpc.Server, StageServer, int]:
     """The daemon's gRPC server (not started), its stage server, and the port it bound."""
     security = outgoing_security(options)
-    stage = StageServer(options.device, options.memory_budget, connect=_sender_factory(security),
-                        on_worker_start=on_worker_start, cuda_graphs=options.cuda_graphs)
+    stage = StageServer(options.device, options.memory_budget, host=options.host, token=security.token,
+                        tls_server=server_context(options.tls_cert, options.tls_key),
+                        tls_client=client_context(security.tls_ca), on_worker_start=on_worker_start)
     interceptors = [TokenInterceptor(security.token)] if security.token else []
     # so_reuseport off: a second daemon on a port in use must fail to bind, not share it unseen
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="grpc"),

@@ -1,10 +1,17 @@
-"""What a daemon holds: the stages of a deployment, loaded, and the memory checks before anything is.
+"""What a daemon holds: the stages of a deployment, loaded, with their KV pools, and the memory
+checks before anything is.
 
 A deployment is the whole pipeline's stages plus the indices of the ones this daemon holds (one,
 or several for an interleaved chain); each held stage's successor is the next stage of the
-pipeline. Weights are checked against the daemon's memory budget and the device's free memory
-before they are read, so an over-large stage is refused with ``RESOURCE_EXHAUSTED``, not an
-out-of-memory crash.
+pipeline. Weights and KV pools are checked against the daemon's memory budget and the device's
+free memory before anything is allocated, so an over-large deployment is refused with
+``RESOURCE_EXHAUSTED``, not an out-of-memory crash.
+
+Each held stage gets a KV pool of the same number of blocks (a sequence needs a block on every
+stage it passes). Their size, together: what the load asks for, else what the memory budget
+leaves after the weights and a working reserve, else a share of the free memory
+(:data:`DEFAULT_POOL_SHARE` on a CPU, where daemons share the machine's memory; most of it on a
+GPU).
 """
 
 from __future__ import annotations
@@ -15,21 +22,26 @@ from typing import Callable
 
 import torch
 
+from hpipe.core.cluster import split_address
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import StatusError
 from hpipe.core.plan import Stage
 from hpipe.core.shapes import is_random, random_config
 from hpipe.core.units import UnitRange
 from hpipe.model import StageModel
+from hpipe.model.kvpool import BLOCK_SIZE, KVPool
 from hpipe.model.layers import build_unit
 from hpipe.model.sources import resolve_model
 from runtime import memory
 
 log = logging.getLogger(__name__)
 
-#: sends one slice to the successor:
-#: (sequence_id, stage index, start, length, payload bytes, all_logits, want_logits) -> None
-SendFn = Callable[[int, int, int, int, bytes, bool, bool], None]
+#: share of the free memory a CPU daemon's KV pools take when neither the load nor a budget sizes them
+DEFAULT_POOL_SHARE = 0.25
+#: and a GPU daemon's, of what is free after its weights
+GPU_POOL_SHARE = 0.8
+#: kept free of the budget for activations and working space
+WORKING_RESERVE = 0.1
 
 
 @dataclass(frozen=True)
@@ -38,16 +50,19 @@ class Deployment:
     dtype: torch.dtype
     stages: tuple[Stage, ...]  # the whole pipeline, in order
     held: tuple[int, ...]      # indices of the stages this daemon holds
+    data_ports: tuple[int, ...] = ()  # each stage's daemon's data port
+    pool_bytes: int = 0        # for the held stages' KV pools together; 0: sized here
 
 
 @dataclass
 class LoadedStage:
-    """A held stage: its units' model and its sender to the successor (None: it holds the head)."""
+    """A held stage: its units' model, its KV pool (None without attention), and its successor
+    (None: it holds the head and answers the coordinator)."""
     index: int
     stage: Stage
     model: StageModel
-    successor: Stage | None
-    send: SendFn | None
+    pool: KVPool | None
+    successor: tuple[str, int] | None  # (host, data port)
 
     @property
     def units(self) -> UnitRange:
@@ -81,13 +96,38 @@ def model_config(model: str) -> ModelConfig:
     return random_config(model) if is_random(model) else resolve_model(model).config
 
 
-def load(dep: Deployment, device: torch.device, connect: Callable[[str], SendFn] | None,
+def pool_blocks(dep: Deployment, cfg: ModelConfig, ranges: list[UnitRange], weights: int, device: torch.device,
+                budget: int | None) -> int:
+    """Blocks in each held stage's KV pool (0 when no held stage has attention)."""
+    per_block = sum(KVPool.block_bytes(len(u.attention_layers()), cfg.num_kv_heads, cfg.head_dim, dep.dtype)
+                    for u in ranges)
+    if not per_block:
+        return 0
+    if dep.pool_bytes:
+        total = dep.pool_bytes
+    elif budget is not None:
+        total = int(budget * (1 - WORKING_RESERVE)) - weights
+    elif device.type == "cuda":
+        total = int((memory.available(device) - weights) * GPU_POOL_SHARE)
+    else:
+        total = int(memory.available(device) * DEFAULT_POOL_SHARE)
+    if total < per_block:
+        raise StatusError("RESOURCE_EXHAUSTED", f"no room for a KV pool: one block of {BLOCK_SIZE} tokens needs "
+                          f"{mib(per_block)}, {mib(max(total, 0))} are left after the weights")
+    return total // per_block
+
+
+def load(dep: Deployment, device: torch.device, budget: int | None,
          check: Callable[[int, str], None]) -> dict[int, LoadedStage]:
-    """Build every held stage (``check(bytes, what)`` first refuses what does not fit)."""
+    """Build every held stage and its KV pool (``check(bytes, what)`` first refuses what does not fit)."""
     cfg = model_config(dep.model)
     ranges = validate(dep, cfg)
     weights = sum(p.numel() for u in ranges for p in unit_params(cfg, u)) * dep.dtype.itemsize
-    check(weights, f"the weights of units {', '.join(map(str, ranges))}")
+    blocks = pool_blocks(dep, cfg, ranges, weights, device, budget)
+    pools = blocks * sum(KVPool.block_bytes(len(u.attention_layers()), cfg.num_kv_heads, cfg.head_dim, dep.dtype)
+                         for u in ranges)
+    check(weights + pools, f"the weights of units {', '.join(map(str, ranges))} and their KV pools "
+                           f"({blocks} blocks of {BLOCK_SIZE} tokens)")
     source = None if is_random(dep.model) else resolve_model(dep.model)
     loaded = {}
     for i, units in zip(dep.held, ranges):
@@ -95,9 +135,11 @@ def load(dep: Deployment, device: torch.device, connect: Callable[[str], SendFn]
             model = StageModel.random(cfg, units, dtype=dep.dtype, device=device)
         else:
             model = StageModel.from_checkpoint(source.weights(), cfg, units, dtype=dep.dtype, device=device)
-        successor = dep.stages[i + 1] if i + 1 < len(dep.stages) else None
-        send = connect(successor.address) if successor is not None and connect else None
-        loaded[i] = LoadedStage(i, dep.stages[i], model, successor, send)
+        successor = None
+        if i + 1 < len(dep.stages):
+            host = split_address(dep.stages[i + 1].address, "the next stage")[0]
+            successor = (host, dep.data_ports[i + 1] if dep.data_ports else 0)
+        loaded[i] = LoadedStage(i, dep.stages[i], model, model.new_pool(blocks) if blocks else None, successor)
     return loaded
 
 

@@ -1,12 +1,13 @@
 """Activations between the wire and a stage's device, and compute timing that does not stall it.
 
-Design note. On a CUDA device a received slice is decoded straight into pinned host memory and
-copied to the GPU on an upload stream, in the gRPC thread that received it, while the worker
-computes the slice before it; the worker makes the compute stream wait for that copy only when it
-reaches the slice. An output is copied back on a download stream, into pinned memory, once the
-compute stream has produced it, and only the sender thread waits for that copy. Compute time is
-taken with CUDA events, so the worker never synchronises the device: it queues the next slice's
-kernels while the GPU still runs this one. On the CPU all of this reduces to decoding the bytes.
+Design note. On a CUDA device a received micro-batch is read straight off the socket into pinned
+host memory and copied to the GPU on an upload stream, in the connection thread that received
+it, while the worker computes the micro-batch before it; the worker makes the compute stream wait
+for that copy only when it reaches it. An output is copied back on a download stream, into pinned
+memory, once the compute stream has produced it, and only the sender thread waits for that copy.
+Compute time is taken with CUDA events, so the worker never synchronises the device: it queues the
+next micro-batch's kernels while the GPU still runs this one. On the CPU all of this reduces to
+handing the tensor over.
 Tensors that cross streams are handed to the caching allocator with ``record_stream`` so their
 memory is not reused before the other stream is done with them.
 """
@@ -16,8 +17,6 @@ from __future__ import annotations
 import time
 
 import torch
-
-from runtime.wire import bytes_to_tensor, checked_view
 
 
 class Pending:
@@ -60,6 +59,7 @@ class Timer:
 
     def __init__(self, device: torch.device, anchor: Anchor | None = None):
         self.cuda = device.type == "cuda"
+        self._anchor: Anchor | None = None
         if self.cuda:
             self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self._anchor = anchor
@@ -106,16 +106,16 @@ class DeviceIO:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
+        self._anchor: Anchor | None = None
         if self.cuda:
             self._up = torch.cuda.Stream(device)
             self._down = torch.cuda.Stream(device)
 
-    def upload(self, data: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> Pending:
-        """Decode ``data`` (size-checked) and start moving it to the device."""
+    def upload_tensor(self, host: torch.Tensor) -> Pending:
+        """Start moving ``host`` (pinned, on a GPU daemon: see :func:`runtime.transport.read_payload`)
+        to the device."""
         if not self.cuda:
-            return Pending(bytes_to_tensor(data, shape, dtype))
-        host = torch.empty(shape, dtype=dtype, pin_memory=True)
-        host.copy_(checked_view(data, shape, dtype))
+            return Pending(host)
         with torch.cuda.stream(self._up):
             dev = host.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
@@ -137,9 +137,9 @@ class DeviceIO:
             event.record(self._down)
         return Pending(host, event)
 
-    def anchor(self) -> Anchor | None:
-        """A wall-clock anchor for GPU timers (None on the CPU, whose timers read the clock)."""
-        return Anchor(self.device) if self.cuda else None
-
-    def timer(self, anchor: Anchor | None = None) -> Timer:
-        return Timer(self.device, anchor)
+    def timer(self) -> Timer:
+        """A timer for one micro-batch's compute. On a GPU its span is placed on the wall clock through
+        an anchor recorded at the first timer (the only time the worker waits for the device)."""
+        if self.cuda and self._anchor is None:
+            self._anchor = Anchor(self.device)
+        return Timer(self.device, self._anchor)

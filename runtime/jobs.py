@@ -2,11 +2,11 @@
 
 Each document becomes one prompt (document, blank line, instruction; in the chat template with
 ``--chat``: small models answer a question asked after the text far better than one asked before
-it), sliced by the plan's schedule for its length, prefilled through the pipeline and
-decoded greedily. Several documents are in flight at once so that every stage has work while
-another document's slices or decode steps are elsewhere in the pipeline. Results are appended
-to a JSONL file one line per document as they finish; documents already in it are skipped, so
-an interrupted job resumes where it stopped.
+it), sliced by the plan's schedule for its length. Up to ``parallel`` documents run at once on one
+engine (:mod:`runtime.engine`): their prefill chunks and decode tokens share micro-batches, so one
+pass over each stage's weights serves every document in flight. Results are appended to a JSONL
+file one line per document as they finish; documents already in it are skipped, so an
+interrupted job resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +22,11 @@ from tqdm import tqdm
 
 from hpipe.core.errors import HpipeError, InputError
 from hpipe.core.plan import Plan
-from hpipe.model.generate import encode_prompt, generate_ids
-from hpipe.model.sampling import SamplingParams
+from hpipe.model.generate import encode_prompt
 from hpipe.model.stage import DTYPES
-from runtime.coordinator import Pipeline, RemoteRunner
+from runtime.coordinator import Pipeline
+from runtime.engine import Engine, Request
+from runtime.policies import POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +37,10 @@ class JobConfig:
     chat: bool = False
     max_new_tokens: int = 128
     truncate: str = "none"  # none | head (keep the start) | tail (keep the end)
-    parallel: int = 2
+    parallel: int = 16      # documents in flight at once
     strategy: str | None = None
+    policy: str = "batched"  # how micro-batches are formed (runtime.policies)
+    ignore_eos: bool = False  # decode max_new_tokens whatever the model says (for benchmarks)
 
 
 def read_document(name: str) -> str:
@@ -90,66 +91,66 @@ def done_documents(results: Path) -> set[str]:
 def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: Path, job: JobConfig) -> dict:
     """Analyse ``documents``; returns a summary. Raises nothing per document: failures are collected."""
     tokenizer = source.tokenizer()
-    eos = source.eos_token_ids()
-    context = source.config.max_position_embeddings
+    eos = frozenset(() if job.ignore_eos else source.eos_token_ids())
     strategy = job.strategy or plan.strategy
+    if job.policy not in POLICIES:
+        raise InputError(f"unknown policy {job.policy!r} (choose from {', '.join(POLICIES)})")
     sp = plan.strategies[strategy]
     pipe.deploy(plan.model_name, sp.stages, DTYPES[plan.dtype])
     skip = done_documents(results)
     todo = [d for d in documents if d not in skip]
     if skip & set(documents):
         log.warning("skipping %d documents already in %s", len(set(documents) & skip), results)
-    lock = threading.Lock()
     failures: dict[str, str] = {}
     stats = {"documents": 0, "prompt_tokens": 0, "new_tokens": 0}
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc="documents", unit="doc", file=sys.stderr, disable=not sys.stderr.isatty())
-
-    def one(name: str) -> dict:
-        ids, dropped = build_prompt(tokenizer, job.instruction, read_document(name), job.chat, plan.max_len,
-                                    job.truncate)
-        slices = plan.slices_for(len(ids), strategy)
-        seqs = []
-
-        def open_runner(max_len):
-            seq = pipe.open(max_len)
-            seqs.append(seq)
-            return RemoteRunner(seq)
-
-        try:
-            r = generate_ids(open_runner, tokenizer, ids, context=context, eos_ids=eos,
-                             max_new_tokens=job.max_new_tokens, sampling=SamplingParams(), slices=slices)
-        finally:
-            for seq in seqs:
-                seq.close()
-        return {"document": name, "answer": r.text, "prompt_tokens": r.prompt_tokens,
-                "answer_tokens": len(r.token_ids), "truncated_tokens": dropped, "slices": len(slices),
-                "prefill_s": round(r.prefill_s, 4),
-                "decode_tokens_per_s": round(len(r.token_ids) / r.decode_s, 2) if r.decode_s > 0 else None,
-                "token_ids": r.token_ids}
-
     results.parent.mkdir(parents=True, exist_ok=True)
-    with results.open("a", encoding="utf-8") as out, ThreadPoolExecutor(max_workers=max(1, job.parallel)) as pool:
-        futures = {pool.submit(one, d): d for d in todo}
-        for fut in as_completed(futures):
-            name = futures[fut]
-            try:
-                row = fut.result()
-            except HpipeError as e:
-                failures[name] = str(e)
-                log.error("%s: %s", name, e)
+    session = pipe.session()
+    engine = Engine(session, POLICIES[job.policy](), depth=len(pipe.stages), max_running=max(1, job.parallel))
+    with results.open("a", encoding="utf-8") as out:
+        def finished(r: Request) -> None:
+            name, dropped = r.tag
+            if r.error:
+                failures[name] = r.error
+                log.error("%s: %s", name, r.error)
             else:
-                with lock:
-                    out.write(json.dumps(row) + "\n")
-                    out.flush()
-                    stats["documents"] += 1
-                    stats["prompt_tokens"] += row["prompt_tokens"]
-                    stats["new_tokens"] += row["answer_tokens"]
+                row = {"document": name, "answer": tokenizer.decode(r.tokens, skip_special_tokens=True),
+                       "prompt_tokens": len(r.prompt), "answer_tokens": len(r.tokens), "truncated_tokens": dropped,
+                       "slices": len(r.slices), "first_token_s": round(r.first_token_s - r.submitted_s, 4),
+                       "decode_tokens_per_s": round((len(r.tokens) - 1) / (r.done_s - r.first_token_s), 2)
+                       if len(r.tokens) > 1 and r.done_s > r.first_token_s else None,
+                       "token_ids": r.tokens}
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                stats["documents"] += 1
+                stats["prompt_tokens"] += row["prompt_tokens"]
+                stats["new_tokens"] += row["answer_tokens"]
             bar.update(1)
             elapsed = time.perf_counter() - t0
             bar.set_postfix_str(f"{(stats['prompt_tokens'] + stats['new_tokens']) / max(elapsed, 1e-9):.0f} tok/s")
+
+        for name in todo:
+            try:
+                ids, dropped = build_prompt(tokenizer, job.instruction, read_document(name), job.chat, plan.max_len,
+                                            job.truncate)
+                request = Request(ids, max(1, min(job.max_new_tokens, plan.model.max_position_embeddings - len(ids))),
+                                  eos=eos, slices=plan.slices_for(len(ids), strategy), tag=(name, dropped),
+                                  on_done=finished)
+            except HpipeError as e:
+                failures[name] = str(e)
+                log.error("%s: %s", name, e)
+                bar.update(1)
+                continue
+            engine.add(request)
+        try:
+            engine.run()
+        except HpipeError as e:
+            engine.fail_all(str(e))
+        finally:
+            session.close()
     bar.close()
     elapsed = time.perf_counter() - t0
     return {**stats, "skipped": len(documents) - len(todo), "failed": failures, "elapsed_s": round(elapsed, 3),
             "tokens_per_s": round((stats["prompt_tokens"] + stats["new_tokens"]) / elapsed, 1) if elapsed else None,
-            "strategy": strategy}
+            "strategy": strategy, "policy": job.policy, "micro_batches": engine.micro_batches}

@@ -1,102 +1,65 @@
-"""The sequences a daemon holds: each one's KV cache per stage, its progress, and its lifetime.
+"""The sequences a daemon holds: each one's KV blocks per held stage, its progress, its lifetime.
 
-A sequence's KV cache lives from ``open`` until ``close``, a failure, or ``idle_timeout_s``
-without traffic (a vanished coordinator), whichever comes first. The table is guarded by one
-lock; the worker and sender threads read a sequence's fields without it (they only ever append or
-flag, and a closed sequence is skipped).
+A sequence opens with its first entry in a micro-batch's layout (which declares its max length)
+and takes KV blocks as later layouts extend it. It is freed when its coordinator closes it or
+disconnects, when it fails, or after ``idle_timeout_s`` without being named in a layout or a
+status request. Blocks are given back on the daemon's worker thread (see
+:class:`runtime.stage_server.StageServer`), never while an attention call may read them.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
 from hpipe.core.errors import StatusError
-from hpipe.model import StageCache
+from hpipe.model.kvpool import SeqKV
 
 log = logging.getLogger(__name__)
 
-#: the longest a sequence may sit idle before its KV cache is freed (an Open asking for more is refused)
-MAX_IDLE_TIMEOUT_S = 3600.0
-DEFAULT_IDLE_TIMEOUT_S = 60.0
-CLOSED = object()  # sentinel that ends a results stream
-
-
-@dataclass
-class Stats:
-    compute_s: float = 0.0
-    send_s: float = 0.0
-    recv_decode_s: float = 0.0
-    slices: int = 0
-    bytes_sent: int = 0
-    #: (start, length, received, begin, end) per computed slice, wall-clock seconds
-    spans: list = field(default_factory=list)
-    stage: int = 0  # the stage these are of
-
-
-@dataclass
-class SliceOutput:
-    start: int
-    length: int
-    logits: object = None  # torch.Tensor, device_io.Pending, or None
-    error: str = ""
-
-
-@dataclass
-class SequenceStage:
-    """A sequence's state on one stage: its KV cache, progress and timings."""
-    cache: StageCache
-    submitted: int = 0  # positions accepted so far (the queue may still hold some)
-    stats: Stats = field(default_factory=Stats)
-    timers: list = field(default_factory=list)  # (start, length, received, Timer) per slice, read when stats are
-    decode: object = None  # DecodeStep (CUDA graph) once the sequence decodes on a GPU
-    decode_steps: int = 0
+#: how long a sequence may go unmentioned before its KV blocks are freed: a coordinator that
+#: vanished without closing its connection (one that closes it frees its sequences at once)
+IDLE_TIMEOUT_S = 300.0
 
 
 @dataclass
 class Sequence:
     id: int
-    stages: dict  # stage index -> SequenceStage
-    idle_timeout_s: float
-    last_active: float
+    session: int
+    max_len: int
+    kv: dict[int, SeqKV]          # held stage index -> its blocks there
+    planned: dict[int, int]       # held stage index -> positions laid out so far
+    last_active: float = field(default_factory=time.monotonic)
     error: str = ""
+    code: str = ""
     closed: bool = False
-    results: "queue.Queue" = field(default_factory=queue.Queue)
-    anchor: object = None  # device_io.Anchor of a GPU sequence: places its timers on the wall clock
 
     @property
     def kv_bytes(self) -> int:
-        return sum(s.cache.nbytes for s in self.stages.values())
+        return sum(k.nbytes for k in self.kv.values())
 
-    def fail(self, message: str) -> None:
+    def fail(self, code: str, message: str) -> None:
         if not self.error:
-            self.error = message
-            log.error("sequence %d failed: %s", self.id, message)
-            self.results.put(SliceOutput(0, 0, error=message))
-
-
-def idle_timeout(requested: float) -> float:
-    """The idle timeout an Open gets: the default for 0, refused past :data:`MAX_IDLE_TIMEOUT_S`."""
-    if requested != requested or requested < 0 or requested > MAX_IDLE_TIMEOUT_S:  # NaN, negative, inf
-        raise StatusError("INVALID_ARGUMENT", f"idle_timeout_s must lie in [0, {MAX_IDLE_TIMEOUT_S:.0f}] "
-                          f"(0: the default, {DEFAULT_IDLE_TIMEOUT_S:.0f} s), got {requested}")
-    return requested or DEFAULT_IDLE_TIMEOUT_S
+            self.code, self.error = code, message
+            log.warning("sequence %d failed: %s", self.id, message)
 
 
 class SequenceTable:
-    def __init__(self):
+    """Open sequences by id; one lock for the table (the layouts that grow them run in order)."""
+
+    def __init__(self, idle_timeout_s: float = IDLE_TIMEOUT_S):
         self.lock = threading.RLock()
+        self.idle_timeout_s = idle_timeout_s
         self._open: dict[int, Sequence] = {}
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def ids(self) -> list[int]:
+    def ids(self, session: int | None = None) -> list[int]:
         with self.lock:
-            return list(self._open)
+            return [i for i, s in self._open.items() if session is None or s.session == session]
 
     def add(self, seq: Sequence) -> None:
         with self.lock:
@@ -104,30 +67,27 @@ class SequenceTable:
                 raise StatusError("ALREADY_EXISTS", f"sequence {seq.id} is already open")
             self._open[seq.id] = seq
 
-    def get(self, seq_id: int) -> Sequence:
-        with self.lock:
-            seq = self._open.get(seq_id)
-        if seq is None or seq.closed:
-            raise StatusError("NOT_FOUND", f"unknown sequence {seq_id} (never opened, closed, or timed out)")
-        return seq
-
     def find(self, seq_id: int) -> Sequence | None:
         with self.lock:
             return self._open.get(seq_id)
 
-    def kv_bytes(self) -> int:
+    def touch(self, seq_ids) -> None:
+        now = time.monotonic()
         with self.lock:
-            return sum(s.kv_bytes for s in self._open.values())
+            for i in seq_ids:
+                seq = self._open.get(i)
+                if seq is not None:
+                    seq.last_active = now
 
     def pop(self, seq_id: int) -> Sequence | None:
+        """Take a sequence out of the table (its blocks are the caller's to free)."""
         with self.lock:
             seq = self._open.pop(seq_id, None)
         if seq is not None:
             seq.closed = True
-            seq.results.put(CLOSED)
         return seq
 
     def idle(self) -> list[int]:
         now = time.monotonic()
         with self.lock:
-            return [s.id for s in self._open.values() if now - s.last_active > s.idle_timeout_s]
+            return [s.id for s in self._open.values() if now - s.last_active > self.idle_timeout_s]

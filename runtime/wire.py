@@ -93,8 +93,9 @@ def tensor_from_proto(msg: pb.Tensor) -> torch.Tensor:
     return bytes_to_tensor(msg.data, tuple(msg.shape), dtype_from_wire(msg.dtype))
 
 
-def stage_to_wire(s: Stage) -> pb.Stage:
-    return pb.Stage(unit_start=s.unit_start, unit_end=s.unit_end, daemon=s.daemon, address=s.address)
+def stage_to_wire(s: Stage, data_port: int = 0) -> pb.Stage:
+    return pb.Stage(unit_start=s.unit_start, unit_end=s.unit_end, daemon=s.daemon, address=s.address,
+                    data_port=data_port)
 
 
 def stage_from_wire(m: pb.Stage) -> Stage:

@@ -27,7 +27,7 @@ from hpipe.model.stage import DTYPES
 from planner.costs import CostModel, Workload
 from planner.strategies import ideal_seconds, timeline
 from runtime import hoststat
-from runtime.coordinator import Pipeline
+from runtime.coordinator import Pipeline, RemoteSequence
 from runtime.wire import pb
 
 log = logging.getLogger(__name__)
@@ -56,36 +56,39 @@ def _energy_reader():
 
 def prefill_once(pipe: Pipeline, ids: torch.Tensor, micro_batches: int, slices: list[int],
                  clock_offsets: list[float] | None = None) -> tuple[float, list]:
-    """Wall seconds to prefill ``ids [B, L]`` as ``micro_batches`` sequences sliced by ``slices``, and
-    per-stage statistics (compute, send, decode seconds) summed over the micro-batches.
+    """Wall seconds to prefill ``ids [B, L]`` as ``micro_batches`` groups of rows sliced by ``slices``
+    (each slice of a group one micro-batch, all sent before waiting, as the simulator assumes), and
+    per-stage statistics (compute, send, receive seconds).
 
     With the daemons' ``clock_offsets`` (theirs minus ours), each stage's statistics also carry its
     ``timeline``: ``[micro_batch, start, length, received, begin, end]`` per slice, in seconds from the
     first submit on this machine's clock."""
     b = ids.shape[0] // micro_batches
-    seqs = [pipe.open(ids.shape[1], batch=b) for _ in range(micro_batches)]
+    session = pipe.session()
+    where = {}  # micro-batch id -> (group, start, length)
     try:
+        seqs = [RemoteSequence(session, ids.shape[1], batch=b) for _ in range(micro_batches)]
         wall0 = time.time()
         t0 = time.perf_counter()
         for u, seq in enumerate(seqs):
             start = 0
             for k, n in enumerate(slices):
-                seq.submit(ids[u * b:(u + 1) * b, start:start + n], want_logits=k == len(slices) - 1)
+                mb = seq.submit(ids[u * b:(u + 1) * b, start:start + n], want_logits=k == len(slices) - 1)
+                where[mb] = (u, start, n)
                 start += n
         for seq in seqs:
             for _ in slices:
                 seq.result()
         elapsed = time.perf_counter() - t0
     finally:
-        stats = [seq.close() for seq in seqs]
-    per_stage = [{k: round(sum(s[j].get(k, 0) for s in stats), 6) for k in ("compute_s", "send_s", "recv_decode_s")}
-                 for j in range(len(stats[0]))]
+        stats = session.close()
+    per_stage = [{k: round(s.get(k, 0), 6) for k in ("compute_s", "send_s", "recv_s")} for s in stats]
     if clock_offsets is not None:
         for j, row in enumerate(per_stage):
             at = clock_offsets[j] + wall0
             row["timeline"] = sorted(
-                [[u, a, n, round(r - at, 6), round(bg - at, 6), round(e - at, 6)]
-                 for u, s in enumerate(stats) for a, n, r, bg, e in s[j].get("spans", ())],
+                [[*where[mb], round(r - at, 6), round(bg - at, 6), round(e - at, 6)]
+                 for mb, _, r, bg, e in stats[j].get("spans", ()) if mb in where],
                 key=lambda x: x[4])
     return elapsed, per_stage
 

@@ -139,7 +139,13 @@ def _run_parser(sub) -> None:
     rn.add_argument("--max-new-tokens", type=_positive, default=128)
     rn.add_argument("--truncate", choices=["none", "head", "tail"], default="none",
                     help="documents over the plan's max length: fail (none), keep the start (head) or end (tail)")
-    rn.add_argument("--parallel", type=_positive, default=2, help="documents in flight at once")
+    rn.add_argument("--parallel", type=_positive, default=16,
+                    help="documents in flight at once: their prefill chunks and decode tokens share micro-batches")
+    rn.add_argument("--policy", choices=["batched", "single"], default="batched",
+                    help="how micro-batches are formed: batched (every ready decode token and prefill chunks, "
+                         "the default), or single (one sequence per micro-batch, as hpipe ran before batching)")
+    rn.add_argument("--ignore-eos", action="store_true",
+                    help="decode --max-new-tokens tokens whatever the model answers (for measurements)")
     rn.add_argument("--strategy", help="run a baseline of the plan instead (base, gpipe, gp-b, terapipe)")
     rn.add_argument("-o", "--output", default="results.jsonl")
     rn.add_argument("--json", action="store_true")

@@ -263,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
     source = resolve_model(the_plan.model_name)
     pipe = Pipeline(cluster_for(the_plan, args.cluster))
     job = JobConfig(instruction=args.instruction, chat=args.chat, max_new_tokens=args.max_new_tokens,
-                    truncate=args.truncate, parallel=args.parallel,
+                    truncate=args.truncate, parallel=args.parallel, policy=args.policy,
+                    ignore_eos=args.ignore_eos,
                     strategy=args.strategy.replace("-", "_") if args.strategy else None)
     try:
         summary = run_job(the_plan, pipe, source, args.documents, output, job)

@@ -1,59 +1,38 @@
-"""Per-sequence KV cache of one stage, preallocated to the length declared at open time."""
+"""One sequence's KV cache on a stage, for single-process use: a pool of its own.
+
+A ``StageCache`` holds ``batch`` rows of equal length (the rows of one prompt batch, or of one
+micro-batch of a GPipe-style schedule), each a sequence in a :class:`KVPool` just large enough
+for ``max_len`` positions, so that every row's blocks are consecutive. The daemons use one pool
+per stage shared by all sequences instead; both go through the same attention code.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
 
 import torch
 
 from hpipe.core.errors import InputError
+from hpipe.model.kvpool import BLOCK_SIZE, Entry, KVPool, SeqKV
 
 
-@dataclass
-class LayerCache:
-    k: torch.Tensor  # [batch, kv_heads, max_len, head_dim]
-    v: torch.Tensor
-
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k, v`` at ``[start, start+s)`` and return the keys and values of ``[0, start+s)``."""
-        end = start + k.shape[2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-
-@dataclass
 class StageCache:
-    """The caches of one stage's attention layers for one sequence (a batch of equal-length rows).
+    """``length`` is the number of positions already computed; a slice must start exactly there,
+    which is what makes sliced prefill equal one-shot prefill."""
 
-    ``length`` is the number of positions already computed; a slice must start exactly there,
-    which is what makes sliced prefill equal one-shot prefill.
-    """
-
-    batch: int
-    max_len: int
-    layers: dict[int, LayerCache] = field(default_factory=dict)
-    length: int = 0
+    def __init__(self, pool: KVPool | None, batch: int, max_len: int):
+        self.pool, self.batch, self.max_len = pool, batch, max_len
+        self.rows: list[SeqKV] = [pool.sequence(max_len) for _ in range(batch)] if pool else []
+        self.length = 0
 
     @classmethod
-    def allocate(
-        cls,
-        layers: list[int],
-        batch: int,
-        max_len: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> "StageCache":
+    def allocate(cls, layers: list[int], batch: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> "StageCache":
         if batch < 1 or max_len < 1:
             raise InputError(f"a sequence needs batch >= 1 and max_len >= 1 (got {batch}, {max_len})")
-        shape = (batch, kv_heads, max_len, head_dim)
-        caches = {
-            i: LayerCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for i in layers
-        }
-        return cls(batch=batch, max_len=max_len, layers=caches)
+        blocks = batch * math.ceil(max_len / BLOCK_SIZE)
+        pool = KVPool(layers, blocks, kv_heads, head_dim, dtype, device) if layers else None
+        return cls(pool, batch, max_len)
 
     def check_slice(self, start: int, tokens: int, batch: int) -> None:
         if batch != self.batch:
@@ -67,10 +46,21 @@ class StageCache:
                 f"positions up to {start + tokens} exceed the sequence's declared max length {self.max_len}"
             )
 
+    def entries(self, start: int, tokens: int, logits: str) -> list[Entry]:
+        """The rows' entries for positions ``[start, start + tokens)`` (their blocks taken)."""
+        for row in self.rows:
+            row.grow(start + tokens)
+        return [Entry(start, tokens, row if self.pool else None, logits) for row in self.rows] if self.rows else \
+            [Entry(start, tokens, None, logits) for _ in range(self.batch)]
+
+    @property
+    def layers(self) -> list[int]:
+        return self.pool.layers if self.pool else []
+
     @property
     def nbytes(self) -> int:
-        return sum(c.k.nbytes + c.v.nbytes for c in self.layers.values())
+        return self.pool.nbytes if self.pool else 0
 
     @staticmethod
     def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int = 1) -> int:
-        return 2 * layers * kv_heads * head_dim * batch * torch.empty((), dtype=dtype).element_size()
+        return 2 * layers * kv_heads * head_dim * batch * dtype.itemsize

@@ -14,7 +14,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from hpipe.core.config import ModelConfig
 from hpipe.core.units import ATTN, EMBED, HEAD, MLP, unit_kind
-from hpipe.model.kvcache import LayerCache
+from hpipe.model.kvpool import BatchKV
 from hpipe.model.rope import apply_rotary
 
 
@@ -63,59 +63,63 @@ class Attention(nn.Module):
         v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        start: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: LayerCache,
-    ) -> torch.Tensor:
-        b, s, _ = x.shape
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: BatchKV) -> torch.Tensor:
+        """The micro-batch ``x [1, tokens, hidden]``: every entry's tokens attend to its own sequence's
+        cached prefix and to themselves; projections run once over all tokens."""
+        _, t, _ = x.shape
         q, k, v = self._qkv(x, cos, sin)
-        keys, values = cache.update(start, k, v)
+        batch.write(self.layer, k[0], v[0])
+        out = []
+        for i, e in enumerate(batch.entries):
+            a = batch.offsets[i]
+            keys, values = batch.read(self.layer, i, k[0], v[0])
+            out.append(self._attend(q[:, :, a:a + e.length], keys[None], values[None],
+                                    e.start if e.kv is not None else 0))
+        o = out[0] if len(out) == 1 else torch.cat(out, dim=2)
+        return x + self.o_proj(o.transpose(1, 2).reshape(1, t, self.heads * self.head_dim))
+
+    def forward_decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                       v_pool: torch.Tensor, write: torch.Tensor, gather: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """One token for each of ``rows`` sequences, ``x [rows, 1, hidden]``, with shapes that never
+        change (what a CUDA graph needs, :mod:`hpipe.model.graphs`): row r writes its key at pool slot
+        ``write[r]`` and attends over the slots ``gather[r]`` where ``mask[r]`` holds."""
+        rows, context = gather.shape
+        q, k, v = self._qkv(x, cos[:, None, None, :], sin[:, None, None, :])  # [rows, heads, 1, head_dim]
+        k_pool.index_copy_(1, write, k[:, :, 0].transpose(0, 1))
+        v_pool.index_copy_(1, write, v[:, :, 0].transpose(0, 1))
+        keys = k_pool.index_select(1, gather.reshape(-1)).view(self.kv_heads, rows, context, self.head_dim)
+        values = v_pool.index_select(1, gather.reshape(-1)).view(self.kv_heads, rows, context, self.head_dim)
+        out = F.scaled_dot_product_attention(q, keys.transpose(0, 1), values.transpose(0, 1),
+                                             attn_mask=mask.view(rows, 1, 1, context),
+                                             enable_gqa=self.kv_heads != self.heads)
+        return x + self.o_proj(out.transpose(1, 2).reshape(rows, 1, self.heads * self.head_dim))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+        """``q [1, heads, s, head_dim]`` at positions ``start ..`` over ``keys [1, kv_heads, start + s, head_dim]``."""
+        s = q.shape[2]
         # A lower-right causal mask: query i (position start+i) sees keys 0..start+i. Relying on
         # is_causal would align the triangle top-left and drop the cached prefix.
         mask, causal = None, False
         if start == 0 and self.window is None:
             causal = s > 1  # no prefix: lower-right == top-left, and the kernel can skip the upper triangle
-        elif s > 1 and self.window is None and x.is_cuda:
+        elif s > 1 and self.window is None and q.is_cuda:
             # lets SDPA pick a fused kernel (flash / memory-efficient); a boolean mask would force a
             # slower one: 16 slices of a 6 x 2048 prefill took 1.62x one slice with it on an H100
             mask = causal_lower_right(s, start + s)
+        elif s == 1 and self.window is not None:
+            first = max(0, start + 1 - self.window)  # one query: its window is a slice, no mask
+            keys, values = keys[:, :, first:], values[:, :, first:]
         elif s > 1 or self.window is not None:
             # explicit boolean mask: on the CPU as fast as the bias or faster (measured), and the
             # only form that also expresses a sliding window
-            q_pos = torch.arange(start, start + s, device=x.device)[:, None]
-            k_pos = torch.arange(start + s, device=x.device)[None, :]
+            q_pos = torch.arange(start, start + s, device=q.device)[:, None]
+            k_pos = torch.arange(start + s, device=q.device)[None, :]
             mask = k_pos <= q_pos
             if self.window is not None:
                 mask = mask & (k_pos > q_pos - self.window)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=self.kv_heads != self.heads
-        )
-        return x + self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
-
-    def forward_static(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       cache: LayerCache) -> torch.Tensor:
-        """One token at the position held in the 0-d tensor ``pos``, with shapes that never change.
-
-        Writes K/V at ``pos`` and attends over the whole preallocated cache, masking positions
-        after ``pos`` (and outside the window), so the same kernels run at every step: what a
-        CUDA graph needs (see :mod:`hpipe.model.graphs`).
-        """
-        b, s, _ = x.shape
-        q, k, v = self._qkv(x, cos, sin)
-        at = pos.view(1)
-        cache.k.index_copy_(2, at, k)
-        cache.v.index_copy_(2, at, v)
-        k_pos = torch.arange(cache.k.shape[2], device=x.device)
-        mask = k_pos <= pos
-        if self.window is not None:
-            mask = mask & (k_pos > pos - self.window)
-        out = F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=mask.view(1, 1, 1, -1),
-                                             enable_gqa=self.kv_heads != self.heads)
-        return x + self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=self.kv_heads != self.heads)
 
 
 class FeedForward(nn.Module):

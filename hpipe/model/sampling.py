@@ -1,7 +1,16 @@
-"""Token sampling on the CPU: greedy by default, or temperature / top-k / top-p with a seed."""
+"""Token sampling on the CPU, for a whole micro-batch in one pass.
+
+Each row has its own parameters: greedy (temperature 0) or temperature / top-k / top-p with a
+seed, and OpenAI's frequency and presence penalties or Hugging Face's repetition penalty. The
+penalties and masks are applied to all rows at once; only the draw itself is per row, each from
+its request's own seeded generator, so a request samples the same tokens whatever it is batched
+with. Stop strings are the request's business (they need the tokenizer): see
+:mod:`runtime.requests`.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -15,43 +24,100 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None
+    frequency_penalty: float = 0.0  # subtracted once per time the token was generated (OpenAI)
+    presence_penalty: float = 0.0   # subtracted once if the token was generated at all (OpenAI)
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (Hugging Face)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0:
             raise InputError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InputError(f"top-k must be >= 0, got {self.top_k}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InputError(f"{name.replace('_', ' ')} must lie in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise InputError(f"repetition penalty must be > 0, got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalised(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
 
 class Sampler:
-    def __init__(self, params: SamplingParams = SamplingParams()):
+    """One request's sampling state: its parameters, its generator, the tokens it has seen."""
+
+    def __init__(self, params: SamplingParams = SamplingParams(), prompt: list[int] | None = None):
         self.params = params
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
+        self.prompt = set(prompt or ())
+        self.output: Counter = Counter()
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """Pick the next token from the logits ``[vocab]`` of the last position."""
-        logits = logits.detach().float().cpu().reshape(-1)
-        p = self.params
-        if p.greedy:
-            return int(torch.argmax(logits))
-        logits = logits / p.temperature
-        if p.top_k:
-            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)
-            drop = cumulative - torch.softmax(sorted_logits, -1) >= p.top_p  # keep the token crossing top_p
-            logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-        probs = torch.softmax(logits, -1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        """Pick the next token from the logits ``[vocab]`` of the last position (and remember it)."""
+        return sample([self], logits.reshape(1, -1))[0]
+
+
+def sample(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
+    """The next token of each row of ``logits [rows, vocab]``, row ``i`` drawn by ``samplers[i]``."""
+    logits = logits.detach().to("cpu", torch.float32)
+    rows = len(samplers)
+    if any(s.params.penalised for s in samplers):
+        logits = logits.clone()
+        for i, s in enumerate(samplers):
+            if s.params.penalised:
+                _penalise(logits[i], s)
+    out = [0] * rows
+    greedy = [i for i, s in enumerate(samplers) if s.params.greedy]
+    if greedy:
+        best = torch.argmax(logits[greedy], dim=-1).tolist()
+        for i, t in zip(greedy, best):
+            out[i] = t
+    drawn = [i for i, s in enumerate(samplers) if not s.params.greedy]
+    if drawn:
+        probs = _probabilities(logits[drawn], [samplers[i].params for i in drawn])
+        for row, i in enumerate(drawn):
+            out[i] = int(torch.multinomial(probs[row], 1, generator=samplers[i].generator))
+    for s, t in zip(samplers, out):
+        s.output[t] += 1
+    return out
+
+
+def _penalise(row: torch.Tensor, s: Sampler) -> None:
+    p = s.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(s.prompt | set(s.output)), dtype=torch.long)
+        if seen.numel():
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and s.output:
+        tokens = torch.tensor(list(s.output), dtype=torch.long)
+        counts = torch.tensor(list(s.output.values()), dtype=torch.float32)
+        row[tokens] -= counts * p.frequency_penalty + p.presence_penalty
+
+
+def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Softmax of each row at its temperature, cut to its top-k and top-p."""
+    logits = logits / torch.tensor([p.temperature for p in params])[:, None]
+    vocab = logits.shape[1]
+    if any(p.top_k for p in params):
+        k = torch.tensor([min(p.top_k, vocab) if p.top_k else vocab for p in params])
+        kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params])[:, None]
+        ordered, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(ordered, dim=-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    return torch.softmax(logits, dim=-1)

@@ -19,6 +19,7 @@ from hpipe.core.errors import InputError
 from hpipe.core.units import UnitRange
 from hpipe.model import packed
 from hpipe.model.kvcache import StageCache
+from hpipe.model.kvpool import BatchKV, Entry, KVPool
 from hpipe.model.layers import Attention, FeedForward, build_unit, checkpoint_names
 from hpipe.model.rope import cos_sin, inverse_frequencies
 from hpipe.model.weights import WeightStore
@@ -116,22 +117,39 @@ class StageModel(nn.Module):
 
     # --- caches ---------------------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int) -> StageCache:
+        """A cache of its own for ``batch`` rows of up to ``max_len`` positions (single-process use)."""
+        self._check_max_len(max_len)
+        return StageCache.allocate(self.units.attention_layers(), batch, max_len, self.cfg.num_kv_heads,
+                                   self.cfg.head_dim, self.dtype, self.device)
+
+    def new_pool(self, num_blocks: int) -> KVPool | None:
+        """A pool of ``num_blocks`` KV blocks shared by the sequences of a daemon (None: no attention here)."""
+        layers = self.units.attention_layers()
+        return KVPool(layers, num_blocks, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype, self.device) \
+            if layers else None
+
+    def block_bytes(self) -> int:
+        """Bytes of one KV block of this stage (0 for a stage without attention)."""
+        return KVPool.block_bytes(len(self.units.attention_layers()), self.cfg.num_kv_heads, self.cfg.head_dim,
+                                  self.dtype)
+
+    def _check_max_len(self, max_len: int) -> None:
         if max_len > self.cfg.max_position_embeddings:
             raise InputError(
                 f"declared max length {max_len} exceeds the model's context of {self.cfg.max_position_embeddings} tokens"
             )
-        return StageCache.allocate(self.units.attention_layers(), batch, max_len, self.cfg.num_kv_heads,
-                                   self.cfg.head_dim, self.dtype, self.device)
 
     # --- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, start: int, cache: StageCache, *, all_logits: bool = False,
                 logits: bool = True) -> torch.Tensor | None:
+        """Positions ``[start, start + tokens)`` of the ``batch`` rows of one cache: ``x`` is token ids
+        ``[batch, tokens]`` or the residual stream ``[batch, tokens, hidden]``. Returns the residual
+        stream, or at the head the logits of the last position ``[batch, 1, vocab]`` (every position's
+        with ``all_logits``; None when no logits are wanted)."""
         if self.units.has_embed:
             if x.dtype not in (torch.int64, torch.int32) or x.dim() != 2:
                 raise InputError(f"the first stage takes token ids [batch, tokens], got {x.dtype} {tuple(x.shape)}")
-            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.cfg.vocab_size):
-                raise InputError(f"token ids must lie in [0, {self.cfg.vocab_size})")
         elif x.dim() != 3 or x.shape[-1] != self.cfg.hidden_size:
             raise InputError(
                 f"stage {self.units} takes the residual stream [batch, tokens, {self.cfg.hidden_size}], "
@@ -139,21 +157,46 @@ class StageModel(nn.Module):
             )
         batch, tokens = x.shape[0], x.shape[1]
         cache.check_slice(start, tokens, batch)
-        x = x.to(self.device) if self.units.has_embed else x.to(self.device, self.dtype)
-        positions = torch.arange(start, start + tokens, device=self.device)
+        wanted = "all" if all_logits else "last" if logits else "none"
+        out = self.forward_batch(x.reshape(batch * tokens, *x.shape[2:]), cache.entries(start, tokens, wanted),
+                                 cache.pool)
+        cache.length = start + tokens
+        if out is None or not self.units.has_head:
+            return None if out is None else out.view(batch, tokens, -1)
+        return out.view(batch, tokens if all_logits else 1, -1)
+
+    @torch.inference_mode()
+    def forward_batch(self, x: torch.Tensor, entries: list[Entry], pool: KVPool | None) -> torch.Tensor | None:
+        """One micro-batch: ``x`` holds the tokens of every entry, concatenated (ids ``[tokens]`` at the
+        first stage, else the residual stream ``[tokens, hidden]``). Norms, projections and MLPs run
+        once over all of them; attention runs each entry against its own sequence's cache.
+
+        Returns the residual stream ``[tokens, hidden]``, or at the head the logits ``[rows, vocab]``
+        of the rows the entries ask for (in entry order), None if none does."""
+        tokens = sum(e.length for e in entries)
+        if x.shape[0] != tokens:
+            raise InputError(f"the micro-batch has {x.shape[0]} tokens; its entries cover {tokens}")
+        if self.units.has_embed:
+            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.cfg.vocab_size):
+                raise InputError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+            x = x.to(self.device)
+        else:
+            x = x.to(self.device, self.dtype)
+        positions = torch.cat([torch.arange(e.start, e.start + e.length) for e in entries]).to(self.device)
         cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
+        kv = BatchKV(entries, pool, self.device) if pool is not None else None
+        x = x[None]
         for u, block in self.blocks.items():
             if isinstance(block, Attention):
-                x = block(x, start, cos, sin, cache.layers[block.layer])
+                x = block(x, cos, sin, kv)
             elif self.units.has_head and int(u) == self.units.end - 1:
-                if not logits:
-                    cache.length = start + tokens
+                rows = logit_rows(entries)
+                if rows is None:
                     return None
-                x = block(x if all_logits else x[:, -1:])
+                return block(x[0, rows] if len(rows) < tokens else x[0])
             else:
                 x = block(x)
-        cache.length = start + tokens
-        return x
+        return x[0]
 
     def parameter_count(self) -> int:
         """Parameters of the stage's units, packed weights included."""
@@ -162,3 +205,15 @@ class StageModel(nn.Module):
 
     def weight_bytes(self) -> int:
         return self.parameter_count() * self.dtype.itemsize
+
+
+def logit_rows(entries: list[Entry]) -> list[int] | None:
+    """The rows of a micro-batch whose logits its entries ask for, in order (None: none)."""
+    rows, off = [], 0
+    for e in entries:
+        if e.logits == "all":
+            rows.extend(range(off, off + e.length))
+        elif e.logits == "last":
+            rows.append(off + e.length - 1)
+        off += e.length
+    return rows or None

@@ -1,11 +1,13 @@
-"""The static one-token step behind CUDA-graph decoding equals the ordinary forward (run eagerly here)."""
+"""The static decode step behind CUDA-graph decoding equals the ordinary micro-batch forward (run
+eagerly here): sequences of different lengths, padded to a bucket, one sliding past its window."""
 
 import pytest
 import torch
 
 from hpipe.core.units import ranges_from_cuts
 from hpipe.model import StageModel
-from hpipe.model.graphs import DecodeStep
+from hpipe.model.graphs import DecodeGraphs
+from hpipe.model.kvpool import Entry
 from hpipe.model.sources import resolve_model
 from tests.helpers import FAMILIES, max_rel_diff
 
@@ -15,22 +17,36 @@ def test_static_decode_step_equals_forward(family, tiny_dirs):
     source = resolve_model(str(tiny_dirs[family]))
     cfg, store = source.config, source.weights()
     stages = [StageModel.from_checkpoint(store, cfg, r) for r in ranges_from_cuts([2, 5], cfg.num_layers)]
-    prompt = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
-    max_len = 24  # longer than mistral-sliding's window of 8, so decoding slides past it
-    eager = [s.new_cache(2, max_len) for s in stages]
-    static = [s.new_cache(2, max_len) for s in stages]
-    steps = [DecodeStep(s, c, graph=False) for s, c in zip(stages, static)]
-    for caches in (eager, static):  # the same prefill into both sets of caches
-        x = prompt
-        for stage, cache in zip(stages, caches):
-            x = stage(x, 0, cache)
-    token = x[:, -1].argmax(-1, keepdim=True)
-    for pos in range(9, max_len):
-        a = b = token
-        for stage, cache in zip(stages, eager):
-            a = stage(a, pos, cache)
-        for step in steps:
-            b = step(b, pos)
-        assert b.shape == a.shape and max_rel_diff(b, a) <= 1e-5, (family, pos)
-        token = a[:, -1].argmax(-1, keepdim=True)
-    assert all(c.length == max_len for c in static)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (9, 4, 13)]
+    max_len = 30  # longer than mistral-sliding's window of 8, so decoding slides past it
+    pools = {k: [s.new_pool(24) for s in stages] for k in ("eager", "static")}
+    seqs = {k: [[p.sequence(max_len) if p else None for p in pools[k]] for _ in prompts] for k in pools}
+    steps = [DecodeGraphs(s, p, graph=False) for s, p in zip(stages, pools["static"])]
+
+    for kind in pools:  # the same prefill (one micro-batch of three prompts) into both sets of pools
+        x = torch.cat(prompts)
+        for j, stage in enumerate(stages):
+            es = []
+            for row, p in zip(seqs[kind], prompts):
+                if row[j] is not None:
+                    row[j].grow(len(p))
+                es.append(Entry(0, len(p), row[j], "last"))
+            x = stage.forward_batch(x, es, pools[kind][j])
+    tokens = x.argmax(-1)
+    positions = [len(p) for p in prompts]
+    for _ in range(max_len - max(positions)):
+        a = b = tokens
+        for j, stage in enumerate(stages):
+            for kind in pools:
+                for row, pos in zip(seqs[kind], positions):
+                    if row[j] is not None:
+                        row[j].grow(pos + 1)
+            ea = [Entry(pos, 1, row[j], "last") for row, pos in zip(seqs["eager"], positions)]
+            eb = [Entry(pos, 1, row[j], "last") for row, pos in zip(seqs["static"], positions)]
+            assert DecodeGraphs.fits(eb) or pools["static"][j] is None
+            a = stage.forward_batch(a, ea, pools["eager"][j])
+            b = steps[j](b, eb) if pools["static"][j] is not None else stage.forward_batch(b, eb, None)
+        assert b.shape == a.shape and max_rel_diff(b, a) <= 1e-5, (family, positions)
+        tokens = a.argmax(-1)
+        positions = [p + 1 for p in positions]

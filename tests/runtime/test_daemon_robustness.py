@@ -1,4 +1,4 @@
-"""Bad messages sent straight to a daemon get a clear gRPC status, and the daemon keeps serving."""
+"""Bad messages sent straight to a daemon get a clear refusal, and the daemon keeps serving."""
 
 import shutil
 import subprocess
@@ -11,13 +11,14 @@ import torch
 from hpipe.core.cluster import ClusterSpec, DaemonSpec
 from runtime.channels import DaemonClient, Security
 from runtime.coordinator import Pipeline, cut_stages
-from runtime.wire import pb, tensor_bytes
+from runtime.transport import LinkError, connect, read_payload
+from runtime.wire import pb
 from tests.cluster_helpers import Served
 
 
 @pytest.fixture
 def daemon():
-    d = Served(memory_budget=2 * 2**20)  # tiny model: ~0.5 MiB of weights
+    d = Served(memory_budget=4 * 2**20)  # tiny model: ~0.5 MiB of weights, the rest for its KV pool
     yield d
     d.stop()
 
@@ -28,20 +29,47 @@ def code_of(fn):
     return info.value.code(), info.value.details()
 
 
-def load(client, model, start, end, dtype=pb.FLOAT32, num_units=8):
+def load(client, model, start, end, dtype=pb.FLOAT32, num_units=8, kv_pool_bytes=0):
     """Hold units [start, end) of a pipeline whose other stages (if any) are on an unused address."""
     bounds = sorted({0, start, end, num_units})
-    stages = [pb.Stage(unit_start=a, unit_end=b, daemon=f"d{i}", address="127.0.0.1:1")
+    stages = [pb.Stage(unit_start=a, unit_end=b, daemon=f"d{i}", address="127.0.0.1:1", data_port=1)
               for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     held = [i for i, st in enumerate(stages) if st.unit_start == start]
-    return client.call("Load", pb.LoadRequest(model=str(model), dtype=dtype, stages=stages, held=held))
+    return client.call("Load", pb.LoadRequest(model=str(model), dtype=dtype, stages=stages, held=held,
+                                              kv_pool_bytes=kv_pool_bytes))
 
 
-def test_bad_messages_then_good_request(daemon, tiny_dirs):
+class Coordinator:
+    """A hand-driven session on one daemon's data plane: layouts and activations as we write them."""
+
+    def __init__(self, d: Served, session: int = 7, token: str | None = None):
+        host, port = d.address.split(":")[0], d.stage.data.port
+        self.conn = connect(host, port, token, session)
+        self.session, self.next = session, 0
+
+    def send(self, entries, payload: torch.Tensor, stage: int, nbytes: int | None = None) -> int:
+        mb, self.next = self.next, self.next + 1
+        self.conn.send(pb.Frame(layout=pb.MicroBatch(id=mb, entries=entries)))
+        data = payload.contiguous()
+        self.conn.send(pb.Frame(activation=pb.Activation(
+            session=self.session, micro_batch=mb, stage=stage,
+            payload_bytes=nbytes if nbytes is not None else data.numel() * data.element_size())), data)
+        return mb
+
+    def result(self, vocab: int):
+        frame = self.conn.read_frame()
+        act = frame.activation
+        logits = read_payload(self.conn.sock, act.payload_bytes).view(torch.float32).view(-1, vocab)
+        return act, logits, {f.sequence_id: (f.code, f.message) for f in act.failed}
+
+
+def entry(seq, start, length, max_len=0, logits=pb.LAST_LOGITS):
+    return pb.Entry(sequence_id=seq, start=start, length=length, max_len=max_len, logits=logits)
+
+
+def test_bad_loads_then_a_good_one(daemon, tiny_dirs):
     c = daemon.client()
     model = tiny_dirs["llama"]
-    code, msg = code_of(lambda: c.call("Submit", pb.Slice(sequence_id=1, length=1, payload=b"x")))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "no model is loaded" in msg
     assert code_of(lambda: load(c, "no-such-model", 0, 8))[0] == grpc.StatusCode.FAILED_PRECONDITION
     code, msg = code_of(lambda: load(c, model, 0, 99))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "the model's units [0, 8)" in msg
@@ -51,74 +79,105 @@ def test_bad_messages_then_good_request(daemon, tiny_dirs):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "do not cover the model's units" in msg
     assert code_of(lambda: c.call("Load", pb.LoadRequest(model=str(model), dtype=pb.FLOAT32)))[0] == \
         grpc.StatusCode.INVALID_ARGUMENT
-
-    info = load(c, model, 3, 8)  # no embedding: takes the residual stream [1, s, 64] float32
-    assert info.hidden_size == 64 and info.parameters > 0
-    c.call("Open", pb.OpenRequest(sequence_id=7, batch=1, max_len=16))
-    good = tensor_bytes(torch.randn(1, 4, 64))
-
-    def submit(**kw):
-        args = dict(sequence_id=7, stage=1, start=0, length=4, payload=good)
-        args.update(kw)
-        return c.call("Submit", pb.Slice(**args))
-
-    cases = {
-        "truncated": (dict(payload=good[:-3]), grpc.StatusCode.INVALID_ARGUMENT, "payload has"),
-        "wrong dtype": (dict(payload=tensor_bytes(torch.randn(1, 4, 64).bfloat16())),
-                        grpc.StatusCode.INVALID_ARGUMENT, "float32 needs"),
-        "wrong shape": (dict(length=3), grpc.StatusCode.INVALID_ARGUMENT, "[1, 3, 64]"),
-        "unknown sequence": (dict(sequence_id=999), grpc.StatusCode.NOT_FOUND, "unknown sequence 999"),
-        "beyond max length": (dict(start=0, length=17, payload=tensor_bytes(torch.randn(1, 17, 64))),
-                              grpc.StatusCode.OUT_OF_RANGE, "declared max length 16"),
-        "gap in positions": (dict(start=2), grpc.StatusCode.FAILED_PRECONDITION, "continues at 0"),
-        "units not held": (dict(stage=0), grpc.StatusCode.FAILED_PRECONDITION, "holds units [3, 8)"),
-        "empty slice": (dict(length=0, payload=b""), grpc.StatusCode.INVALID_ARGUMENT, "length must be >= 1"),
-    }
-    for name, (kw, want_code, want_msg) in cases.items():
-        code, msg = code_of(lambda: submit(**kw))
-        assert code == want_code and want_msg in msg, (name, code, msg)
-
-    code, msg = code_of(lambda: c.call("Open", pb.OpenRequest(sequence_id=8, batch=64, max_len=96)))
+    code, msg = code_of(lambda: load(c, model, 0, 8, kv_pool_bytes=64 << 20))  # weights + pool past the budget
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory budget" in msg
-    assert code_of(lambda: c.call("Open", pb.OpenRequest(sequence_id=7, batch=1, max_len=4)))[0] == \
-        grpc.StatusCode.ALREADY_EXISTS
-
-    # still serving: a good slice computes and its logits come back on the results stream
-    submit(want_logits=True)
-    stream = c.results(7)
-    first = next(stream)
-    assert first.start == 0 and first.length == 4 and list(first.logits.shape) == [1, 384]
-    closed = c.call("Close", pb.SequenceRequest(sequence_id=7))
-    assert closed.existed and closed.stats[0].slices == 1 and closed.stats[0].stage == 1
-    assert c.call("Status", pb.StatusRequest()).kv_bytes == 0
+    info = load(c, model, 3, 8)
+    assert info.hidden_size == 64 and info.parameters > 0 and info.pools[0].blocks > 0
 
 
-def test_token_ids_out_of_range_and_results_on_middle_stage(daemon, tiny_dirs):
+def test_bad_micro_batches_fail_alone_and_the_daemon_keeps_serving(daemon, tiny_dirs):
     c = daemon.client()
-    load(c, tiny_dirs["llama"], 0, 3)
-    c.call("Open", pb.OpenRequest(sequence_id=1, batch=1, max_len=8))
-    code, msg = code_of(lambda: c.call("Submit", pb.Slice(sequence_id=1, stage=0, start=0, length=1,
-                                                           payload=tensor_bytes(torch.tensor([[5000]])))))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "token ids must lie" in msg
-    code, msg = code_of(lambda: next(c.results(1)))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "not the head" in msg
+    load(c, tiny_dirs["llama"], 3, 8)  # no embedding: takes the residual stream [tokens, 64] float32
+    co = Coordinator(daemon)
+    good = torch.randn(4, 64)
+    co.send([entry(1, 0, 4, max_len=16)], good, stage=1)
+    act, logits, failed = co.result(384)
+    assert act.micro_batch == 0 and logits.shape == (1, 384) and not failed
+    cases = {  # (entries, payload, stage, payload bytes) -> (code, message) for sequence 2
+        "unknown sequence": ([entry(2, 0, 4)], good, 1, None, "NOT_FOUND", "unknown sequence 2"),
+        "beyond max length": ([entry(2, 0, 17, max_len=16)], torch.randn(17, 64), 1, None, "OUT_OF_RANGE",
+                              "declared max length 16"),
+        "max length past the context": ([entry(2, 0, 4, max_len=97)], good, 1, None, "OUT_OF_RANGE",
+                                        "model's context of 96"),
+        "wrong byte count": ([entry(2, 0, 4, max_len=16)], good[:3], 1, None, "INVALID_ARGUMENT",
+                             "its layout of 4 tokens needs 1024"),
+        "wrong dtype": ([entry(2, 0, 4, max_len=16)], good.bfloat16(), 1, None, "INVALID_ARGUMENT", "needs 1024"),
+        "twice in one micro-batch": ([entry(2, 0, 2, max_len=16), entry(2, 2, 2)], good, 1, None,
+                                     "INVALID_ARGUMENT", "appears twice"),
+    }
+    for name, (entries, payload, stage, nbytes, code, message) in cases.items():
+        co.send(entries, payload, stage, nbytes)
+        act, logits, failed = co.result(384)
+        assert failed.get(2, ("", ""))[0] == code and message in failed[2][1], (name, failed)
+        assert c.call("Status", pb.StatusRequest(sequence_ids=[2])).sequences[0].error in ("", failed[2][1]), name
+        co.conn.send(pb.Frame(close=pb.CloseSequences(sequence_ids=[2])))
+    # sequence 1 was untouched by all of that, and continues where it was
+    co.send([entry(1, 3, 1)], torch.randn(1, 64), stage=1)
+    _, _, failed = co.result(384)
+    assert failed[1][0] == "FAILED_PRECONDITION" and "continues at 4" in failed[1][1]
+    co2 = Coordinator(daemon, session=8)
+    co2.send([entry(9, 0, 2, max_len=8)], torch.randn(2, 64), stage=1)
+    assert not co2.result(384)[2]
+    co.conn.close()
+    co2.conn.close()
+    deadline = time.monotonic() + 5  # a coordinator that disconnects frees its sequences
+    while c.call("Status", pb.StatusRequest()).kv_bytes:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_token_ids_out_of_range(daemon, tiny_dirs):
+    c = daemon.client()
+    load(c, tiny_dirs["llama"], 0, 8)
+    co = Coordinator(daemon)
+    co.send([entry(1, 0, 1, max_len=8)], torch.tensor([5000]), stage=0)
+    _, logits, failed = co.result(384)
+    assert failed[1][0] == "INVALID_ARGUMENT" and "token ids must lie" in failed[1][1] and logits.shape == (1, 384)
+    co.conn.close()
+
+
+def test_kv_pool_exhausted_fails_only_the_sequences_that_do_not_fit(daemon, tiny_dirs):
+    c = daemon.client()
+    block = 2 * 3 * 2 * 16 * 16 * 4  # K and V, 3 layers, 2 KV heads of 16, 16 tokens, float32
+    info = load(c, tiny_dirs["llama"], 0, 8, kv_pool_bytes=10 * block)
+    assert info.pools[0].blocks == 10
+    co = Coordinator(daemon)
+    # 12 sequences of 16 tokens: 10 fit, 2 do not
+    co.send([entry(i, 0, 16, max_len=16) for i in range(12)], torch.randint(0, 384, (12 * 16,)), stage=0)
+    _, logits, failed = co.result(384)
+    assert logits.shape == (12, 384) and sorted(failed) == [10, 11]
+    assert all(code == "RESOURCE_EXHAUSTED" and "KV pool is full" in msg for code, msg in failed.values())
+    assert c.call("Status", pb.StatusRequest()).pools[0].used_blocks == 10
+    co.conn.send(pb.Frame(close=pb.CloseSequences(sequence_ids=list(range(12)))))
+    deadline = time.monotonic() + 5
+    while c.call("Status", pb.StatusRequest()).pools[0].used_blocks:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    co.conn.close()
 
 
 def test_idle_sequence_is_freed(daemon, tiny_dirs):
     c = daemon.client()
     load(c, tiny_dirs["llama"], 0, 8)
-    c.call("Open", pb.OpenRequest(sequence_id=3, batch=1, max_len=32, idle_timeout_s=0.5))
-    assert c.call("Status", pb.StatusRequest(sequence_ids=[3])).sequences[0].open
+    daemon.stage.sequences.idle_timeout_s = 0.5
+    co = Coordinator(daemon)
+    co.send([entry(3, 0, 2, max_len=32)], torch.tensor([1, 2]), stage=0)
+    co.result(384)
+    assert c.call("Status", pb.StatusRequest()).open_sequences == 1
     deadline = time.monotonic() + 5
-    while c.call("Status", pb.StatusRequest(sequence_ids=[3])).sequences[0].open:
+    while c.call("Status", pb.StatusRequest()).open_sequences:  # (naming it in a status would keep it alive)
         assert time.monotonic() < deadline, "idle sequence was not freed"
         time.sleep(0.1)
+    co.conn.close()
     assert c.call("Status", pb.StatusRequest()).kv_bytes == 0
 
 
 def test_token_required(tiny_dirs):
     d = Served(token="s3cret")
     try:
+        with pytest.raises(LinkError, match="missing or wrong token"):  # the data plane checks it too
+            connect("127.0.0.1", d.stage.data.port, "wrong", 1)
+        connect("127.0.0.1", d.stage.data.port, "s3cret", 1).close()
         code, _ = code_of(lambda: d.client().call("Status", pb.StatusRequest()))
         assert code == grpc.StatusCode.UNAUTHENTICATED
         assert code_of(lambda: d.client(Security(token="wrong")).call("Status", pb.StatusRequest()))[0] == \

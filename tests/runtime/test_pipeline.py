@@ -45,10 +45,9 @@ def test_cuts_and_slices_equal_single_process(cluster3, smollm2, reference, cuts
             assert result.token_ids == want, (cuts, slices)
             stages = result.extra["stages"]
             assert [s["units"] for s in stages][0][0] == 0 and stages[-1]["units"][1] == 62
-            assert all(s["slices"] >= 1 and s["compute_s"] > 0 for s in stages)
+            assert all(s["micro_batches"] >= 1 and s["compute_s"] > 0 for s in stages)
         # every sequence was freed on every stage
-        status = [c.call("Status", __import__("runtime.wire").wire.pb.StatusRequest()) for c in pipe.clients]
-        assert all(s.open_sequences == 0 and s.kv_bytes == 0 for s in status)
+        assert _all_freed(pipe)
     finally:
         pipe.close()
 
@@ -74,7 +73,7 @@ def test_interleaved_stages_equal_single_process(cluster3, smollm2, reference):
             assert [s["units"] for s in stages] == [[0, 6], [6, 20], [20, 31], [31, 45], [45, 62]]
             assert [s["daemon"] for s in stages] == ["s0", "s1", "s2", "s0", "s1"]
             # every stage computed every slice (the prompt's, then one per generated token but the last)
-            assert len({s["slices"] for s in stages}) == 1 and stages[0]["slices"] >= len(slices or [n])
+            assert len({s["micro_batches"] for s in stages}) == 1 and stages[0]["micro_batches"] >= len(slices or [n])
             assert all(s["kv_bytes"] > 0 for s in stages)
         with pytest.raises(Exception, match="both on s0"):
             pipe.deploy("smollm2-135m", cut_stages(pipe.cluster, [6, 20], smollm2.config.num_units,
@@ -106,7 +105,7 @@ def test_cli_generate_on_cluster(cluster3, reference, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == reference[PROMPTS[0]][0]
     assert [s["units"] for s in out["stages"]] == [[0, 2], [2, 40], [40, 62]]
-    assert all({"compute_s", "send_s", "recv_decode_s"} <= set(s) for s in out["stages"])
+    assert all({"compute_s", "send_s", "recv_s"} <= set(s) for s in out["stages"])
 
 
 def test_cli_slices_must_add_up(cluster3, capsys):
@@ -133,8 +132,24 @@ def test_all_position_logits_through_three_daemons_equal_hf(cluster3, smollm2):
             for k in slices:
                 seq.submit(ids[:, start:start + k], all_logits=True)
                 start += k
-            ours = torch.cat([seq.logits(seq.result()) for _ in slices], dim=1)
+            ours = torch.cat([seq.result() for _ in slices], dim=1)
     finally:
         pipe.close()
     assert ours.shape == ref.shape
     assert max_rel_diff(ours, ref) <= 1e-4
+
+
+def _all_freed(pipe, within_s=5.0) -> bool:
+    """Every daemon holds no sequence and no KV block (freed on its worker, once it gets there)."""
+    import time
+
+    from runtime.wire import pb
+
+    deadline = time.monotonic() + within_s
+    while True:
+        status = [c.call("Status", pb.StatusRequest()) for c in pipe.clients]
+        if all(s.open_sequences == 0 and s.kv_bytes == 0 for s in status):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)

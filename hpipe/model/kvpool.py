@@ -1,0 +1,235 @@
+"""A stage's KV cache: a pool of fixed-size blocks, and a block table per sequence.
+
+Design note. For each attention layer of a stage, keys and values live in one tensor each of
+shape ``[kv_heads, num_blocks * block_size, head_dim]``: block ``b`` holds the token slots
+``[b * block_size, (b + 1) * block_size)``, and position ``p`` of a sequence lives in slot
+``table[p // block_size] * block_size + p % block_size``. A sequence grows block by block as its
+positions are planned, and gives its blocks back when it closes.
+
+Reading a sequence's keys is the hot path of attention. When its blocks are consecutive, its keys
+are a view of the pool, with no copy, exactly like a cache preallocated for that one sequence; when
+they are scattered, they are gathered for every attention call (a copy of the whole prefix). So
+the allocator keeps sequences consecutive where it can: a new sequence starts at the beginning of
+a free run long enough for its declared maximum length (soft-reserved for it: others start
+elsewhere while any other space is free), and grows into the next block. Only a pool under
+pressure scatters a sequence.
+
+The pool's memory is allocated once (``torch.empty``: on the CPU, pages are committed as they are
+first written). Allocation is thread-safe; a daemon frees blocks only on its worker thread, so no
+block is given to one sequence while another's attention still reads it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hpipe.core.errors import HpipeError
+
+BLOCK_SIZE = 16
+
+
+class PoolExhausted(HpipeError):
+    """No free block is left for a sequence that needs one."""
+
+
+class KVPool:
+    """The K/V blocks of one stage's attention ``layers``."""
+
+    def __init__(self, layers: list[int], num_blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, block_size: int = BLOCK_SIZE):
+        if num_blocks < 1 or block_size < 1:
+            raise HpipeError(f"a KV pool needs at least one block of at least one token (got {num_blocks} x {block_size})")
+        self.layers, self.num_blocks, self.block_size = list(layers), num_blocks, block_size
+        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+        slots = num_blocks * block_size
+        self.k = {i: torch.empty(kv_heads, slots, head_dim, dtype=dtype, device=device) for i in self.layers}
+        self.v = {i: torch.empty(kv_heads, slots, head_dim, dtype=dtype, device=device) for i in self.layers}
+        self._used = np.zeros(num_blocks, dtype=bool)
+        self._reserved = np.zeros(num_blocks, dtype=bool)
+        self._lock = threading.Lock()
+        self._trash: int | None = None
+
+    @staticmethod
+    def block_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> int:
+        """Bytes one block takes across ``layers`` attention layers (keys and values)."""
+        return 2 * layers * kv_heads * head_dim * block_size * dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k.values()) + sum(t.nbytes for t in self.v.values())
+
+    @property
+    def used_blocks(self) -> int:
+        return int(self._used.sum())
+
+    @property
+    def free_blocks(self) -> int:
+        return self.num_blocks - self.used_blocks
+
+    def trash_slot(self) -> int:
+        """A slot of a block no sequence will get: where padded rows of a static step write."""
+        with self._lock:
+            if self._trash is None:
+                free = np.flatnonzero(~self._used)
+                if not free.size:
+                    raise PoolExhausted("the KV pool has no block left for padding")
+                self._trash = int(free[-1])
+                self._used[self._trash] = True
+            return self._trash * self.block_size
+
+    def sequence(self, max_len: int) -> "SeqKV":
+        """A new, empty sequence of at most ``max_len`` positions (no block taken yet)."""
+        return SeqKV(self, max_len)
+
+    # --- allocation (any thread) ---------------------------------------------------------------
+    def _take(self, seq: "SeqKV") -> int:
+        with self._lock:
+            if seq.blocks:
+                nxt = seq.blocks[-1] + 1
+                if nxt < self.num_blocks and not self._used[nxt] and (
+                        seq.extent[0] <= nxt < seq.extent[1] or not self._reserved[nxt]):
+                    return self._claim(nxt)
+            else:
+                want = math.ceil(seq.max_len / self.block_size)
+                start = self._place(want)
+                if start is not None:
+                    seq.extent = (start, start + want)
+                    return self._claim(start)
+            # scattered: any block nobody reserved, else any free block at all
+            for occupied in (self._used | self._reserved, self._used):
+                free = np.flatnonzero(~occupied)
+                if free.size:
+                    return self._claim(int(free[0]))
+            raise PoolExhausted(f"the KV pool is full ({self.num_blocks} blocks of {self.block_size} tokens in use)")
+
+    def _place(self, want: int) -> int | None:
+        """The first block of a free, unreserved run of ``want`` blocks (reserving it), or None."""
+        occupied = (self._used | self._reserved).tobytes()
+        at = occupied.find(bytes(min(want, self.num_blocks)))
+        if at < 0:
+            return None
+        self._reserved[at:at + want] = True
+        return at
+
+    def _claim(self, block: int) -> int:
+        self._used[block] = True
+        return block
+
+    def release(self, seq: "SeqKV") -> None:
+        with self._lock:
+            self._used[seq.blocks] = False
+            self._reserved[seq.extent[0]:seq.extent[1]] = False
+        seq.blocks, seq.extent, seq.leading = [], (0, 0), 0
+
+
+class SeqKV:
+    """One sequence's blocks on one stage, in position order."""
+
+    def __init__(self, pool: KVPool, max_len: int):
+        self.pool, self.max_len = pool, max_len
+        self.blocks: list[int] = []
+        self.extent: tuple[int, int] = (0, 0)  # the blocks reserved for it at its first block
+        self.leading = 0  # how many of its first blocks are consecutive in the pool
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.pool.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blocks) * KVPool.block_bytes(len(self.pool.layers), self.pool.kv_heads, self.pool.head_dim,
+                                                    self.pool.dtype, self.pool.block_size)
+
+    def grow(self, length: int) -> None:
+        """Hold positions ``[0, length)``, taking blocks as needed (:class:`PoolExhausted` if none is free)."""
+        if length > self.max_len:
+            raise HpipeError(f"positions up to {length} exceed the sequence's declared max length {self.max_len}")
+        while self.capacity < length:
+            block = self.pool._take(self)
+            if self.leading == len(self.blocks) and (not self.blocks or block == self.blocks[-1] + 1):
+                self.leading += 1
+            self.blocks.append(block)
+
+    def release(self) -> None:
+        self.pool.release(self)
+
+    def run(self, end: int) -> tuple[int, int] | None:
+        """The pool slots ``[a, b)`` of positions ``[0, end)`` when they are consecutive, else None."""
+        if end == 0:
+            return 0, 0
+        if math.ceil(end / self.pool.block_size) > self.leading:
+            return None
+        first = self.blocks[0] * self.pool.block_size
+        return first, first + end
+
+    def slots(self, start: int, end: int, device: torch.device) -> torch.Tensor:
+        """Pool slot indices of positions ``[start, end)``."""
+        bs = self.pool.block_size
+        run = self.run(end)
+        if run is not None:
+            return torch.arange(run[0] + start, run[1], device=device)
+        pos = torch.arange(start, end)
+        table = torch.tensor(self.blocks, dtype=torch.long)
+        return (table[pos // bs] * bs + pos % bs).to(device)
+
+
+@dataclass
+class Entry:
+    """One entry of a micro-batch as a stage computes it: ``length`` tokens of a sequence from
+    position ``start``, and the logits wanted back (none, its last position's, or all).
+
+    ``kv`` None marks an entry whose sequence has failed or closed: its rows still flow (so the
+    micro-batch keeps its layout) but it neither reads nor writes any cache."""
+
+    start: int
+    length: int
+    kv: SeqKV | None
+    logits: str = "none"  # none | last | all
+
+
+class BatchKV:
+    """Where each entry of a micro-batch writes and reads its keys and values, worked out once for
+    all the stage's layers."""
+
+    def __init__(self, entries: list[Entry], pool: KVPool | None, device: torch.device):
+        self.entries, self.pool = entries, pool
+        self.offsets, off = [], 0
+        writes, self.reads = [], []
+        for e in entries:
+            self.offsets.append(off)
+            off += e.length
+            if e.kv is None:
+                self.reads.append(None)
+                continue
+            writes.append((off - e.length, e.kv.slots(e.start, e.start + e.length, device)))
+            run = e.kv.run(e.start + e.length)
+            self.reads.append(run if run is not None else e.kv.slots(0, e.start + e.length, device))
+        self.tokens = off
+        self.live_rows = torch.cat([torch.arange(a, a + len(s), device=device) for a, s in writes]) if writes else None
+        self.write_slots = torch.cat([s for _, s in writes]) if writes else None
+        self.all_live = self.live_rows is not None and len(self.live_rows) == self.tokens
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the micro-batch's new keys and values ``[kv_heads, tokens, head_dim]``."""
+        if self.write_slots is None:
+            return
+        if not self.all_live:
+            k, v = k.index_select(1, self.live_rows), v.index_select(1, self.live_rows)
+        self.pool.k[layer].index_copy_(1, self.write_slots, k)
+        self.pool.v[layer].index_copy_(1, self.write_slots, v)
+
+    def read(self, layer: int, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[kv_heads, positions, head_dim]`` entry ``i`` attends to: its cached
+        prefix and itself (only itself for a dead entry)."""
+        where = self.reads[i]
+        if where is None:
+            a = self.offsets[i]
+            return k[:, a:a + self.entries[i].length], v[:, a:a + self.entries[i].length]
+        if isinstance(where, tuple):
+            return self.pool.k[layer][:, where[0]:where[1]], self.pool.v[layer][:, where[0]:where[1]]
+        return self.pool.k[layer].index_select(1, where), self.pool.v[layer].index_select(1, where)

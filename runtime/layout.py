@@ -1,0 +1,147 @@
+"""Micro-batch layouts on a daemon: laid out as they arrive, kept until every held stage computed.
+
+A coordinator sends each micro-batch's layout to every daemon of its pipeline, in order, on its
+session's data connection. Laying it out opens the sequences it names for the first time and
+grows every named sequence's KV blocks on each held stage, so the worker never allocates. A
+sequence that cannot be laid out (unknown, failed, out of order, or out of KV blocks) is refused
+alone: it is recorded as failed, its entries are computed as dead rows (so the micro-batch keeps
+its shape), and the failure travels with the micro-batch's data to the coordinator.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from hpipe.core.errors import HpipeError
+from hpipe.model.kvpool import PoolExhausted
+from runtime.sequences import Sequence
+from runtime.wire import pb
+
+log = logging.getLogger(__name__)
+
+#: how long an activation that arrived before its layout waits for it
+LAYOUT_WAIT_S = 60.0
+#: the most tokens one micro-batch may hold
+MAX_TOKENS = 1 << 16
+
+
+class Layout:
+    def __init__(self, session: int, mb: pb.MicroBatch, held: list[int]):
+        self.session, self.id, self.entries = session, mb.id, list(mb.entries)
+        self.tokens = sum(e.length for e in self.entries)
+        self.failures: dict[int, pb.Failure] = {}
+        self.remaining = set(held)
+
+    def fail(self, seq_id: int, code: str, message: str) -> None:
+        self.failures.setdefault(seq_id, pb.Failure(sequence_id=seq_id, code=code, message=message))
+
+    def fail_all(self, stage: int, code: str, message: str) -> None:
+        for e in self.entries:
+            self.fail(e.sequence_id, code, message)
+        log.error("%s", message)
+
+
+class Layouts:
+    def __init__(self, server):
+        self.server = server
+        self._by_key: dict[tuple[int, int], Layout] = {}
+        self._arrived = threading.Condition()
+
+    def add(self, session: int, mb: pb.MicroBatch) -> None:
+        """Lay out ``mb`` (the session's next micro-batch) on every held stage."""
+        stages = self.server.stages
+        layout = Layout(session, mb, list(stages))
+        if not stages:
+            layout.fail_all(-1, "FAILED_PRECONDITION", "no model is loaded on this daemon (deploy a plan first)")
+        elif layout.tokens > MAX_TOKENS or any(e.length < 1 for e in layout.entries):
+            layout.fail_all(-1, "INVALID_ARGUMENT", f"micro-batch {mb.id}: {layout.tokens} tokens; entries need "
+                            f"1 token or more, {MAX_TOKENS} in all at most")
+        else:
+            seen = set()
+            for e in layout.entries:
+                if e.sequence_id in seen:
+                    layout.fail(e.sequence_id, "INVALID_ARGUMENT", f"sequence {e.sequence_id} appears twice in "
+                                f"micro-batch {mb.id}")
+                    continue
+                seen.add(e.sequence_id)
+                self._lay_out(layout, session, e, stages)
+        with self._arrived:
+            self._by_key[session, mb.id] = layout
+            self._arrived.notify_all()
+
+    def _lay_out(self, layout: Layout, session: int, e: pb.Entry, stages: dict) -> None:
+        table = self.server.sequences
+        seq = table.find(e.sequence_id)
+        cfg = next(iter(stages.values())).model.cfg
+        if seq is None:
+            if e.max_len <= 0:
+                layout.fail(e.sequence_id, "NOT_FOUND", f"unknown sequence {e.sequence_id} (never opened, closed, "
+                            "or timed out)")
+                return
+            if e.max_len > cfg.max_position_embeddings:
+                layout.fail(e.sequence_id, "OUT_OF_RANGE", f"max_len {e.max_len} exceeds the model's context of "
+                            f"{cfg.max_position_embeddings} tokens")
+                return
+            seq = Sequence(e.sequence_id, session, e.max_len,
+                           {i: s.pool.sequence(e.max_len) for i, s in stages.items() if s.pool is not None},
+                           {i: 0 for i in stages})
+            try:
+                table.add(seq)
+            except HpipeError as err:
+                layout.fail(e.sequence_id, "ALREADY_EXISTS", str(err))
+                return
+        elif seq.session != session:
+            layout.fail(e.sequence_id, "PERMISSION_DENIED", f"sequence {e.sequence_id} belongs to another session")
+            return
+        if seq.error:
+            layout.fail(e.sequence_id, seq.code or "ABORTED", seq.error)
+            return
+        for i in stages:
+            if e.start != seq.planned[i]:
+                layout.fail(e.sequence_id, "FAILED_PRECONDITION", f"sequence {e.sequence_id}: an entry starts at "
+                            f"position {e.start}; the sequence continues at {seq.planned[i]}")
+                return
+            end = e.start + e.length
+            if end > seq.max_len:
+                layout.fail(e.sequence_id, "OUT_OF_RANGE", f"positions up to {end} exceed sequence {e.sequence_id}'s "
+                            f"declared max length {seq.max_len}")
+                return
+            if i in seq.kv:
+                try:
+                    seq.kv[i].grow(end)
+                except PoolExhausted as err:
+                    seq.fail("RESOURCE_EXHAUSTED", f"stage {i}: {err}")
+                    layout.fail(e.sequence_id, seq.code, seq.error)
+                    return
+            seq.planned[i] = end
+        seq.last_active = time.monotonic()
+
+    def wait(self, session: int, mb_id: int, timeout_s: float = LAYOUT_WAIT_S) -> Layout | None:
+        deadline = time.monotonic() + timeout_s
+        with self._arrived:
+            while (session, mb_id) not in self._by_key:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.server._stopping.is_set():
+                    return None
+                self._arrived.wait(min(left, 1.0))
+            return self._by_key[session, mb_id]
+
+    def done(self, layout: Layout, stage: int) -> None:
+        """Stage ``stage`` computed the micro-batch: forget it once every held stage has."""
+        layout.remaining.discard(stage)
+        if not layout.remaining:
+            with self._arrived:
+                self._by_key.pop((layout.session, layout.id), None)
+
+    def forget(self, session: int) -> None:
+        with self._arrived:
+            for key in [k for k in self._by_key if k[0] == session]:
+                del self._by_key[key]
+
+    def fail_sequences(self, seq_ids: list[int], code: str, message: str) -> None:
+        for i in set(seq_ids):
+            seq = self.server.sequences.find(i)
+            if seq is not None:
+                seq.fail(code, message)

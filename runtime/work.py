@@ -1,0 +1,70 @@
+"""One micro-batch on one stage, on the daemon's worker thread: compute it, pass it on.
+
+Every entry's sequence is looked up again here: one that failed or closed since its layout is
+computed as a dead row (no cache read or written), so its blocks, freed on this same thread, are
+never touched after they are given back. A compute error fails the micro-batch's sequences, and
+zeros of the right shape go on in its place, so the stages after it and the coordinator still
+see the micro-batch complete, with the failures named.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hpipe.core.errors import HpipeError
+from hpipe.model.kvpool import Entry
+from runtime.wire import pb
+
+log = logging.getLogger(__name__)
+
+LOGITS = {pb.NO_LOGITS: "none", pb.LAST_LOGITS: "last", pb.ALL_LOGITS: "all"}
+
+
+def compute_micro_batch(server, stage, layout, x, failed: list, received: float) -> None:
+    failures = {f.sequence_id: f for f in failed}
+    for seq_id, f in layout.failures.items():
+        failures.setdefault(seq_id, f)
+    entries = []
+    for e in layout.entries:
+        seq = server.sequences.find(e.sequence_id)
+        if seq is not None and seq.error:
+            failures.setdefault(e.sequence_id, pb.Failure(sequence_id=e.sequence_id, code=seq.code or "ABORTED",
+                                                          message=seq.error))
+        live = seq is not None and e.sequence_id not in failures
+        entries.append(Entry(e.start, e.length, seq.kv.get(stage.index) if live else None, LOGITS[e.logits]))
+    model = stage.model
+    out = None
+    timer = server.io.timer()
+    timer.start()
+    if x is not None:
+        try:
+            out = model.forward_batch(x.on_device(), entries, stage.pool)
+        except HpipeError as err:
+            _fail_all(server, layout, failures, "INVALID_ARGUMENT", f"stage {stage.index}: {err}")
+        except Exception as err:  # noqa: BLE001 - a bug must fail the micro-batch's sequences, not the worker
+            log.exception("stage %d: computing micro-batch %d failed", stage.index, layout.id)
+            _fail_all(server, layout, failures, "INTERNAL", f"stage {stage.index}: internal error: {err!r}")
+    timer.stop()
+    if model.units.has_head:
+        rows = sum(e.length if e.logits == "all" else 1 for e in entries if e.logits != "none")
+        if out is None or out.shape[0] != rows:
+            out = torch.zeros(rows, model.cfg.vocab_size, device=model.device)
+        out = out.float()
+    elif out is None:
+        out = torch.zeros(layout.tokens, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
+    act = pb.Activation(session=layout.session, micro_batch=layout.id, stage=stage.index + 1,
+                        failed=list(failures.values()))
+    server.send(stage, act, server.io.download(out), [e.sequence_id for e in layout.entries])
+    server.stats.add_span(layout.session, stage.index, layout.id, layout.tokens, received, timer)
+    server.layouts.done(layout, stage.index)
+
+
+def _fail_all(server, layout, failures: dict, code: str, message: str) -> None:
+    for e in layout.entries:
+        failures.setdefault(e.sequence_id, pb.Failure(sequence_id=e.sequence_id, code=code, message=message))
+        seq = server.sequences.find(e.sequence_id)
+        if seq is not None:
+            seq.fail(code, message)
+
