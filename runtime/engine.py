@@ -2,22 +2,27 @@
 
 Design note. The engine keeps up to ``depth`` micro-batches in flight (one per stage of the
 pipeline, an interleaved chain counting all its stages), so every stage has work. Each micro-batch
-is formed by the policy (:mod:`runtime.policies`) from the running requests: a decode token of
-each request whose last token has been sampled, and prefill chunks of requests still reading
-their prompt, in the plan's slices. A request's next decode token is scheduled only after its
-previous one is sampled (token-safe); its prompt's chunks may be in flight together, which is
-HPipe's pipelined slicing: a single long prompt with nothing else to do is sent slice after slice.
-Results come back as the logits of the rows that need a token, and the whole micro-batch is
-sampled in one pass on this CPU (:func:`hpipe.model.sampling.sample`), while the stages already
-compute the next micro-batches.
+is formed by a policy (:mod:`runtime.policies`) from the requests: a decode token of requests whose
+last token has been sampled, and prefill chunks of requests still reading their prompt, cut at
+the plan's slices. A request's next decode token is scheduled only after its previous one is
+sampled (token-safe); its prompt's chunks may be in flight together, which is HPipe's pipelined
+slicing: a single long prompt with nothing else to do is sent slice after slice. Results come
+back as the logits of the rows that need a token, and the whole micro-batch is sampled in one
+pass on this CPU (:func:`hpipe.model.sampling.sample`) while the stages compute the next ones.
 
-A request fails alone: a sequence a daemon could not hold (out of KV blocks) comes back in the
-result's failures, and only its request ends, with that error.
+KV memory. The engine mirrors every stage's KV pool: a sequence holds ``ceil(positions / block)``
+blocks on each stage, so it knows the free blocks of the tightest stage without asking. Before a
+micro-batch goes out, the blocks it needs are found or made: requests not in flight are
+preempted, newest first; a preempted request gives its blocks back and later recomputes its
+prompt and the tokens it has generated (with its sampler's state kept, so its tokens are the
+same), and is counted in ``preemptions``. A daemon that still refuses a sequence for want of
+blocks (another session filled its pool) has that request preempted too, never failed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -32,6 +37,9 @@ from runtime.wire import pb
 
 log = logging.getLogger(__name__)
 
+#: times a daemon may refuse a request for want of KV blocks before it fails
+MAX_REFUSALS = 8
+
 
 @dataclass(eq=False)
 class Request:
@@ -41,29 +49,40 @@ class Request:
     max_new_tokens: int
     params: SamplingParams = SamplingParams()
     eos: frozenset[int] = frozenset()
-    slices: list[int] | None = None           # prefill chunks (default: the whole prompt at once)
+    slicer: Callable[[int], list[int]] | None = None  # a prefix's length -> its prefill slices (the plan's)
     on_token: Callable[["Request", int], None] | None = None
     on_done: Callable[["Request"], None] | None = None
     tag: object = None                         # the caller's, e.g. a document's name
+    arrival_s: float = field(default_factory=time.monotonic)
     # state
     id: int = field(default_factory=lambda: random.getrandbits(63))
+    prefix: list[int] = field(default_factory=list)   # what is prefilled: the prompt, and after a
+    slices: list[int] = field(default_factory=list)   # preemption the tokens generated too
     laid_out: int = 0                          # positions sent into the pipeline
-    chunk: int = 0                             # the next prefill slice
     tokens: list[int] = field(default_factory=list)
     in_flight: int = 0                         # entries of it in flight
+    admitted: int = 0                          # order in which the engine admitted it (newest: highest)
+    preemptions: int = 0
+    refusals: int = 0
     stop_reason: str = ""                      # length | eos | stop | error | cancelled
     error: str = ""
-    submitted_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     done_s: float | None = None
     sampler: Sampler | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
-        self.slices = list(self.slices) if self.slices else [len(self.prompt)]
-        if sum(self.slices) != len(self.prompt) or min(self.slices) < 1:
-            raise ValueError(f"slices {self.slices} do not cover the prompt's {len(self.prompt)} tokens")
+        if not self.prompt or self.max_new_tokens < 1:
+            raise ValueError("a request needs a prompt and at least one new token")
         self.sampler = Sampler(self.params, self.prompt)
+        self._restart(list(self.prompt))
+
+    def _restart(self, prefix: list[int]) -> None:
+        self.prefix, self.laid_out = prefix, 0
+        self.slices = self.slicer(len(prefix)) if self.slicer else [len(prefix)]
+        if sum(self.slices) != len(prefix) or min(self.slices) < 1:
+            raise ValueError(f"slices {self.slices} do not cover the {len(prefix)} tokens to prefill")
+        self._ends = [sum(self.slices[:i + 1]) for i in range(len(self.slices))]
 
     @property
     def max_len(self) -> int:
@@ -71,7 +90,12 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
-        return self.laid_out < len(self.prompt)
+        return self.laid_out < len(self.prefix)
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Prefill tokens not yet sent."""
+        return len(self.prefix) - self.laid_out
 
     @property
     def ready(self) -> bool:
@@ -81,7 +105,9 @@ class Request:
         return self.prefilling or (self.in_flight == 0 and bool(self.tokens))
 
     def next_chunk(self) -> int:
-        return self.slices[self.chunk]
+        """Tokens from where its prefill stands to the end of its current slice."""
+        end = next(e for e in self._ends if e > self.laid_out)
+        return end - self.laid_out
 
     @property
     def finished(self) -> bool:
@@ -90,10 +116,20 @@ class Request:
 
 @dataclass
 class Planned:
-    """One entry of a micro-batch being formed."""
+    """One entry of a micro-batch being formed: ``length`` tokens of ``request``; ``sampled`` is
+    set when it is sent: whether it ends the request's prefill or is a decode token."""
     request: Request
     length: int
-    logits: bool
+    sampled: bool = False
+
+
+@dataclass
+class Sent:
+    """A micro-batch in flight: its entries, and when it left."""
+    planned: list[Planned]
+    sent_s: float
+    prefill: int
+    decode: int
 
 
 class Engine:
@@ -103,82 +139,173 @@ class Engine:
         self.session, self.policy, self.depth, self.max_running = session, policy, max(1, depth), max_running
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self._in_flight: dict[int, list[Planned]] = {}
-        self._lock = threading.Condition()
+        self._in_flight: dict[int, Sent] = {}
+        self._lock = threading.RLock()
+        self._arrived = threading.Condition(self._lock)
+        self._admissions = 0
+        pools = session.pipe.pools()
+        self.block_size = pools[0].block_size if pools else 16
+        self.kv_blocks = min((p.blocks for p in pools), default=0)
         self.micro_batches = 0
+        self.preemptions = 0
+        self.log: list[dict] = []  # per micro-batch: when it left and came back, prefill and decode tokens
 
+    # --- requests -----------------------------------------------------------------------------
     def add(self, request: Request) -> Request:
-        with self._lock:
+        with self._arrived:
             self.waiting.append(request)
-            self._lock.notify_all()
+            self._arrived.notify_all()
         return request
 
+    def admit(self, r: Request) -> bool:
+        """Move ``r`` from waiting to running (for a policy); False if it cannot run now."""
+        if len(self.running) >= self.max_running:
+            return False
+        if self.kv_blocks and self._blocks(r.max_len) > self.kv_blocks:
+            self._finish(r, "error", f"RESOURCE_EXHAUSTED: {r.max_len} positions need {self._blocks(r.max_len)} "
+                                     f"KV blocks; the tightest stage's pool has {self.kv_blocks}")
+            return False
+        self.waiting.remove(r)
+        self._admissions += 1
+        r.admitted = self._admissions
+        self.running.append(r)
+        return True
+
+    def finish(self, r: Request, reason: str, error: str = "") -> None:
+        """End ``r`` now (a stop string matched, the client went away, ...) and free its sequence."""
+        with self._lock:
+            self._finish(r, reason, error)
+
+    def fail_all(self, error: str) -> None:
+        """The pipeline broke: every request not done ends with ``error``."""
+        with self._lock:
+            for r in list(self.running) + list(self.waiting):
+                self._finish(r, "error", error)
+            self._in_flight.clear()
+
+    # --- KV blocks ----------------------------------------------------------------------------
+    def _blocks(self, positions: int) -> int:
+        return math.ceil(positions / self.block_size)
+
+    def used_blocks(self) -> int:
+        return sum(self._blocks(r.laid_out) for r in self.running)
+
+    def kv_free(self) -> float:
+        """The tightest stage's free share of its KV pool, as this engine has laid it out (1 without pools)."""
+        return 1.0 - self.used_blocks() / self.kv_blocks if self.kv_blocks else 1.0
+
+    def _needed(self, planned: list[Planned]) -> int:
+        return sum(self._blocks(p.request.laid_out + p.length) - self._blocks(p.request.laid_out) for p in planned)
+
+    def _make_room(self, planned: list[Planned]) -> list[Planned]:
+        """``planned`` with the blocks it needs: while they are short, the newest request not in
+        flight is preempted (its entry dropped if it had one), so the oldest keep going."""
+        if not self.kv_blocks:
+            return planned
+        while planned and self._needed(planned) > self.kv_blocks - self.used_blocks():
+            inside = {id(p.request) for p in planned}
+            idle = [r for r in self.running if r.in_flight == 0 and (r.laid_out or id(r) in inside)]
+            if not idle:
+                return []  # every block belongs to micro-batches in flight: wait for them
+            victim = max(idle, key=lambda r: r.admitted)
+            planned = [p for p in planned if p.request is not victim]
+            if victim.laid_out:
+                self._preempt(victim)
+        return planned
+
+    def _preempt(self, r: Request) -> None:
+        """Free ``r``'s blocks; it recomputes its prompt and tokens when it runs again."""
+        if r.laid_out:
+            self.session.close_sequences([r.id])
+        r.id = random.getrandbits(63)
+        r._restart(r.prompt + r.tokens)
+        r.preemptions += 1
+        self.preemptions += 1
+        self.running.remove(r)
+        self.waiting.insert(0, r)
+
+    # --- the loop -----------------------------------------------------------------------------
     def run(self, until_idle: bool = True, stop: threading.Event | None = None) -> None:
         """Schedule and collect until every request added is done (``until_idle``), or ``stop`` is set."""
         while not (stop and stop.is_set()):
-            with self._lock:
-                self._admit()
-                if not self.running and not self._in_flight:
+            with self._arrived:
+                if not self.running and not self.waiting and not self._in_flight:
                     if until_idle:
                         return
-                    self._lock.wait(0.1)
+                    self._arrived.wait(0.1)
                     continue
             while len(self._in_flight) < self.depth and self._send_one():
                 pass
             if self._in_flight:
                 self._collect()
-
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running:
-            self.running.append(self.waiting.pop(0))
+            else:
+                with self._arrived:  # nothing could be sent (waiting on arrivals, or memory)
+                    self._arrived.wait(0.01)
 
     def _send_one(self) -> bool:
-        planned = self.policy.form([r for r in self.running if r.ready], self)
-        if not planned:
-            return False
-        entries, tokens = [], []
-        for p in planned:
-            r = p.request
-            start = r.laid_out
-            if r.prefilling:
-                tokens += r.prompt[start:start + p.length]
-                r.chunk += 1
-            else:
-                tokens.append(r.tokens[-1])
-            entries.append(pb.Entry(sequence_id=r.id, start=start, length=p.length,
-                                    logits=pb.LAST_LOGITS if p.logits else pb.NO_LOGITS,
-                                    max_len=r.max_len if start == 0 else 0))
-            r.laid_out += p.length
-            r.in_flight += 1
+        with self._lock:
+            planned = self._make_room(self.policy.form(self))
+            if not planned:
+                return False
+            entries, tokens = [], []
+            prefill = decode = 0
+            for p in planned:
+                r = p.request
+                start = r.laid_out
+                p.sampled = not r.prefilling or start + p.length == len(r.prefix)
+                if r.prefilling:
+                    tokens += r.prefix[start:start + p.length]
+                    prefill += p.length
+                else:
+                    tokens.append(r.tokens[-1])
+                    decode += 1
+                entries.append(pb.Entry(sequence_id=r.id, start=start, length=p.length,
+                                        logits=pb.LAST_LOGITS if p.sampled else pb.NO_LOGITS,
+                                        max_len=r.max_len if start == 0 else 0))
+                r.laid_out += p.length
+                r.in_flight += 1
         mb = self.session.submit(entries, torch.tensor(tokens, dtype=torch.long))
-        self._in_flight[mb] = planned
+        self._in_flight[mb] = Sent(planned, time.monotonic(), prefill, decode)
         self.micro_batches += 1
         return True
 
     def _collect(self) -> None:
         watch = [r.id for r in self.running]
         result = self.session.wait_any(list(self._in_flight), watch)
-        planned = self._in_flight.pop(result.micro_batch)
-        rows, samplers, owners = [], [], []
-        row = 0
-        for p in planned:
-            r = p.request
-            r.in_flight -= 1
-            if p.logits:
-                if r.id not in result.failed and not r.finished:
-                    rows.append(row)
-                    samplers.append(r.sampler)
-                    owners.append(r)
-                row += 1
-            if r.id in result.failed:
-                code, message = result.failed[r.id]
+        now = time.monotonic()
+        with self._lock:
+            sent = self._in_flight.pop(result.micro_batch)
+            self.log.append({"sent_s": sent.sent_s, "back_s": now, "prefill": sent.prefill, "decode": sent.decode})
+            rows, samplers, owners = [], [], []
+            row = 0
+            for p in sent.planned:
+                r = p.request
+                r.in_flight -= 1
+                failed = result.failed.get(r.id)
+                if p.sampled:
+                    if failed is None and not r.finished and r in self.running:
+                        rows.append(row)
+                        samplers.append(r.sampler)
+                        owners.append(r)
+                    row += 1
+                if failed is not None and not r.finished and r in self.running:
+                    self._refused(r, *failed)
+            if rows:
+                for r, token in zip(owners, sample(samplers, result.logits[rows])):
+                    self._take(r, token, now)
+            self.policy.observe(result, sent, self)
+
+    def _refused(self, r: Request, code: str, message: str) -> None:
+        """A daemon failed ``r``'s sequence: out of KV blocks, it waits and recomputes (once its
+        entries still in flight are back); otherwise it ends with the error."""
+        if code != "RESOURCE_EXHAUSTED":
+            self._finish(r, "error", f"{code}: {message}")
+        elif r.in_flight == 0:
+            r.refusals += 1
+            if r.refusals > MAX_REFUSALS:
                 self._finish(r, "error", f"{code}: {message}")
-        if rows:
-            picked = sample(samplers, result.logits[rows])
-            now = time.monotonic()
-            for r, token in zip(owners, picked):
-                self._take(r, token, now)
-        self.policy.observe(result, planned, self)
+            else:
+                self._preempt(r)
 
     def _take(self, r: Request, token: int, now: float) -> None:
         if r.first_token_s is None:
@@ -190,11 +317,6 @@ class Engine:
             self._finish(r, "eos")
         elif len(r.tokens) >= r.max_new_tokens:
             self._finish(r, "length")
-
-    def finish(self, r: Request, reason: str, error: str = "") -> None:
-        """End ``r`` now (a stop string matched, the client went away, ...) and free its sequence."""
-        with self._lock:
-            self._finish(r, reason, error)
 
     def _finish(self, r: Request, reason: str, error: str = "") -> None:
         if r.finished:
@@ -209,10 +331,3 @@ class Engine:
         r.done.set()
         if r.on_done is not None:
             r.on_done(r)
-
-    def fail_all(self, error: str) -> None:
-        """The pipeline broke: every request not done ends with ``error``."""
-        with self._lock:
-            for r in list(self.running) + list(self.waiting):
-                self._finish(r, "error", error)
-            self._in_flight.clear()

@@ -39,7 +39,7 @@ class JobConfig:
     truncate: str = "none"  # none | head (keep the start) | tail (keep the end)
     parallel: int = 16      # documents in flight at once
     strategy: str | None = None
-    policy: str = "batched"  # how micro-batches are formed (runtime.policies)
+    policy: str = "gllm"     # how micro-batches are formed (runtime.policies)
     ignore_eos: bool = False  # decode max_new_tokens whatever the model says (for benchmarks)
 
 
@@ -86,6 +86,16 @@ def done_documents(results: Path) -> set[str]:
             if "answer" in row and "error" not in row:
                 done.add(row["document"])
     return done
+
+
+def plan_slicer(plan: Plan, strategy: str | None = None):
+    """A request's prefill slicing from the plan: its schedule for the length, and a preempted
+    request's longer prefix (prompt and generated tokens) as that plus one slice for the rest."""
+    def slices(n: int) -> list[int]:
+        if n <= plan.max_len:
+            return plan.slices_for(n, strategy)
+        return plan.slices_for(plan.max_len, strategy) + [n - plan.max_len]
+    return slices
 
 
 def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: Path, job: JobConfig) -> dict:
@@ -135,8 +145,7 @@ def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: P
                 ids, dropped = build_prompt(tokenizer, job.instruction, read_document(name), job.chat, plan.max_len,
                                             job.truncate)
                 request = Request(ids, max(1, min(job.max_new_tokens, plan.model.max_position_embeddings - len(ids))),
-                                  eos=eos, slices=plan.slices_for(len(ids), strategy), tag=(name, dropped),
-                                  on_done=finished)
+                                  eos=eos, slicer=plan_slicer(plan, strategy), tag=(name, dropped), on_done=finished)
             except HpipeError as e:
                 failures[name] = str(e)
                 log.error("%s: %s", name, e)

@@ -1,67 +1,127 @@
 """How the engine fills each micro-batch: which decode tokens and prefill chunks go in.
 
-A policy's ``form(ready, engine)`` returns the entries of the next micro-batch (each request at
-most once) from the requests that can have an entry now; ``observe(result, planned, engine)``
-sees every micro-batch's outcome. A request's prompt is always cut where its slices say (the
-plan's Algorithm-2 slicing for its length), so a lone long document is HPipe's pipelined prefill.
+A policy's ``form(engine)`` returns the entries of the next micro-batch (each request at most
+once), admitting waiting requests as it schedules their first chunk; ``observe(result, sent,
+engine)`` sees every micro-batch's outcome. Prompt chunks never cross the plan's slice boundaries
+(Algorithm 2's slicing for the prompt's length), so a lone long document is HPipe's pipelined
+prefill whatever the policy.
+
+- ``gllm`` (gLLM's Token Throttling, ``docs/decisions/scheduler.md``): decode tokens spread evenly
+  over the micro-batches in flight, ``#D = ceil(running decode requests / depth)`` (eq. 4); prefill
+  tokens ``#P = max(min(#WP / T, MaxP (KVfree - KVthresh) / (1 - KVthresh)), MinP)`` (eq. 3),
+  where ``#WP`` is every prompt token not yet sent, and none at all while the tightest stage's free
+  KV share is under ``KVthresh``.
+- ``sarathi`` (Sarathi-Serve): a fixed token budget per micro-batch, decode tokens first, prefill
+  chunks filling the rest.
+- ``fcfs``: one request at a time, its slices pipelined, then its decode steps.
+- ``single``: one entry per micro-batch, admitted requests in turn: how hpipe ran before batching
+  (with ``hpipe run --parallel 2``), kept to compare with.
 """
 
 from __future__ import annotations
 
-from runtime.engine import Planned, Request
+import math
 
-#: the default most tokens a micro-batch of :class:`Batched` holds (a prefill chunk longer than
-#: this still goes, alone with the decode tokens)
-DEFAULT_MAX_TOKENS = 512
+from runtime.engine import Engine, Planned, Request
 
 
-def _chunk(r: Request) -> Planned:
-    n = r.next_chunk()
-    return Planned(r, n, r.laid_out + n == len(r.prompt))
+def _prefill(engine: Engine, budget: int, planned: list[Planned]) -> None:
+    """Prefill chunks into ``planned``, up to ``budget`` tokens: requests already prefilling first,
+    then waiting ones (admitted as they get their first chunk), oldest first."""
+    busy = {id(p.request) for p in planned}
+    for r in sorted((r for r in engine.running if r.prefilling and r.ready and id(r) not in busy),
+                    key=lambda r: r.arrival_s):
+        if budget <= 0:
+            return
+        n = min(r.next_chunk(), budget)
+        planned.append(Planned(r, n))
+        budget -= n
+    for r in list(engine.waiting):
+        if budget <= 0 or not engine.admit(r):
+            return
+        n = min(r.next_chunk(), budget)
+        planned.append(Planned(r, n))
+        budget -= n
 
 
-class Batched:
-    """Every ready decode token, then prefill chunks, oldest request first, up to ``max_tokens``."""
+def _decoding(engine: Engine) -> list[Request]:
+    """Requests that can have a decode token now, the longest waiting first."""
+    return sorted((r for r in engine.running if not r.prefilling and r.ready), key=lambda r: r.admitted)
 
-    name = "batched"
 
-    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS):
-        self.max_tokens = max_tokens
+class GLLM:
+    name = "gllm"
 
-    def form(self, ready: list[Request], engine) -> list[Planned]:
-        planned = [Planned(r, 1, True) for r in ready if not r.prefilling]
-        budget = self.max_tokens - len(planned)
-        for r in sorted((r for r in ready if r.prefilling), key=lambda r: r.submitted_s):
-            n = r.next_chunk()
-            if n > budget and planned:
-                break
-            planned.append(_chunk(r))
-            budget -= n
+    def __init__(self, max_prefill: int = 512, min_prefill: int = 32, iterations: int = 4,
+                 kv_thresh: float = 0.05):
+        self.max_prefill, self.min_prefill, self.iterations, self.kv_thresh = \
+            max_prefill, min_prefill, iterations, kv_thresh
+
+    def form(self, engine: Engine) -> list[Planned]:
+        decoding = sum(1 for r in engine.running if not r.prefilling)
+        quota = math.ceil(decoding / engine.depth)
+        planned = [Planned(r, 1) for r in _decoding(engine)[:quota]]
+        waiting = sum(r.waiting_tokens for r in engine.running if r.prefilling) + \
+            sum(r.waiting_tokens for r in engine.waiting)
+        free = engine.kv_free()
+        if waiting and free >= self.kv_thresh:
+            share = self.max_prefill * (free - self.kv_thresh) / (1 - self.kv_thresh)
+            budget = max(min(waiting / self.iterations, share), self.min_prefill)
+            _prefill(engine, math.ceil(budget), planned)
         return planned
 
-    def observe(self, result, planned, engine) -> None:
+    def observe(self, result, sent, engine) -> None:
+        pass
+
+
+class Sarathi:
+    name = "sarathi"
+
+    def __init__(self, budget: int = 512):
+        self.budget = budget
+
+    def form(self, engine: Engine) -> list[Planned]:
+        planned = [Planned(r, 1) for r in _decoding(engine)[:self.budget]]
+        _prefill(engine, self.budget - len(planned), planned)
+        return planned
+
+    def observe(self, result, sent, engine) -> None:
+        pass
+
+
+class FCFS:
+    name = "fcfs"
+
+    def form(self, engine: Engine) -> list[Planned]:
+        if not engine.running and engine.waiting:
+            engine.admit(engine.waiting[0])
+        for r in engine.running:
+            if r.ready:
+                return [Planned(r, r.next_chunk() if r.prefilling else 1)]
+        return []
+
+    def observe(self, result, sent, engine) -> None:
         pass
 
 
 class OnePerBatch:
-    """One entry per micro-batch, requests in turn: each sequence's decode steps alone through the
-    pipeline, as hpipe ran before it batched (kept to compare with)."""
-
     name = "single"
 
     def __init__(self):
         self._turn = 0
 
-    def form(self, ready: list[Request], engine) -> list[Planned]:
+    def form(self, engine: Engine) -> list[Planned]:
+        while engine.waiting and engine.admit(engine.waiting[0]):
+            pass
+        ready = sorted((r for r in engine.running if r.ready), key=lambda r: r.admitted)
         if not ready:
             return []
-        ready = sorted(ready, key=lambda r: r.submitted_s)
         r = ready[self._turn % len(ready)]
         self._turn += 1
-        return [_chunk(r)] if r.prefilling else [Planned(r, 1, True)]
+        return [Planned(r, r.next_chunk() if r.prefilling else 1)]
 
-    def observe(self, result, planned, engine) -> None:
+    def observe(self, result, sent, engine) -> None:
         pass
 
 
-POLICIES = {"batched": Batched, "single": OnePerBatch}
+POLICIES = {"gllm": GLLM, "sarathi": Sarathi, "fcfs": FCFS, "single": OnePerBatch}

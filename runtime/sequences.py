@@ -3,8 +3,8 @@
 A sequence opens with its first entry in a micro-batch's layout (which declares its max length)
 and takes KV blocks as later layouts extend it. It is freed when its coordinator closes it or
 disconnects, when it fails, or after ``idle_timeout_s`` without being named in a layout or a
-status request. Blocks are given back on the daemon's worker thread (see
-:class:`runtime.stage_server.StageServer`), never while an attention call may read them.
+status request; its blocks go back to the pool at once (:mod:`hpipe.model.kvpool` says why that
+is safe beside a micro-batch being computed).
 """
 
 from __future__ import annotations

@@ -242,11 +242,12 @@ class StageServer:
 
     # --- sequences ----------------------------------------------------------------------------
     def close(self, seq_id: int) -> bool:
-        """Free a sequence: its blocks go back on the worker, after any micro-batch queued before."""
+        """Free a sequence and its blocks now: a micro-batch computed later finds it gone and treats
+        its entries as dead rows (see :mod:`hpipe.model.kvpool` for one already being computed)."""
         seq = self.sequences.pop(seq_id)
         if seq is None:
             return False
-        self._work.put(_DeviceCall(lambda: self._release(seq)))
+        self._release(seq)
         return True
 
     def _free(self, seq_id: int) -> None:

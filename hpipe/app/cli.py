@@ -141,9 +141,10 @@ def _run_parser(sub) -> None:
                     help="documents over the plan's max length: fail (none), keep the start (head) or end (tail)")
     rn.add_argument("--parallel", type=_positive, default=16,
                     help="documents in flight at once: their prefill chunks and decode tokens share micro-batches")
-    rn.add_argument("--policy", choices=["batched", "single"], default="batched",
-                    help="how micro-batches are formed: batched (every ready decode token and prefill chunks, "
-                         "the default), or single (one sequence per micro-batch, as hpipe ran before batching)")
+    rn.add_argument("--policy", choices=["gllm", "sarathi", "fcfs", "single"], default="gllm",
+                    help="how micro-batches are formed (docs/runtime.md): gllm (token throttling, the default), "
+                         "sarathi (a fixed token budget), fcfs (one document at a time), single (one sequence per "
+                         "micro-batch, as hpipe ran before batching)")
     rn.add_argument("--ignore-eos", action="store_true",
                     help="decode --max-new-tokens tokens whatever the model answers (for measurements)")
     rn.add_argument("--strategy", help="run a baseline of the plan instead (base, gpipe, gp-b, terapipe)")

@@ -15,8 +15,11 @@ elsewhere while any other space is free), and grows into the next block. Only a 
 pressure scatters a sequence.
 
 The pool's memory is allocated once (``torch.empty``: on the CPU, pages are committed as they are
-first written). Allocation is thread-safe; a daemon frees blocks only on its worker thread, so no
-block is given to one sequence while another's attention still reads it.
+first written). Allocation and release are thread-safe, and only the daemon's worker thread
+writes keys. A sequence released while a micro-batch that names it is being computed keeps its
+block list, so that computation still finds its slots: it may write into blocks already handed to
+a newer sequence, but that sequence's own micro-batches come later on the same worker and write
+every position before any attention reads it.
 """
 
 from __future__ import annotations
@@ -121,10 +124,13 @@ class KVPool:
         return block
 
     def release(self, seq: "SeqKV") -> None:
+        """Give ``seq``'s blocks back (once; its block list is kept, see the module's note)."""
         with self._lock:
+            if seq.released:
+                return
+            seq.released = True
             self._used[seq.blocks] = False
             self._reserved[seq.extent[0]:seq.extent[1]] = False
-        seq.blocks, seq.extent, seq.leading = [], (0, 0), 0
 
 
 class SeqKV:
@@ -135,6 +141,7 @@ class SeqKV:
         self.blocks: list[int] = []
         self.extent: tuple[int, int] = (0, 0)  # the blocks reserved for it at its first block
         self.leading = 0  # how many of its first blocks are consecutive in the pool
+        self.released = False
 
     @property
     def capacity(self) -> int:
@@ -147,6 +154,8 @@ class SeqKV:
 
     def grow(self, length: int) -> None:
         """Hold positions ``[0, length)``, taking blocks as needed (:class:`PoolExhausted` if none is free)."""
+        if self.released:
+            raise HpipeError("the sequence's blocks were given back")
         if length > self.max_len:
             raise HpipeError(f"positions up to {length} exceed the sequence's declared max length {self.max_len}")
         while self.capacity < length:

@@ -20,7 +20,7 @@ from hpipe.core.units import UnitRange
 from hpipe.model import packed
 from hpipe.model.kvcache import StageCache
 from hpipe.model.kvpool import BatchKV, Entry, KVPool
-from hpipe.model.layers import Attention, FeedForward, build_unit, checkpoint_names
+from hpipe.model.layers import Attention, FeedForward, build_unit, checkpoint_names, fused_rows
 from hpipe.model.rope import cos_sin, inverse_frequencies
 from hpipe.model.weights import WeightStore
 
@@ -64,8 +64,8 @@ class StageModel(nn.Module):
         stage = cls(cfg, units, dtype=dtype, device=device)
         for u, module in stage.blocks.items():
             names = checkpoint_names(cfg, int(u), module)
-            tensors = store.load(list(set(names.values())))
-            state = {p: tensors[n].to(device=stage.device, dtype=dtype) for p, n in names.items()}
+            state = {p: store.load_stacked(list(parts)).to(device=stage.device, dtype=dtype)
+                     for p, parts in names.items()}
             module.load_state_dict(state, assign=True, strict=True)
         return stage._finish(pack)
 
@@ -85,9 +85,9 @@ class StageModel(nn.Module):
             return
         for block in self.blocks.values():
             if isinstance(block, Attention):
-                packed.pack_linears(block, ("q_proj", "k_proj", "v_proj", "o_proj"))
+                packed.pack_linears(block, ("qkv_proj", "o_proj"))
             elif isinstance(block, FeedForward):
-                packed.pack_linears(block, ("gate_proj", "up_proj", "down_proj"))
+                packed.pack_linears(block, ("gate_up_proj", "down_proj"))
 
     def _tie_embeddings(self) -> None:
         # One tensor for embedding and LM head when the model ties them and this stage has both.
@@ -103,15 +103,20 @@ class StageModel(nn.Module):
         for u, module in stage.blocks.items():
             names = checkpoint_names(cfg, int(u), module)
             state = {}
-            for p, hf_name in names.items():
+            for p, parts in names.items():
                 shape = module.get_parameter(p).shape
-                digest = hashlib.sha256(f"{seed}:{hf_name}".encode()).digest()
-                gen = torch.Generator(device=stage.device).manual_seed(int.from_bytes(digest[:8], "little"))
-                if p.endswith("layernorm.weight") or p == "norm.weight":
-                    t = torch.ones(shape, device=stage.device, dtype=dtype)
-                else:
-                    t = torch.empty(shape, device=stage.device, dtype=dtype).normal_(0.0, 0.02, generator=gen)
-                state[p] = t
+                rows = fused_rows(cfg, p) if len(parts) > 1 else (shape[0],)
+                pieces = []
+                for hf_name, n in zip(parts, rows):
+                    piece = (n, *shape[1:])
+                    if p.endswith("layernorm.weight") or p == "norm.weight":
+                        pieces.append(torch.ones(piece, device=stage.device, dtype=dtype))
+                        continue
+                    digest = hashlib.sha256(f"{seed}:{hf_name}".encode()).digest()
+                    gen = torch.Generator(device=stage.device).manual_seed(int.from_bytes(digest[:8], "little"))
+                    pieces.append(torch.empty(piece, device=stage.device, dtype=dtype).normal_(0.0, 0.02,
+                                                                                                generator=gen))
+                state[p] = _stacked(pieces)
             module.load_state_dict(state, assign=True, strict=True)
         return stage._finish(pack)
 
@@ -217,3 +222,8 @@ def logit_rows(entries: list[Entry]) -> list[int] | None:
             rows.append(off + e.length - 1)
         off += e.length
     return rows or None
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One checkpoint tensor as it is, or several stacked along dim 0 (a fused projection)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)

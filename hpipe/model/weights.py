@@ -85,6 +85,33 @@ class WeightStore:
             self._headers[path] = read_header(path)
         return self._headers[path]
 
+    def load_stacked(self, names: list[str]) -> torch.Tensor:
+        """Tensors of one dtype and trailing shape stacked along dim 0, read straight into one
+        buffer (a fused projection: no piece allocated and freed on the way)."""
+        if len(names) == 1:
+            return self.load(names)[names[0]]
+        entries = []
+        for n in names:
+            if n not in self._files:
+                raise ModelSourceError(f"{self.directory}: checkpoint lacks tensor {n!r}")
+            header, start = self._header(self._files[n])
+            entries.append((n, header.get(n), start))
+        try:
+            dtypes = {DTYPES[e["dtype"]] for _, e, _ in entries}
+            tails = {tuple(int(d) for d in e["shape"][1:]) for _, e, _ in entries}
+        except (KeyError, TypeError, ValueError):
+            dtypes, tails = set(), set()
+        if len(dtypes) != 1 or len(tails) != 1:
+            return torch.cat([self.load([n])[n] for n in names])
+        rows = [int(e["shape"][0]) for _, e, _ in entries]
+        out = torch.empty(sum(rows), *tails.pop(), dtype=dtypes.pop())
+        at = 0
+        for (n, entry, start), r in zip(entries, rows):
+            with open(self._files[n], "rb") as f:
+                _read_tensor(f, self._files[n], n, entry, start, out=out[at:at + r])
+            at += r
+        return out
+
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
         missing = [n for n in names if n not in self._files]
         if missing:
@@ -101,7 +128,8 @@ class WeightStore:
         return out
 
 
-def _read_tensor(f, path: Path, name: str, entry: dict | None, data_start: int) -> torch.Tensor:
+def _read_tensor(f, path: Path, name: str, entry: dict | None, data_start: int,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     if entry is None:
         raise ModelSourceError(f"{path}: has no tensor {name!r} (the index says it does)")
     try:
@@ -114,8 +142,10 @@ def _read_tensor(f, path: Path, name: str, entry: dict | None, data_start: int) 
     if end - begin != numel * itemsize or begin < 0 or min(shape, default=0) < 0:
         raise ModelSourceError(f"{path}: tensor {name!r} spans {end - begin} bytes, its shape {shape} "
                                f"needs {numel * itemsize}")
-    buf = torch.empty(end - begin, dtype=torch.uint8)
+    if out is not None and (out.dtype != dtype or list(out.shape) != shape):
+        raise ModelSourceError(f"{path}: tensor {name!r} is {shape} {entry['dtype']}, not what it is stacked with")
+    buf = torch.empty(end - begin, dtype=torch.uint8) if out is None else out.view(-1).view(torch.uint8)
     f.seek(data_start + begin)
     if f.readinto(memoryview(buf.numpy())) != end - begin:
         raise ModelSourceError(f"{path}: truncated (tensor {name!r} runs past the end of the file)")
-    return buf.view(dtype).reshape(shape)
+    return buf.view(dtype).reshape(shape) if out is None else out

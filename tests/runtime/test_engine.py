@@ -1,0 +1,97 @@
+"""The engine over real daemons: every policy gives each request the tokens it gets alone, and a
+KV pool too small for the load preempts and recomputes, losing nothing."""
+
+import time
+
+import pytest
+import torch
+
+from hpipe.model.generate import LocalModel, decode_loop
+from hpipe.model.sampling import Sampler
+from hpipe.model.sources import resolve_model
+from runtime.coordinator import Pipeline, cut_stages
+from runtime.engine import Engine, Request
+from runtime.policies import POLICIES
+from runtime.wire import pb
+from tests.cluster_helpers import Served, cluster_of
+
+BLOCK = 2 * 2 * 16 * 16 * 4  # a block of one layer of the tiny llama: K and V, 2 KV heads of 16, 16 tokens
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs):
+    path = tiny_dirs["llama"]
+    source = resolve_model(str(path))
+    daemons = [Served(f"d{i}") for i in range(3)]
+    pipe = Pipeline(cluster_of(*daemons))
+    yield pipe, source, str(path)
+    pipe.close()
+    for d in daemons:
+        d.stop()
+
+
+def workload(n: int, vocab: int):
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, vocab, (int(k),), generator=gen).tolist()
+               for k in torch.randint(3, 40, (n,), generator=gen)]
+    news = [int(k) for k in torch.randint(1, 20, (n,), generator=gen)]
+    return prompts, news
+
+
+def alone(source, prompts, news):
+    model = LocalModel(source)
+    return [decode_loop(model.open(len(p) + m), p, max_new_tokens=m, sampler=Sampler(), eos_ids=[],
+                        slices=[len(p)])[0] for p, m in zip(prompts, news)]
+
+
+def chunks(n: int) -> list[int]:
+    """Slices of 7 tokens (the plan's stand-in), so prompts span several micro-batches."""
+    return [7] * (n // 7) + ([n % 7] if n % 7 else [])
+
+
+def run(pipe, prompts, news, policy: str, max_running: int = 64) -> tuple[list, Engine]:
+    session = pipe.session()
+    try:
+        engine = Engine(session, POLICIES[policy](), depth=len(pipe.stages), max_running=max_running)
+        requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
+        engine.run()
+    finally:
+        session.close()
+    assert all(r.stop_reason == "length" and not r.error for r in requests), [r.error for r in requests]
+    return [r.tokens for r in requests], engine
+
+
+def pools_empty(pipe, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        status = [c.call("Status", pb.StatusRequest()) for c in pipe.clients]
+        if all(s.open_sequences == 0 and all(p.used_blocks == 0 for p in s.pools) for s in status):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_policy_gives_each_request_its_own_tokens(tiny, policy):
+    pipe, source, path = tiny
+    cfg = source.config
+    pipe.deploy(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32)
+    prompts, news = workload(12, cfg.vocab_size)
+    tokens, engine = run(pipe, prompts, news, policy, max_running=2 if policy == "single" else 64)
+    assert tokens == alone(source, prompts, news)
+    if policy in ("gllm", "sarathi"):  # several requests per micro-batch
+        assert engine.micro_batches < sum(news) + sum(len(chunks(len(p))) for p in prompts)
+    assert pools_empty(pipe)
+
+
+def test_a_pool_too_small_for_the_load_preempts_and_loses_nothing(tiny):
+    pipe, source, path = tiny
+    cfg = source.config
+    prompts, news = workload(24, cfg.vocab_size)
+    # each stage's pool: 20 blocks of 16 tokens, about a quarter of what the 24 requests hold at once
+    pipe.deploy(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32, kv_pool_bytes=20 * BLOCK)
+    assert min(p.blocks for p in pipe.pools()) == 20
+    tokens, engine = run(pipe, prompts, news, "sarathi")
+    assert tokens == alone(source, prompts, news)
+    assert engine.preemptions > 0
+    assert pools_empty(pipe)
