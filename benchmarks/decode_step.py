@@ -21,7 +21,7 @@ import torch
 
 from hpipe.core.units import even_cuts, ranges_from_cuts
 from hpipe.model import StageModel
-from hpipe.model.kvpool import Entry, KVPool
+from hpipe.model.kvpool import Entry
 from hpipe.model.sources import resolve_model
 
 

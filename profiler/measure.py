@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from tqdm import tqdm
 
-from hpipe.core.cluster import ClusterSpec
+from hpipe.core.cluster import ClusterSpec, memory_system
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import HpipeError
 from hpipe.core.profile import DTYPE_BYTES, ComputeGrid, DaemonProfile, LinkProfile, Profile
@@ -82,9 +82,9 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
                 raise daemon_error(d, "is down or unreachable", e) from None
         steal0 = {d.name: _steal(clients[d.name]) for d in cluster.daemons}
 
-        def share_key(d):  # CPU daemons on one machine share its RAM; GPU daemons share their GPU
+        def share_key(d):
             info = infos[d.name]
-            return (info.host_id or d.host, "cpu" if info.device == "cpu" else d.device)
+            return memory_system(info.host_id or d.host, "cpu" if info.device == "cpu" else d.device)
 
         groups: dict[tuple, list] = {}
         for d in cluster.daemons:

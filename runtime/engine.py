@@ -53,6 +53,7 @@ class Request:
     on_token: Callable[["Request", int], None] | None = None
     on_done: Callable[["Request"], None] | None = None
     tag: object = None                         # the caller's, e.g. a document's name
+    logprobs: int | None = None                # keep each token's log-probability and this many alternatives
     arrival_s: float = field(default_factory=time.monotonic)
     # state
     id: int = field(default_factory=lambda: random.getrandbits(63))
@@ -69,6 +70,7 @@ class Request:
     first_token_s: float | None = None
     done_s: float | None = None
     sampler: Sampler | None = None
+    token_logprobs: list = field(default_factory=list)  # (token, logprob, [(token, logprob)] * logprobs)
     done: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
@@ -137,6 +139,7 @@ class Engine:
 
     def __init__(self, session: Session, policy, depth: int, max_running: int = 64):
         self.session, self.policy, self.depth, self.max_running = session, policy, max(1, depth), max_running
+        self.memories = max(1, session.pipe.memories)  # independent memory systems in the pipeline
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._in_flight: dict[int, Sent] = {}
@@ -291,7 +294,10 @@ class Engine:
                 if failed is not None and not r.finished and r in self.running:
                     self._refused(r, *failed)
             if rows:
-                for r, token in zip(owners, sample(samplers, result.logits[rows])):
+                logits = result.logits[rows]
+                for i, (r, token) in enumerate(zip(owners, sample(samplers, logits))):
+                    if r.logprobs is not None:
+                        r.token_logprobs.append(_logprobs(logits[i], token, r.logprobs))
                     self._take(r, token, now)
             self.policy.observe(result, sent, self)
 
@@ -331,3 +337,12 @@ class Engine:
         r.done.set()
         if r.on_done is not None:
             r.on_done(r)
+
+
+def _logprobs(row: torch.Tensor, token: int, top: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """The model's log-probability of ``token`` and its ``top`` likeliest tokens (before any sampling
+    parameter reshaped the distribution)."""
+    lp = torch.log_softmax(row.float(), dim=-1)
+    best = torch.topk(lp, top) if top else None
+    alternatives = list(zip(best.indices.tolist(), best.values.tolist())) if best is not None else []
+    return token, float(lp[token]), alternatives

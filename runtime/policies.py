@@ -7,7 +7,10 @@ engine)`` sees every micro-batch's outcome. Prompt chunks never cross the plan's
 prefill whatever the policy.
 
 - ``gllm`` (gLLM's Token Throttling, ``docs/decisions/scheduler.md``): decode tokens spread evenly
-  over the micro-batches in flight, ``#D = ceil(running decode requests / depth)`` (eq. 4); prefill
+  over the micro-batches in flight, ``#D = ceil(running decode requests / depth)`` (eq. 4), where
+  the depth counts the pipeline's independent memory systems, not its stages (a decode step reads
+  every weight whatever its batch: stages sharing one memory gain nothing from more, smaller
+  decode micro-batches and pay for every extra read); prefill
   tokens ``#P = max(min(#WP / T, MaxP (KVfree - KVthresh) / (1 - KVthresh)), MinP)`` (eq. 3),
   where ``#WP`` is every prompt token not yet sent, and none at all while the tightest stage's free
   KV share is under ``KVthresh``.
@@ -25,21 +28,30 @@ import math
 from runtime.engine import Engine, Planned, Request
 
 
-def _prefill(engine: Engine, budget: int, planned: list[Planned]) -> None:
-    """Prefill chunks into ``planned``, up to ``budget`` tokens: requests already prefilling first,
-    then waiting ones (admitted as they get their first chunk), oldest first."""
+def _prefill(engine: Engine, budget: int, planned: list[Planned], shortest_first: bool) -> None:
+    """Prefill chunks into ``planned``, up to ``budget`` tokens, from requests prefilling and then
+    waiting ones (admitted as they get their first chunk), oldest first; or, ``shortest_first``,
+    the fewest prompt tokens left first, so a short request is never stuck behind a long document's
+    prefill (head-of-line blocking). A lone prompt with nothing else to do takes its plan slices
+    whole, whatever the budget: HPipe's pipelined prefill."""
     busy = {id(p.request) for p in planned}
-    for r in sorted((r for r in engine.running if r.prefilling and r.ready and id(r) not in busy),
-                    key=lambda r: r.arrival_s):
+    running = sorted((r for r in engine.running if r.prefilling and r.ready and id(r) not in busy),
+                     key=lambda r: r.arrival_s)
+    candidates = running + list(engine.waiting)
+    if shortest_first:
+        candidates.sort(key=lambda r: r.waiting_tokens)  # stable: the oldest first among equals
+    lone = len(candidates) == 1 and not planned
+    admitting = True
+    for r in candidates:
         if budget <= 0:
             return
-        n = min(r.next_chunk(), budget)
-        planned.append(Planned(r, n))
-        budget -= n
-    for r in list(engine.waiting):
-        if budget <= 0 or not engine.admit(r):
-            return
-        n = min(r.next_chunk(), budget)
+        if r in engine.waiting:
+            if not admitting:
+                continue
+            if not engine.admit(r):
+                admitting = r.finished  # refused for good (too long): the next may still fit
+                continue
+        n = r.next_chunk() if lone else min(r.next_chunk(), budget)
         planned.append(Planned(r, n))
         budget -= n
 
@@ -59,7 +71,7 @@ class GLLM:
 
     def form(self, engine: Engine) -> list[Planned]:
         decoding = sum(1 for r in engine.running if not r.prefilling)
-        quota = math.ceil(decoding / engine.depth)
+        quota = math.ceil(decoding / min(engine.memories, engine.depth))
         planned = [Planned(r, 1) for r in _decoding(engine)[:quota]]
         waiting = sum(r.waiting_tokens for r in engine.running if r.prefilling) + \
             sum(r.waiting_tokens for r in engine.waiting)
@@ -67,7 +79,7 @@ class GLLM:
         if waiting and free >= self.kv_thresh:
             share = self.max_prefill * (free - self.kv_thresh) / (1 - self.kv_thresh)
             budget = max(min(waiting / self.iterations, share), self.min_prefill)
-            _prefill(engine, math.ceil(budget), planned)
+            _prefill(engine, math.ceil(budget), planned, shortest_first=True)
         return planned
 
     def observe(self, result, sent, engine) -> None:
@@ -82,7 +94,7 @@ class Sarathi:
 
     def form(self, engine: Engine) -> list[Planned]:
         planned = [Planned(r, 1) for r in _decoding(engine)[:self.budget]]
-        _prefill(engine, self.budget - len(planned), planned)
+        _prefill(engine, self.budget - len(planned), planned, shortest_first=False)
         return planned
 
     def observe(self, result, sent, engine) -> None:

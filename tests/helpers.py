@@ -20,14 +20,14 @@ FAMILIES = {
 
 
 def make_tiny_model(family: str, directory: Path, *, vocab_size: int = 384, layers: int = 3,
-                    tokenizer_from: Path | None = None) -> Path:
+                    tokenizer_from: Path | None = None, context: int = 96) -> Path:
     """Save a random-weight model of ``family`` (HF format, safetensors) into ``directory``."""
     import transformers
 
     spec = FAMILIES[family]
     cfg = getattr(transformers, spec["cfg"])(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96, rms_norm_eps=1e-5,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context, rms_norm_eps=1e-5,
         initializer_range=0.3, **spec["extra"],
     )
     torch.manual_seed(1234)

@@ -170,6 +170,14 @@ def _bench_parser(sub) -> None:
                                       "(predicted_now_s)")
     bn.add_argument("--chart", help="chart (PNG): measured vs predicted latency, and hpipe's pipeline as it ran "
                     "(under the one planned, with --profile)")
+    bn.add_argument("--workload", help="replay requests instead of one prefill: a JSONL file of arrival_s, "
+                                       "prompt_tokens, output_tokens per line; a bundled one by name ('mixed'); or "
+                                       "'generate' (--requests, --rate, --seed)")
+    bn.add_argument("--policies", default="gllm,sarathi,fcfs", help="with --workload: the policies to compare")
+    bn.add_argument("--requests", type=_positive, default=64, help="with --workload generate: how many")
+    bn.add_argument("--rate", type=float, help="with --workload generate: Poisson arrivals a second (default: all at once)")
+    bn.add_argument("--seed", type=int, default=0, help="with --workload: lengths, arrivals and prompts")
+    bn.add_argument("--kv-pool-mb", type=_positive, help="with --workload: each daemon's KV pools in all, MiB")
     bn.add_argument("--json", action="store_true")
     bn.set_defaults(func=commands.bench)
 
@@ -196,6 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_parser(sub)
     _run_parser(sub)
     _bench_parser(sub)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible API (chat, completions, streaming) over a plan")
+    sv.add_argument("--plan", required=True)
+    sv.add_argument("--cluster", help="cluster file (token, TLS); default: the plan's daemon addresses")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    sv.add_argument("--port", type=_positive, default=8000)
+    sv.add_argument("--api-key-file", help="clients must send this key as a Bearer token (required beyond loopback)")
+    sv.add_argument("--policy", choices=["gllm", "sarathi", "fcfs", "single"], default="gllm")
+    sv.add_argument("--max-queue", type=_positive, default=256,
+                    help="requests waiting to start before new ones get 429 (and as many running at once)")
+    sv.add_argument("--served-model-name", help="the model's id in the API (default: the plan's model)")
+    sv.set_defaults(func=commands.serve)
 
     d = sub.add_parser("demo", help="the main job on built-in defaults: local cluster, SmolLM2, sample report")
     d.add_argument("--cluster", help="default: clusters/emulated-hetero.yaml as root, else clusters/local-3.yaml")

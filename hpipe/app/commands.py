@@ -281,6 +281,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
+    if args.workload:
+        return bench_workload(args)
     from hpipe.app.bench import bench as run_bench
     from hpipe.app.bench import table
     from runtime.coordinator import Pipeline
@@ -302,6 +304,55 @@ def bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def bench_workload(args: argparse.Namespace) -> int:
+    from hpipe.app.workload_bench import run_workload, table
+    from hpipe.core import workload
+    from runtime.coordinator import Pipeline
+
+    if args.workload == "generate":
+        items = workload.generate(args.requests, args.seed, rate=args.rate)
+    else:
+        items = workload.load(args.workload)
+    the_plan = load_plan(args.plan)
+    too_long = [w for w in items if w.prompt_tokens + w.output_tokens > the_plan.model.max_position_embeddings]
+    if too_long:
+        raise InputError(f"{len(too_long)} requests run past the model's context of "
+                         f"{the_plan.model.max_position_embeddings} tokens")
+    pipe = Pipeline(cluster_for(the_plan, args.cluster))
+    try:
+        result = run_workload(the_plan, pipe, items, [p.strip() for p in args.policies.split(",")],
+                              rounds=args.repeat, seed=args.seed, kv_pool_bytes=(args.kv_pool_mb or 0) << 20)
+    finally:
+        pipe.close()
+    print(table(result), file=sys.stderr)
+    if args.chart:
+        from hpipe.app.workload_chart import draw
+
+        draw(result, args.chart)
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "runs"} | {"runs": {
+            p: [{k: v for k, v in run.items() if k not in ("outputs", "log")} for run in rs]
+            for p, rs in result["runs"].items()}}))
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    from hpipe.app.serve import read_key
+    from hpipe.app.serve import serve as run_server
+    from hpipe.model.sources import resolve_model
+    from runtime.coordinator import Pipeline
+
+    the_plan = load_plan(args.plan)
+    key = read_key(args.api_key_file)
+    source = resolve_model(the_plan.model_name)
+    pipe = Pipeline(cluster_for(the_plan, args.cluster))
+    try:
+        return run_server(the_plan, pipe, source, host=args.host, port=args.port, api_key=key, policy=args.policy,
+                          max_queue=args.max_queue, model_name=args.served_model_name)
+    finally:
+        pipe.close()
 
 
 def demo(args: argparse.Namespace) -> int:

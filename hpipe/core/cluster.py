@@ -169,6 +169,13 @@ class DaemonSpec(DaemonOptions):
         return DaemonOptions(**{f.name: getattr(self, f.name) for f in fields(DaemonOptions)})
 
 
+def memory_system(host_id: str, device: str) -> tuple[str, str]:
+    """Which memory a daemon computes from, as a key: CPU daemons on one machine (``host_id``)
+    share its RAM and its memory bandwidth; a GPU daemon has its GPU's (shared only by MPS
+    daemons on the same GPU)."""
+    return host_id, "cpu" if device.startswith("cpu") else device
+
+
 def split_address(address: str, who: str) -> tuple[str, int]:
     m = re.match(r"^([^:\s\[\]]+):(\d+)$|^\[([0-9a-fA-F:]+)\]:(\d+)$", address)
     if not m:

@@ -57,15 +57,22 @@ class GenerationResult:
         }
 
 
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of a conversation in the model's chat template, ready for the assistant's turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InputError("this model's tokenizer has no chat template")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # noqa: BLE001 - jinja raises its own errors for malformed conversations
+        raise InputError(f"the conversation does not fit the model's chat template: {e}") from None
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise InputError("--chat: this model's tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer(text)["input_ids"])
 
 

@@ -14,6 +14,7 @@ from runtime.engine import Engine, Request
 from runtime.policies import POLICIES
 from runtime.wire import pb
 from tests.cluster_helpers import Served, cluster_of
+from tests.helpers import make_tiny_model
 
 BLOCK = 2 * 2 * 16 * 16 * 4  # a block of one layer of the tiny llama: K and V, 2 KV heads of 16, 16 tokens
 
@@ -94,4 +95,40 @@ def test_a_pool_too_small_for_the_load_preempts_and_loses_nothing(tiny):
     tokens, engine = run(pipe, prompts, news, "sarathi")
     assert tokens == alone(source, prompts, news)
     assert engine.preemptions > 0
+    assert pools_empty(pipe)
+
+
+@pytest.mark.parametrize("policy,blocked", [("gllm", False), ("sarathi", True)])
+def test_a_short_request_is_not_stuck_behind_a_long_prefill(tiny, tmp_path_factory, policy, blocked):
+    """A 64-token request arriving while a 4,096-token document is prefilled gets its first token
+    before that prefill ends under gllm (shortest prompt first); sarathi's arrival order makes it
+    wait, which shows the test can tell."""
+    pipe = tiny[0]
+    path = str(make_tiny_model("llama", tmp_path_factory.mktemp("long"), context=4160))
+    source = resolve_model(path)
+    cfg = source.config
+    pipe.deploy(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    doc = Request(torch.randint(1, cfg.vocab_size, (4096,), generator=gen).tolist(), 2,
+                  slicer=lambda n: [512] * (n // 512) + ([n % 512] if n % 512 else []))
+    short = Request(torch.randint(1, cfg.vocab_size, (64,), generator=gen).tolist(), 4, slicer=lambda n: [n])
+    arrived = []
+
+    class ShortArrivesMidway(POLICIES[policy]):
+        def form(self, engine):
+            if doc.laid_out and not arrived:  # the document is being prefilled: the short request comes
+                arrived.append(doc.laid_out)
+                engine.add(short)
+            return super().form(engine)
+
+    session = pipe.session()
+    try:
+        engine = Engine(session, ShortArrivesMidway(), depth=len(pipe.stages))
+        engine.add(doc)
+        engine.run()
+    finally:
+        session.close()
+    assert arrived and arrived[0] < len(doc.prompt)
+    assert [doc.tokens, short.tokens] == alone(source, [doc.prompt, short.prompt], [2, 4])
+    assert (short.first_token_s > doc.first_token_s) == blocked
     assert pools_empty(pipe)

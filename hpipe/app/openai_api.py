@@ -1,0 +1,333 @@
+"""The OpenAI-compatible HTTP API of ``hpipe serve`` (FastAPI): chat and text completions (streamed
+as server-sent events or not), the model list, health, and Prometheus metrics.
+
+Requests become :class:`runtime.engine.Request` s on the shared engine (:class:`Backend`); tokens
+come back through an asyncio queue per request. Text is detokenized incrementally: a token that
+ends in the middle of a character is held back until the character is whole. Stop strings are
+matched on the text: the answer is cut before the match and the request ends at once, freeing its
+KV cache on every stage. A streaming client that disconnects ends its request the same way. Errors
+are OpenAI's error objects, with the status a client expects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from hpipe.app.serve_backend import Backend, Busy, NotReady, TooLong
+from hpipe.core.errors import InputError
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str, code: str | None = None, param: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+        self.headers = headers or {}
+
+
+def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extension: keep going past end-of-sequence (benchmarks)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+
+
+def _text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = [c.get("text", "") for c in content if c.get("type") == "text"]
+    if len(parts) != len(content):
+        raise APIError(400, "only text content is supported", "invalid_request_error", param="messages")
+    return "".join(parts)
+
+
+class Stream:
+    """One request's tokens as text deltas, with stop strings applied."""
+
+    def __init__(self, backend: Backend, stops: list[str]):
+        self.backend, self.stops = backend, [s for s in stops if s]
+        self.tokens: list[int] = []
+        self.sent = ""        # text already emitted
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """The new text that ``token`` makes final (held back while a character or a possible stop
+        string is incomplete)."""
+        self.tokens.append(token)
+        text = self.backend.decode(self.tokens)
+        for stop in self.stops:
+            at = text.find(stop)
+            if at >= 0:
+                self.stopped = True
+                text = text[:at]
+                break
+        if not self.stopped:
+            if text.endswith("\ufffd"):
+                return ""
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            for k in range(min(hold, len(text)), 0, -1):  # a tail that may begin a stop string
+                if any(s.startswith(text[-k:]) for s in self.stops):
+                    text = text[:-k]
+                    break
+        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent += delta
+        return delta
+
+    def flush(self) -> str:
+        """The held-back text, once the request is over (no stop string matched)."""
+        if self.stopped:
+            return ""
+        text = self.backend.decode(self.tokens)
+        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent += delta
+        return delta
+
+
+def create_app(backend: Backend) -> FastAPI:
+    app = FastAPI(title="hpipe", version="1")
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        backend.metrics.requests.labels(request.url.path, str(e.status)).inc()
+        return JSONResponse(error_body(e.message, e.kind, e.code, e.param), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        backend.metrics.requests.labels(request.url.path, "400").inc()
+        return JSONResponse(error_body(f"{param}: {first.get('msg', 'invalid request')}" if param else
+                                       "invalid request body", "invalid_request_error", param=param),
+                            status_code=400)
+
+    @app.middleware("http")
+    async def check_key(request: HTTPRequest, call_next):
+        if backend.api_key and request.url.path.startswith("/v1/"):
+            sent = request.headers.get("authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {backend.api_key}".encode()):
+                backend.metrics.requests.labels(request.url.path, "401").inc()
+                return JSONResponse(error_body("Incorrect API key provided", "invalid_request_error",
+                                               "invalid_api_key"), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        ready, why = backend.ready()
+        return JSONResponse({"status": "ok" if ready else why}, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        backend.metrics.refresh(backend)
+        return Response(generate_latest(backend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        backend.metrics.requests.labels("/v1/models", "200").inc()
+        return {"object": "list", "data": [{"id": backend.model_name, "object": "model",
+                                            "created": backend.started, "owned_by": "hpipe"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: HTTPRequest):
+        messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+        try:
+            prompt = backend.chat_prompt(messages)
+        except InputError as e:
+            raise APIError(400, str(e), "invalid_request_error", param="messages") from None
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        return await _complete(backend, body, request, prompt, "chat.completion", top)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: HTTPRequest):
+        if isinstance(body.prompt, list):
+            if len(body.prompt) != 1:
+                raise APIError(400, "one prompt per request", "invalid_request_error", param="prompt")
+            body.prompt = body.prompt[0]
+        if body.echo:
+            raise APIError(400, "echo is not supported", "invalid_request_error", param="echo")
+        prompt = backend.text_prompt(body.prompt)
+        return await _complete(backend, body, request, prompt, "text_completion", body.logprobs)
+
+    return app
+
+
+async def _complete(backend: Backend, body, request: HTTPRequest, prompt: list[int], kind: str, top: int | None):
+    path = request.url.path
+    if body.model != backend.model_name:
+        raise APIError(404, f"The model '{body.model}' does not exist (this server has '{backend.model_name}')",
+                       "invalid_request_error", "model_not_found", "model")
+    if body.n != 1:
+        raise APIError(400, "n > 1 is not supported: send one request per choice", "invalid_request_error",
+                       param="n")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > 4:
+        raise APIError(400, "at most 4 stop sequences", "invalid_request_error", param="stop")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    try:
+        r = backend.submit(prompt, max_tokens, body, top,
+                           on_token=lambda req, t: loop.call_soon_threadsafe(queue.put_nowait, ("token", t)),
+                           on_done=lambda req: loop.call_soon_threadsafe(queue.put_nowait, ("done", None)))
+    except TooLong as e:
+        raise APIError(413, str(e), "invalid_request_error", "context_length_exceeded", "messages") from None
+    except Busy as e:
+        raise APIError(429, str(e), "rate_limit_error", "queue_full", headers={"Retry-After": str(e.retry_after)}) \
+            from None
+    except NotReady as e:
+        raise APIError(503, str(e), "server_error", "not_ready") from None
+    rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    stream = Stream(backend, stops)
+    chat = kind == "chat.completion"
+
+    async def events():
+        sent_role = False
+        finish = None
+        try:
+            while True:
+                what, token = await queue.get()
+                if what == "done":
+                    delta = stream.flush()
+                else:
+                    delta = stream.push(token)
+                    if stream.stopped:
+                        backend.finish(r, "stop")
+                lp = _logprob_payload(backend, r, chat) if top is not None and what == "token" else None
+                if delta or lp or (chat and not sent_role):
+                    piece = ({"role": "assistant", "content": delta} if not sent_role else {"content": delta}) \
+                        if chat else None
+                    sent_role = True
+                    choice = {"index": 0, "finish_reason": None, "logprobs": lp}
+                    choice.update({"delta": piece} if chat else {"text": delta})
+                    yield _chunk(rid, created, backend.model_name, kind, choice)
+                if what == "done" or stream.stopped:
+                    finish = "stop" if stream.stopped or r.stop_reason in ("eos", "stop") else "length"
+                    break
+            if r.error:
+                yield f"data: {json.dumps(error_body(r.error, 'server_error'))}\n\n"
+            else:
+                choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+                choice.update({"delta": {}} if chat else {"text": ""})
+                yield _chunk(rid, created, backend.model_name, kind, choice)
+                if body.stream_options and body.stream_options.include_usage:
+                    yield _chunk(rid, created, backend.model_name, kind, None, _usage(r, stream))
+            yield "data: [DONE]\n\n"
+        finally:
+            backend.finish(r, "cancelled")  # a client gone mid-stream: free its KV now (a no-op when done)
+
+    backend.metrics.requests.labels(path, "200").inc()
+    if body.stream:
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        while True:
+            what, token = await queue.get()
+            if what == "done":
+                stream.flush()
+                break
+            stream.push(token)
+            if stream.stopped:
+                backend.finish(r, "stop")
+                break
+    finally:
+        backend.finish(r, "cancelled")
+    if r.error:
+        raise APIError(503 if "not responding" in r.error else 500, r.error, "server_error")
+    finish = "stop" if stream.stopped or r.stop_reason in ("eos", "stop") else "length"
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
+                              "logprobs": _all_logprobs(backend, r, chat) if top is not None else None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": stream.sent}
+    else:
+        choice["text"] = stream.sent
+    return {"id": rid, "object": kind, "created": created, "model": backend.model_name, "choices": [choice],
+            "usage": _usage(r, stream)}
+
+
+def _chunk(rid, created, model, kind, choice, usage=None) -> str:
+    body = {"id": rid, "object": f"{kind}.chunk" if kind == "chat.completion" else kind, "created": created,
+            "model": model, "choices": [choice] if choice is not None else []}
+    if usage is not None:
+        body["usage"] = usage
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _usage(r, stream: Stream) -> dict:
+    completion = len(stream.tokens)
+    return {"prompt_tokens": len(r.prompt), "completion_tokens": completion,
+            "total_tokens": len(r.prompt) + completion}
+
+
+def _entry(backend, item, chat: bool) -> dict:
+    token, lp, top = item
+    text = backend.decode([token])
+    if chat:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": backend.decode([t]), "logprob": v, "bytes": list(backend.decode([t]).encode())}
+                                 for t, v in top]}
+    return {"token": text, "logprob": lp, "top": {backend.decode([t]): v for t, v in top}}
+
+
+def _logprob_payload(backend, r, chat: bool):
+    if not r.token_logprobs:
+        return None
+    item = _entry(backend, r.token_logprobs[-1], chat)
+    if chat:
+        return {"content": [item]}
+    return {"tokens": [item["token"]], "token_logprobs": [item["logprob"]], "top_logprobs": [item["top"]]}
+
+
+def _all_logprobs(backend, r, chat: bool):
+    items = [_entry(backend, x, chat) for x in r.token_logprobs]
+    if chat:
+        return {"content": items}
+    return {"tokens": [i["token"] for i in items], "token_logprobs": [i["logprob"] for i in items],
+            "top_logprobs": [i["top"] for i in items]}

@@ -1,0 +1,153 @@
+"""``hpipe bench --workload``: replay a workload on the live cluster under each policy, side by side.
+
+Each round runs every policy once on the same deployment, their order reversed from one round to
+the next, so a machine whose speed drifts slows them alike. A run feeds the requests at their
+arrival times (token ids from the workload's seed; every output as long as the workload says:
+end-of-sequence ignored) and reports output and total tokens/s, time to first token and time per
+output token (p50 and p99), preemptions, and each stage's busy fraction (compute seconds over the
+run's span). Greedy outputs must be the same under every policy; a difference is reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+import threading
+import time
+
+from hpipe.core.errors import HpipeError
+from hpipe.core.plan import Plan
+from hpipe.core.workload import WorkItem, prompt_ids
+from hpipe.model.stage import DTYPES
+from runtime.coordinator import Pipeline
+from runtime.engine import Engine, Request
+from runtime.jobs import plan_slicer
+from runtime.policies import POLICIES
+
+log = logging.getLogger(__name__)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def run_once(plan: Plan, pipe: Pipeline, items: list[WorkItem], policy: str, seed: int = 0,
+             max_running: int = 256) -> dict:
+    """One replay of ``items`` under ``policy`` on the deployed ``pipe``."""
+    session = pipe.session()
+    offsets = [c.clock_offset() for c in pipe.clients]
+    engine = Engine(session, POLICIES[policy](), depth=len(pipe.stages), max_running=max_running)
+    slicer = plan_slicer(plan)
+    done, stop = [0], threading.Event()
+    requests: list[Request] = []
+    wall0, t0 = time.time(), time.monotonic()
+
+    def finished(r: Request) -> None:
+        done[0] += 1
+        if done[0] == len(items):
+            stop.set()
+
+    def feed() -> None:
+        for i, item in enumerate(items):
+            delay = t0 + item.arrival_s - time.monotonic()
+            if delay > 0 and stop.wait(delay):
+                return
+            r = Request(prompt_ids(item, i, plan.model.vocab_size, seed), item.output_tokens, slicer=slicer,
+                        on_done=finished, arrival_s=max(time.monotonic(), t0 + item.arrival_s))
+            requests.append(r)
+            engine.add(r)
+
+    feeder = threading.Thread(target=feed, name="workload-feed", daemon=True)
+    feeder.start()
+    try:
+        engine.run(until_idle=False, stop=stop)
+    except HpipeError as e:
+        engine.fail_all(str(e))
+        stop.set()
+        raise
+    finally:
+        feeder.join()
+        stats = session.close()
+    span = max(r.done_s for r in requests) - t0
+    failed = [r.error for r in requests if r.error]
+    ttft = [r.first_token_s - r.arrival_s for r in requests if r.first_token_s is not None]
+    tpot = [(r.done_s - r.first_token_s) / (len(r.tokens) - 1) for r in requests if len(r.tokens) > 1]
+    out_tokens = sum(len(r.tokens) for r in requests)
+    in_tokens = sum(len(r.prompt) for r in requests)
+    stages = []
+    for i, (st, s) in enumerate(zip(pipe.stages, stats)):
+        at = offsets[pipe.stage_daemon[i]] + wall0
+        stages.append({"stage": i, "daemon": st.daemon, "busy": round(s.get("compute_s", 0.0) / span, 4),
+                       "micro_batches": s.get("micro_batches", 0),
+                       "spans": [[round(b - at, 5), round(e - at, 5)] for _, _, _, b, e in s.get("spans", ())]})
+    daemons = {}
+    for st in stages:
+        daemons[st["daemon"]] = round(daemons.get(st["daemon"], 0.0) + st["busy"], 4)
+    return {"policy": policy, "span_s": round(span, 3), "failed": failed,
+            "output_tokens_per_s": round(out_tokens / span, 2), "total_tokens_per_s": round((in_tokens + out_tokens)
+                                                                                            / span, 2),
+            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99), "tpot_p50_s": _pct(tpot, 0.5),
+            "tpot_p99_s": _pct(tpot, 0.99), "preemptions": engine.preemptions, "micro_batches": engine.micro_batches,
+            "stages": stages, "daemon_busy": daemons, "outputs": [r.tokens for r in requests],
+            "log": [[round(m["sent_s"] - t0, 4), round(m["back_s"] - t0, 4), m["prefill"], m["decode"]]
+                    for m in engine.log]}
+
+
+def run_workload(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[str], rounds: int = 1,
+                 seed: int = 0, kv_pool_bytes: int = 0) -> dict:
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise HpipeError(f"unknown policies {unknown} (choose from {', '.join(POLICIES)})")
+    pipe.deploy(plan.model_name, plan.chosen.stages, DTYPES[plan.dtype], kv_pool_bytes=kv_pool_bytes)
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    for r in range(rounds):
+        for policy in (policies if r % 2 == 0 else policies[::-1]):
+            result = run_once(plan, pipe, items, policy, seed)
+            runs[policy].append(result)
+            print(f"[bench] round {r + 1} {policy:<8} {result['total_tokens_per_s']:8.1f} tokens/s "
+                  f"({result['span_s']:.1f} s), ttft p50 {result['ttft_p50_s'] or 0:.2f} s, "
+                  f"preemptions {result['preemptions']}", file=sys.stderr, flush=True)
+    reference = runs[policies[0]][0]["outputs"]
+    same = {p: [sum(a == b for a, b in zip(run["outputs"], reference)) for run in rs] for p, rs in runs.items()}
+    summary = {}
+    for p, rs in runs.items():
+        med = {k: statistics.median(run[k] for run in rs) for k in ("total_tokens_per_s", "output_tokens_per_s",
+                                                                    "span_s")}
+        for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
+            vals = [run[k] for run in rs if run[k] is not None]
+            med[k] = statistics.median(vals) if vals else None
+        med["preemptions"] = sum(run["preemptions"] for run in rs)
+        med["stage_busy"] = [statistics.median(run["stages"][i]["busy"] for run in rs)
+                             for i in range(len(rs[0]["stages"]))]
+        med["daemon_busy"] = {d: statistics.median(run["daemon_busy"][d] for run in rs) for d in rs[0]["daemon_busy"]}
+        med["same_outputs"] = same[p]
+        med["failed"] = sum(len(run["failed"]) for run in rs)
+        summary[p] = med
+    return {"requests": len(items), "rounds": rounds, "policies": summary, "runs": runs,
+            "stages": [f"{s.daemon} {s.units}" for s in pipe.stages]}
+
+
+def table(result: dict) -> str:
+    rows = result["policies"]
+    first = next(iter(rows))
+    lines = [f"{result['requests']} requests, {result['rounds']} round(s) per policy (medians); stages: "
+             + ", ".join(result["stages"]),
+             f"{'policy':<9} {'total tok/s':>11} {'out tok/s':>9} {'/ ' + first:>10} {'ttft p50':>9} {'p99':>7} "
+             f"{'tpot p50':>9} {'p99':>7} {'preempt':>7}  same outputs"]
+    base = rows[first]["total_tokens_per_s"]
+    for p, r in rows.items():
+        def s(v):
+            return f"{v:.3f}" if v is not None else "-"
+        lines.append(f"{p:<9} {r['total_tokens_per_s']:>11.1f} {r['output_tokens_per_s']:>9.1f} "
+                     f"{r['total_tokens_per_s'] / base:>10.2f} {s(r['ttft_p50_s']):>9} {s(r['ttft_p99_s']):>7} "
+                     f"{s(r['tpot_p50_s']):>9} {s(r['tpot_p99_s']):>7} {r['preemptions']:>7}  "
+                     + "/".join(f"{n}/{result['requests']}" for n in r["same_outputs"]))
+    lines.append("busy fraction per daemon (stages summed): " + "; ".join(
+        f"{p}: " + ", ".join(f"{d} {v:.2f}" for d, v in r["daemon_busy"].items()) for p, r in rows.items()))
+    lines.append("busy fraction per stage: " + "; ".join(
+        f"{p}: " + " ".join(f"{v:.2f}" for v in r["stage_busy"]) for p, r in rows.items()))
+    return "\n".join(lines)

@@ -1,0 +1,179 @@
+"""``hpipe serve`` over real (in-process) daemons: the official openai client, SSE as curl sees it,
+the same greedy answers as single-process generation, and every error status."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from hpipe.app.openai_api import create_app
+from hpipe.app.serve_backend import Backend
+from hpipe.core.plan import Plan, Stage, StrategyPlan
+from hpipe.model.generate import LocalModel, decode_loop, encode_chat
+from hpipe.model.sampling import Sampler
+from hpipe.model.sources import resolve_model
+from runtime.coordinator import Pipeline
+from tests.cluster_helpers import Served, cluster_of
+
+KEY = "sk-test-key"
+
+
+def _plan(source, daemons, max_len=64) -> Plan:
+    cfg = source.config
+    stages = (Stage(daemons[0].name, daemons[0].address, 0, 3), Stage(daemons[1].name, daemons[1].address, 3,
+                                                                        cfg.num_units))
+    sp = StrategyPlan("hpipe", stages, 1, (max_len,), 1.0)
+    return Plan(str(source.path), cfg, "float32", 1, max_len, max_len, 16, "hpipe", {"hpipe": sp},
+                {16 * k: (16 * k,) for k in range(1, max_len // 16 + 1)})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model):
+    import uvicorn
+
+    source = resolve_model(str(tiny_chat_model))
+    daemons = [Served(f"d{i}") for i in range(2)]
+    plan = _plan(source, daemons)
+    pipe = Pipeline(cluster_of(*daemons))
+    backend = Backend(plan, pipe, source, max_queue=4, api_key=KEY, model_name="tiny")
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(backend), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:  # /health is 503 while loading
+        try:
+            if httpx.get(f"{base}/health").status_code == 503:
+                break
+        except httpx.ConnectError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    backend.start()
+    yield base, backend, source, pipe
+    server.should_exit = True
+    thread.join(10)
+    backend.stop()
+    pipe.close()
+    for d in daemons:
+        d.stop()
+
+
+def reference(source, prompt: list[int], n: int) -> list[int]:
+    model = LocalModel(source)
+    return decode_loop(model.open(len(prompt) + n), prompt, max_new_tokens=n, sampler=Sampler(),
+                       eos_ids=source.eos_token_ids(), slices=[len(prompt)])[0]
+
+
+def test_openai_client_chat_completions_and_models(server):
+    from openai import OpenAI
+
+    base, backend, source, _ = server
+    client = OpenAI(base_url=f"{base}/v1", api_key=KEY)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    want = reference(source, encode_chat(backend.tokenizer, messages), 8)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content == backend.decode(want)
+    assert reply.usage.completion_tokens == len(want)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == backend.decode(want)
+    assert chunks[-1].usage.completion_tokens == len(want)
+    text = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0)
+    assert text.choices[0].text == backend.decode(reference(source, backend.text_prompt("Once upon a time"), 6))
+    with_lp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0,
+                                             logprobs=True, top_logprobs=2)
+    assert len(with_lp.choices[0].logprobs.content) == 3
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in with_lp.choices[0].logprobs.content)
+
+
+def test_sse_is_well_formed_and_ends_with_done(server):
+    base, *_ = server
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_stop_string_cuts_the_answer_and_frees_the_request(server):
+    base, backend, source, pipe = server
+    messages = [{"role": "user", "content": "Count."}]
+    full = backend.decode(reference(source, encode_chat(backend.tokenizer, messages), 12))
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    if not stop.strip():
+        pytest.skip("no printable text to stop at")
+    r = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0, "stop": stop})
+    answer = r.json()["choices"][0]
+    assert answer["message"]["content"] == full[:full.find(stop)] and answer["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("case,status,code", [
+    ("malformed", 400, None), ("bad key", 401, "invalid_api_key"), ("unknown model", 404, "model_not_found"),
+    ("too long", 413, "context_length_exceeded"), ("n > 1", 400, None)])
+def test_error_statuses(server, case, status, code):
+    base, *_ = server
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    if case == "malformed":
+        body = {"model": "tiny", "messages": "not a list"}
+    elif case == "bad key":
+        headers = {"Authorization": "Bearer wrong"}
+    elif case == "unknown model":
+        body["model"] = "gpt-17"
+    elif case == "too long":
+        body["messages"][0]["content"] = "word " * 200  # the plan takes 64 tokens
+    elif case == "n > 1":
+        body["n"] = 2
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] and error["code"] == code
+
+
+def test_queue_full_is_429_with_retry_after_and_down_stage_is_503(server):
+    base, backend, *_ = server
+    engine = backend.engine
+    with engine._lock:  # hold the engine: everything submitted now waits
+        for _ in range(backend.max_queue - len(engine.waiting)):
+            engine.waiting.append(engine.waiting[0] if engine.waiting else _parked(engine))
+        r = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        engine.waiting.clear()
+    assert r.status_code == 429 and r.headers["retry-after"] and r.json()["error"]["code"] == "queue_full"
+    backend._health = (time.monotonic(), False, "daemon d1 is not responding")
+    assert httpx.get(f"{base}/health").status_code == 503
+    r = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+    backend._health = (0.0, True, "")
+
+
+def _parked(engine):
+    from runtime.engine import Request
+
+    return Request([1, 2, 3], 1)
+
+
+def test_metrics_are_prometheus(server):
+    base, *_ = server
+    text = httpx.get(f"{base}/metrics").text
+    for name in ("hpipe_http_requests_total", "hpipe_time_to_first_token_seconds_bucket", "hpipe_kv_blocks_used",
+                 "hpipe_queue_length", "hpipe_generated_tokens_total"):
+        assert name in text, name
