@@ -5,13 +5,13 @@ Each document becomes one prompt (document, blank line, instruction; in the chat
 it), sliced by the plan's schedule for its length. Up to ``parallel`` documents run at once on one
 engine (:mod:`runtime.engine`): their prefill chunks and decode tokens share micro-batches, so one
 pass over each stage's weights serves every document in flight. Results are appended to a JSONL
-file one line per document as they finish; documents already in it are skipped, so an
-interrupted job resumes where it stopped.
+file, one whole line per document as it finishes, a failed one with its error
+(:mod:`runtime.results`); documents already answered with the same text and settings are skipped,
+so an interrupted job resumes where it stopped.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
@@ -27,6 +27,7 @@ from hpipe.model.stage import DTYPES
 from runtime.coordinator import Pipeline
 from runtime.engine import Engine, Request
 from runtime.policies import POLICIES
+from runtime.results import ResultsFile, answer_key
 
 log = logging.getLogger(__name__)
 
@@ -75,19 +76,6 @@ def build_prompt(tokenizer, instruction: str, document: str, chat: bool, limit: 
     raise InputError(f"could not truncate the document to {limit} tokens")
 
 
-def done_documents(results: Path) -> set[str]:
-    done = set()
-    if results.exists():
-        for line in results.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "answer" in row and "error" not in row:
-                done.add(row["document"])
-    return done
-
-
 def plan_slicer(plan: Plan, strategy: str | None = None):
     """A request's prefill slicing from the plan: its schedule for the length, and a preempted
     request's longer prefix (prompt and generated tokens) as that plus one slice for the rest."""
@@ -99,67 +87,81 @@ def plan_slicer(plan: Plan, strategy: str | None = None):
 
 
 def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: Path, job: JobConfig) -> dict:
-    """Analyse ``documents``; returns a summary. Raises nothing per document: failures are collected."""
+    """Analyse ``documents``; returns a summary. Raises nothing per document: each failure is
+    recorded in the results file with its error, and in the summary."""
     tokenizer = source.tokenizer()
     eos = frozenset(() if job.ignore_eos else source.eos_token_ids())
     strategy = job.strategy or plan.strategy
     if job.policy not in POLICIES:
         raise InputError(f"unknown policy {job.policy!r} (choose from {', '.join(POLICIES)})")
     sp = plan.strategies[strategy]
-    pipe.deploy(plan.model_name, sp.stages, DTYPES[plan.dtype])
-    skip = done_documents(results)
-    todo = [d for d in documents if d not in skip]
-    if skip & set(documents):
-        log.warning("skipping %d documents already in %s", len(set(documents) & skip), results)
+    settings = {"model": plan.model_name, "dtype": plan.dtype, "max_new_tokens": job.max_new_tokens,
+                "ignore_eos": job.ignore_eos, "sampling": "greedy"}
     failures: dict[str, str] = {}
     stats = {"documents": 0, "prompt_tokens": 0, "new_tokens": 0}
-    t0 = time.perf_counter()
-    bar = tqdm(total=len(todo), desc="documents", unit="doc", file=sys.stderr, disable=not sys.stderr.isatty())
-    results.parent.mkdir(parents=True, exist_ok=True)
-    session = pipe.session()
-    engine = Engine(session, POLICIES[job.policy](), depth=len(pipe.stages), max_running=max(1, job.parallel))
-    with results.open("a", encoding="utf-8") as out:
-        def finished(r: Request) -> None:
-            name, dropped = r.tag
-            if r.error:
-                failures[name] = r.error
-                log.error("%s: %s", name, r.error)
+    with ResultsFile(results) as out:
+        answered = out.answered()
+
+        def failed(name: str, key: str | None, error: str) -> None:
+            failures[name] = error
+            log.error("%s: %s", name, error)
+            out.append({"document": name, "key": key, "error": error})
+
+        prompts, skipped = {}, 0
+        for name in documents:
+            try:
+                text = read_document(name)
+                if not text.strip():
+                    raise InputError("the document is empty")
+                ids, dropped = build_prompt(tokenizer, job.instruction, text, job.chat, plan.max_len, job.truncate)
+            except HpipeError as e:
+                failed(name, None, str(e))
+                continue
+            key = answer_key(ids, **settings)
+            if key in answered:
+                skipped += 1
             else:
-                row = {"document": name, "answer": tokenizer.decode(r.tokens, skip_special_tokens=True),
-                       "prompt_tokens": len(r.prompt), "answer_tokens": len(r.tokens), "truncated_tokens": dropped,
-                       "slices": len(r.slices), "first_token_s": round(r.first_token_s - r.submitted_s, 4),
-                       "decode_tokens_per_s": round((len(r.tokens) - 1) / (r.done_s - r.first_token_s), 2)
-                       if len(r.tokens) > 1 and r.done_s > r.first_token_s else None,
-                       "token_ids": r.tokens}
-                out.write(json.dumps(row) + "\n")
-                out.flush()
+                prompts[name] = (ids, dropped, key)
+        if skipped:
+            log.warning("skipping %d documents already answered in %s", skipped, results)
+        pipe.deploy(plan.model_name, sp.stages, DTYPES[plan.dtype])
+        t0 = time.perf_counter()
+        bar = tqdm(total=len(prompts), desc="documents", unit="doc", file=sys.stderr, disable=not sys.stderr.isatty())
+        session = pipe.session()
+        engine = Engine(session, POLICIES[job.policy](), depth=len(pipe.stages), max_running=max(1, job.parallel))
+
+        def finished(r: Request) -> None:
+            name, key, dropped = r.tag
+            if r.error:
+                failed(name, key, r.error)
+            else:
+                out.append({"document": name, "key": key,
+                            "answer": tokenizer.decode(r.tokens, skip_special_tokens=True),
+                            "prompt_tokens": len(r.prompt), "answer_tokens": len(r.tokens),
+                            "truncated_tokens": dropped, "slices": len(r.slices),
+                            "first_token_s": round(r.first_token_s - r.arrival_s, 4),
+                            "decode_tokens_per_s": round((len(r.tokens) - 1) / (r.done_s - r.first_token_s), 2)
+                            if len(r.tokens) > 1 and r.done_s > r.first_token_s else None,
+                            "token_ids": r.tokens})
                 stats["documents"] += 1
-                stats["prompt_tokens"] += row["prompt_tokens"]
-                stats["new_tokens"] += row["answer_tokens"]
+                stats["prompt_tokens"] += len(r.prompt)
+                stats["new_tokens"] += len(r.tokens)
             bar.update(1)
             elapsed = time.perf_counter() - t0
             bar.set_postfix_str(f"{(stats['prompt_tokens'] + stats['new_tokens']) / max(elapsed, 1e-9):.0f} tok/s")
 
-        for name in todo:
-            try:
-                ids, dropped = build_prompt(tokenizer, job.instruction, read_document(name), job.chat, plan.max_len,
-                                            job.truncate)
-                request = Request(ids, max(1, min(job.max_new_tokens, plan.model.max_position_embeddings - len(ids))),
-                                  eos=eos, slicer=plan_slicer(plan, strategy), tag=(name, dropped), on_done=finished)
-            except HpipeError as e:
-                failures[name] = str(e)
-                log.error("%s: %s", name, e)
-                bar.update(1)
-                continue
-            engine.add(request)
+        for name, (ids, dropped, key) in prompts.items():
+            engine.add(Request(ids, max(1, min(job.max_new_tokens, plan.model.max_position_embeddings - len(ids))),
+                               eos=eos, slicer=plan_slicer(plan, strategy), tag=(name, key, dropped),
+                               on_done=finished))
         try:
-            engine.run()
+            engine.run()  # Ctrl-C stops it here: every answer so far is on disk, whole
         except HpipeError as e:
             engine.fail_all(str(e))
         finally:
             session.close()
-    bar.close()
+            bar.close()
     elapsed = time.perf_counter() - t0
-    return {**stats, "skipped": len(documents) - len(todo), "failed": failures, "elapsed_s": round(elapsed, 3),
+    return {**stats, "skipped": skipped, "failed": failures, "elapsed_s": round(elapsed, 3),
             "tokens_per_s": round((stats["prompt_tokens"] + stats["new_tokens"]) / elapsed, 1) if elapsed else None,
             "strategy": strategy, "policy": job.policy, "micro_batches": engine.micro_batches}

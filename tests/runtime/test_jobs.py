@@ -41,6 +41,8 @@ def test_run_matches_single_process_and_resumes(cluster3, smollm2, plan_file, tm
     err = capsys.readouterr().err
     assert "long.txt" in err and "at most 256" in err
     rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [r["document"] for r in rows if "error" in r] == [str(long_doc)]  # recorded with its error
+    rows = [r for r in rows if "error" not in r]
     assert sorted(r["document"] for r in rows) == sorted(docs)
     tok, model = smollm2.tokenizer(), LocalModel(smollm2)
     for r in rows:
@@ -161,3 +163,41 @@ def test_bench_replays_a_workload_under_each_policy(cluster3, plan_file, capsys,
     mbs = {n: out["runs"][n][0]["micro_batches"] for n in out["policies"]}
     assert mbs["gllm"] < mbs["fcfs"] and mbs["sarathi"] < mbs["fcfs"]
     assert "busy fraction per stage" in captured.err and chart.stat().st_size > 10_000
+
+
+def test_ctrl_c_then_run_again_loses_and_repeats_nothing(cluster3, plan_file, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path, plan = plan_file
+    docs = []
+    for i in range(6):
+        p = tmp_path / f"doc{i}.md"
+        p.write_text(f"Report {i}. " + "The cat sat on the mat. " * (4 + i))
+        docs.append(str(p))
+    out = tmp_path / "results.jsonl"
+    args = ["run", "--plan", str(path), "--cluster", str(cluster3.path), "--instruction", INSTRUCTION,
+            "--max-new-tokens", "24", "--parallel", "1", "-o", str(out)]
+    job = subprocess.Popen([sys.executable, "-m", "hpipe"] + args + docs, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_text().count("\n") >= 1):
+        assert job.poll() is None and time.monotonic() < deadline, job.stderr.read() if job.poll() else "slow"
+        time.sleep(0.05)
+    job.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    code = job.wait(timeout=30)
+    stopped_s = time.monotonic() - t0
+    err = job.stderr.read()
+    assert code == 130 and "interrupted" in err and stopped_s < 10, (code, stopped_s, err)
+    first = [json.loads(line) for line in out.read_text().splitlines()]  # every line whole
+    assert 1 <= len(first) < 6
+    assert main(args + ["--json"] + docs) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["document"] for r in rows) == sorted(docs)  # none lost, none twice
+    assert rows[:len(first)] == first
+    # a changed instruction is a different answer: nothing is skipped
+    assert main(args[:6] + ["Say one word."] + args[7:] + ["--json", "--max-new-tokens", "2"] + docs) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 12
