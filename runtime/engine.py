@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 #: times a daemon may refuse a request for want of KV blocks before it fails
 MAX_REFUSALS = 8
+#: seconds between the engine's keep-alives of its running requests (a daemon frees a sequence
+#: unnamed for 300 s)
+KEEPALIVE_S = 30.0
 
 
 @dataclass(eq=False)
@@ -151,6 +154,7 @@ class Engine:
         self.kv_blocks = min((p.blocks for p in pools), default=0)
         self.micro_batches = 0
         self.preemptions = 0
+        self._checked = time.monotonic()
         self.log: list[dict] = []  # per micro-batch: when it left and came back, prefill and decode tokens
 
     # --- requests -----------------------------------------------------------------------------
@@ -237,6 +241,11 @@ class Engine:
                         return
                     self._arrived.wait(0.1)
                     continue
+            if time.monotonic() - self._checked > KEEPALIVE_S:
+                # results may flow for hours without the session polling the daemons: name every
+                # running request to them now and then, so no stage's idle timeout frees one that waits
+                self.session.check([r.id for r in self.running])
+                self._checked = time.monotonic()
             while len(self._in_flight) < self.depth and self._send_one():
                 pass
             if self._in_flight:

@@ -92,7 +92,7 @@ class Session:
                     conn.send(layout)
                 self._first.send(act, tokens)
             except LinkError as e:
-                self._check_daemons()
+                self.check()
                 raise StageFailure(str(e)) from None
         return mb
 
@@ -146,13 +146,13 @@ class Session:
                 for mb in mbs:
                     if mb in self._results:
                         return self._results.pop(mb)
-            self._check_daemons(watch)
+            self.check(watch)
             if self._broken is not None:
                 raise StageFailure(self._broken)
             if time.monotonic() > deadline:
                 raise StageFailure(f"no result for micro-batch {min(mbs)} within {self.result_timeout_s:.0f}s")
 
-    def _check_daemons(self, watch=()) -> None:
+    def check(self, watch=()) -> None:
         """Raise :class:`StageFailure` if a daemon does not answer, or cannot pass results on.
 
         Unreachable daemons are blamed first: when a daemon dies, its predecessor's failed send is a

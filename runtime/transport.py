@@ -45,7 +45,10 @@ class LinkError(HpipeError):
 def _recv_exactly(sock, view: memoryview) -> None:
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        try:
+            n = sock.recv_into(view[got:])
+        except OSError as e:  # reset, or closed under a reader by our own side
+            raise LinkError(f"the connection broke: {e}") from None
         if n == 0:
             raise LinkError("the connection closed")
         got += n
@@ -163,7 +166,7 @@ def connect(host: str, port: int, token: str | None, session: int = 0,
         conn.send_hello(token, session)
         reply = read_header(sock, pb.HelloReply)
         sock.settimeout(None)
-    except (OSError, ssl.SSLError) as e:
+    except (OSError, LinkError) as e:
         raise LinkError(f"cannot open a data connection to {where}: {e}") from None
     if reply.error:
         conn.close()
