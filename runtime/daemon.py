@@ -143,7 +143,8 @@ def build_server(options: DaemonOptions, services: tuple[Service, ...] = (),
     security = outgoing_security(options)
     stage = StageServer(options.device, options.memory_budget, host=options.host, token=security.token,
                         tls_server=server_context(options.tls_cert, options.tls_key),
-                        tls_client=client_context(security.tls_ca), on_worker_start=on_worker_start)
+                        tls_client=client_context(security.tls_ca), on_worker_start=on_worker_start,
+                        cuda_graphs=options.cuda_graphs)
     interceptors = [TokenInterceptor(security.token)] if security.token else []
     # so_reuseport off: a second daemon on a port in use must fail to bind, not share it unseen
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="grpc"),

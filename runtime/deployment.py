@@ -29,6 +29,7 @@ from hpipe.core.plan import Stage
 from hpipe.core.shapes import is_random, random_config
 from hpipe.core.units import UnitRange
 from hpipe.model import StageModel
+from hpipe.model.graphs import DecodeGraphs
 from hpipe.model.kvpool import BLOCK_SIZE, KVPool
 from hpipe.model.layers import build_unit
 from hpipe.model.sources import resolve_model
@@ -63,6 +64,7 @@ class LoadedStage:
     model: StageModel
     pool: KVPool | None
     successor: tuple[str, int] | None  # (host, data port)
+    graphs: DecodeGraphs | None = None  # all-decode micro-batches as static steps (CUDA graphs)
 
     @property
     def units(self) -> UnitRange:
@@ -117,9 +119,10 @@ def pool_blocks(dep: Deployment, cfg: ModelConfig, ranges: list[UnitRange], weig
     return total // per_block
 
 
-def load(dep: Deployment, device: torch.device, budget: int | None,
-         check: Callable[[int, str], None]) -> dict[int, LoadedStage]:
-    """Build every held stage and its KV pool (``check(bytes, what)`` first refuses what does not fit)."""
+def load(dep: Deployment, device: torch.device, budget: int | None, check: Callable[[int, str], None],
+         decode_steps: str = "off") -> dict[int, LoadedStage]:
+    """Build every held stage and its KV pool (``check(bytes, what)`` first refuses what does not
+    fit); ``decode_steps`` is :attr:`StageServer.decode_steps`."""
     cfg = model_config(dep.model)
     ranges = validate(dep, cfg)
     weights = sum(p.numel() for u in ranges for p in unit_params(cfg, u)) * dep.dtype.itemsize
@@ -139,7 +142,9 @@ def load(dep: Deployment, device: torch.device, budget: int | None,
         if i + 1 < len(dep.stages):
             host = split_address(dep.stages[i + 1].address, "the next stage")[0]
             successor = (host, dep.data_ports[i + 1] if dep.data_ports else 0)
-        loaded[i] = LoadedStage(i, dep.stages[i], model, model.new_pool(blocks) if blocks else None, successor)
+        pool = model.new_pool(blocks) if blocks else None
+        graphs = DecodeGraphs(model, pool, graph=decode_steps == "graphs") if decode_steps != "off" else None
+        loaded[i] = LoadedStage(i, dep.stages[i], model, pool, successor, graphs)
     return loaded
 
 

@@ -60,8 +60,11 @@ class _DeviceCall:
 class StageServer:
     def __init__(self, device: str = "cpu", memory_budget: int | None = None, host: str = "127.0.0.1",
                  token: str | None = None, tls_server=None, tls_client=None,
-                 on_worker_start: Callable[[], None] | None = None):
+                 on_worker_start: Callable[[], None] | None = None, cuda_graphs: bool = True):
         self.device = torch.device(device)
+        #: how all-decode micro-batches run (hpipe.model.graphs): "graphs" (CUDA graphs), "eager"
+        #: (the same static step without capture; tests use it on the CPU) or "off" (forward_batch)
+        self.decode_steps = "graphs" if self.device.type == "cuda" and cuda_graphs else "off"
         self.io = DeviceIO(self.device)
         self._on_worker_start = on_worker_start  # e.g. name the thread an emulated device's CPU quota finds
         self.memory_budget = memory_budget
@@ -109,7 +112,7 @@ class StageServer:
                 self._baseline_memory = memory.current(self.device)
                 loaded = deployment.load(dep, self.device, self.memory_budget,
                                          lambda n, what: deployment.check_memory(self.device, self.memory_budget, 0,
-                                                                                 n, what))
+                                                                                 n, what), self.decode_steps)
                 self.weight_bytes = sum(s.model.weight_bytes() for s in loaded.values())
                 self.stages, self.deployment = loaded, dep
                 memory.reset_peak(self.device)  # peaks reported from now on are this deployment's

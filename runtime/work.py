@@ -14,6 +14,7 @@ import logging
 import torch
 
 from hpipe.core.errors import HpipeError
+from hpipe.model.graphs import DecodeGraphs
 from hpipe.model.kvpool import Entry
 from runtime.wire import pb
 
@@ -40,7 +41,7 @@ def compute_micro_batch(server, stage, layout, x, failed: list, received: float)
     timer.start()
     if x is not None:
         try:
-            out = model.forward_batch(x.on_device(), entries, stage.pool)
+            out = _forward(stage, x.on_device(), entries)
         except HpipeError as err:
             _fail_all(server, layout, failures, "INVALID_ARGUMENT", f"stage {stage.index}: {err}")
         except Exception as err:  # noqa: BLE001 - a bug must fail the micro-batch's sequences, not the worker
@@ -59,6 +60,19 @@ def compute_micro_batch(server, stage, layout, x, failed: list, received: float)
     server.send(stage, act, server.io.download(out), [e.sequence_id for e in layout.entries])
     server.stats.add_span(layout.session, stage.index, layout.id, layout.tokens, received, timer)
     server.layouts.done(layout, stage.index)
+
+
+def _forward(stage, x: torch.Tensor, entries: list[Entry]) -> torch.Tensor | None:
+    """The stage's output for the micro-batch: all-decode ones as a static step where the stage has
+    one (a CUDA graph per batch bucket); if capturing or running it fails, the stage stops using
+    static steps and the micro-batch runs the general path."""
+    if stage.graphs is not None and DecodeGraphs.fits(entries):
+        try:
+            return stage.graphs(x, entries)
+        except RuntimeError as err:  # CUDA's errors included
+            log.warning("stage %d: static decode step failed (%s); running eagerly from now on", stage.index, err)
+            stage.graphs = None
+    return stage.model.forward_batch(x, entries, stage.pool)
 
 
 def _fail_all(server, layout, failures: dict, code: str, message: str) -> None:

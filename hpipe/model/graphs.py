@@ -54,6 +54,16 @@ class DecodeGraphs:
         self._trash = pool.trash_slot() if pool is not None else 0
         self._windows = {a.window for a in self._attention() if a.window is not None}
 
+    @property
+    def runs(self) -> int:
+        """Micro-batches run as static steps."""
+        return sum(s.runs for s in self._steps.values())
+
+    @property
+    def captured(self) -> int:
+        """Steps captured as CUDA graphs."""
+        return sum(s.graph is not None for s in self._steps.values())
+
     @staticmethod
     def fits(entries: list[Entry]) -> bool:
         """Whether a micro-batch is one this can run: one token per entry, every entry live."""
