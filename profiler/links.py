@@ -12,6 +12,9 @@ import time
 
 import numpy as np
 
+#: the largest probe payload (the profiler's and what a daemon accepts)
+MAX_PROBE_BYTES = 32 << 20
+
 
 def time_probes(send, sizes: list[int], repeats: int) -> list[float]:
     """Median seconds of ``send(payload)`` for each payload size.

@@ -32,7 +32,7 @@ from hpipe.core.profile import DTYPE_BYTES, ComputeGrid, DaemonProfile, LinkProf
 from hpipe.model.stage import DTYPES
 from profiler.grid import DEFAULT_MAX_LEN, METHOD, SWEEPS, estimate_seconds, grid_axes, grids_from_reply
 from profiler.grid_cache import grid_path, load_grids, store_grids
-from profiler.links import HOST_CPU_TOKENS, fit_host_cpu, fit_link
+from profiler.links import HOST_CPU_TOKENS, MAX_PROBE_BYTES, fit_host_cpu, fit_link
 from profiler.reference import (
     COLOCATION_ROUNDS,
     PROFILE_TIMEOUT_S,
@@ -48,7 +48,6 @@ from runtime.wire import TO_WIRE, pb
 
 log = logging.getLogger(__name__)
 
-MAX_PROBE_BYTES = 32 << 20
 LINK_PROBE_TOKENS = 2048  # link probes reach at least this many tokens' activations
 #: seconds of each reference-stage run a daemon keeps its neighbours company with (see _group_grids)
 LOAD_CHUNK_S = 1.0

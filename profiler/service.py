@@ -18,7 +18,7 @@ from hpipe.core.config import ModelConfig
 from hpipe.core.errors import InputError, StatusError
 from hpipe.core.units import UnitRange
 from profiler.device import fingerprint, host_id, measure_units, release_timed_stages, time_stage
-from profiler.links import time_probes
+from profiler.links import MAX_PROBE_BYTES, time_probes
 from runtime import memory
 from runtime.channels import DaemonClient, Security
 from runtime.daemon import SEND_TIMEOUT_S, compute_dtype, handled
@@ -26,7 +26,6 @@ from runtime.stage_server import StageServer
 from runtime.wire import pb, pb_grpc
 
 MAX_GRID_POINTS = 4096
-MAX_PROBE_BYTES = 256 << 20
 MAX_REPEATS = 500
 
 

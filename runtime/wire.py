@@ -22,8 +22,10 @@ from runtime.proto_gen import stage_pb2_grpc as pb_grpc  # noqa: E402,F401
 TO_WIRE = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16, torch.int64: pb.INT64}
 FROM_WIRE = {v: k for k, v in TO_WIRE.items()}
 
-#: generous: a 32k-token slice of a 4096-wide model in fp32 is 512 MiB
-MAX_MESSAGE_BYTES = 1 << 30
+#: the control plane's largest message (activations travel on the data plane, runtime/transport.py):
+#: a link probe of up to 32 MiB, with room. gRPC reads a message whole before the token check, so
+#: this also bounds what an unauthenticated caller can make a daemon hold.
+MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -12,7 +12,7 @@ from hpipe.core.cluster import ClusterSpec, DaemonSpec
 from runtime.channels import DaemonClient, Security
 from runtime.coordinator import Pipeline, cut_stages
 from runtime.transport import LinkError, connect, read_payload
-from runtime.wire import pb
+from runtime.wire import MAX_MESSAGE_BYTES, pb, pb_grpc
 from tests.cluster_helpers import Served
 
 
@@ -185,6 +185,14 @@ def test_token_required(tiny_dirs):
         assert not d.client().health()
         good = d.client(Security(token="s3cret"))
         assert good.health() and not good.call("Status", pb.StatusRequest()).loaded
+        # gRPC reads a message whole before the token check: a large one is refused for its size
+        # (a client that would send it: ours refuses to)
+        with grpc.insecure_channel(d.address, options=[("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES)]) as ch:
+            probe = pb_grpc.ProfilerServiceStub(ch).Probe
+            huge = pb.ProbeRequest(payload=b"\0" * (MAX_MESSAGE_BYTES + 1))
+            with pytest.raises(grpc.RpcError) as refused:
+                probe(huge, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
     finally:
         d.stop()
 
