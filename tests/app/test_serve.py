@@ -122,6 +122,32 @@ def test_a_stop_string_cuts_the_answer_and_frees_the_request(server):
                    json={"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0, "stop": stop})
     answer = r.json()["choices"][0]
     assert answer["message"]["content"] == full[:full.find(stop)] and answer["finish_reason"] == "stop"
+    assert pools_empty(pipe)
+
+
+def pools_empty(pipe, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if all(p.used_blocks == 0 for p in pipe.pools()):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_kv_on_every_stage(server):
+    base, backend, source, pipe = server
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 80, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        backend.engine._lock.acquire()  # hold the engine while the client goes away mid-answer
+    try:
+        assert any(p.used_blocks for p in pipe.pools())  # the request holds blocks
+    finally:
+        backend.engine._lock.release()
+    # the connection is gone after one chunk: the request ends and its blocks go back
+    assert pools_empty(pipe)
+    assert backend.metrics.finished.labels("cancelled")._value.get() >= 1
 
 
 @pytest.mark.parametrize("case,status,code", [
