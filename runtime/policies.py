@@ -65,13 +65,16 @@ class GLLM:
     name = "gllm"
 
     def __init__(self, max_prefill: int = 512, min_prefill: int = 32, iterations: int = 4,
-                 kv_thresh: float = 0.05):
-        self.max_prefill, self.min_prefill, self.iterations, self.kv_thresh = \
-            max_prefill, min_prefill, iterations, kv_thresh
+                 kv_thresh: float = 0.05, spread: str = "memories"):
+        if spread not in ("memories", "stages"):
+            raise ValueError(f"spread decode tokens over 'memories' or 'stages', not {spread!r}")
+        self.max_prefill, self.min_prefill, self.iterations, self.kv_thresh, self.spread = \
+            max_prefill, min_prefill, iterations, kv_thresh, spread
 
     def form(self, engine: Engine) -> list[Planned]:
         decoding = sum(1 for r in engine.running if not r.prefilling)
-        quota = math.ceil(decoding / min(engine.memories, engine.depth))
+        depth = min(engine.memories, engine.depth) if self.spread == "memories" else engine.depth
+        quota = math.ceil(decoding / depth)
         planned = [Planned(r, 1) for r in _decoding(engine)[:quota]]
         waiting = sum(r.waiting_tokens for r in engine.running if r.prefilling) + \
             sum(r.waiting_tokens for r in engine.waiting)

@@ -15,6 +15,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import Callable
 
 from hpipe.core.errors import HpipeError
 from hpipe.core.plan import Plan
@@ -36,11 +37,12 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def run_once(plan: Plan, pipe: Pipeline, items: list[WorkItem], policy: str, seed: int = 0,
-             max_running: int = 256) -> dict:
-    """One replay of ``items`` under ``policy`` on the deployed ``pipe``."""
+             max_running: int = 256, make_policy: Callable[[], object] | None = None) -> dict:
+    """One replay of ``items`` under ``policy`` (made by ``make_policy`` where given, for a variant
+    of one) on the deployed ``pipe``."""
     session = pipe.session()
     offsets = [c.clock_offset() for c in pipe.clients]
-    engine = Engine(session, POLICIES[policy](), depth=len(pipe.stages), max_running=max_running)
+    engine = Engine(session, (make_policy or POLICIES[policy])(), depth=len(pipe.stages), max_running=max_running)
     slicer = plan_slicer(plan)
     done, stop = [0], threading.Event()
     requests: list[Request] = []

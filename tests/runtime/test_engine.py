@@ -25,7 +25,7 @@ def tiny(tiny_dirs):
     source = resolve_model(str(path))
     daemons = [Served(f"d{i}") for i in range(3)]
     pipe = Pipeline(cluster_of(*daemons))
-    yield pipe, source, str(path)
+    yield pipe, source, str(path), daemons
     pipe.close()
     for d in daemons:
         d.stop()
@@ -74,7 +74,7 @@ def pools_empty(pipe, within_s: float = 5.0) -> bool:
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_every_policy_gives_each_request_its_own_tokens(tiny, policy):
-    pipe, source, path = tiny
+    pipe, source, path, _ = tiny
     cfg = source.config
     pipe.deploy(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32)
     prompts, news = workload(12, cfg.vocab_size)
@@ -86,7 +86,7 @@ def test_every_policy_gives_each_request_its_own_tokens(tiny, policy):
 
 
 def test_a_pool_too_small_for_the_load_preempts_and_loses_nothing(tiny):
-    pipe, source, path = tiny
+    pipe, source, path, _ = tiny
     cfg = source.config
     prompts, news = workload(24, cfg.vocab_size)
     # each stage's pool: 20 blocks of 16 tokens, about a quarter of what the 24 requests hold at once
@@ -132,3 +132,58 @@ def test_a_short_request_is_not_stuck_behind_a_long_prefill(tiny, tmp_path_facto
     assert [doc.tokens, short.tokens] == alone(source, [doc.prompt, short.prompt], [2, 4])
     assert (short.first_token_s > doc.first_token_s) == blocked
     assert pools_empty(pipe)
+
+
+def test_decode_micro_batches_as_static_steps_give_the_same_tokens(tiny_dirs):
+    """The daemon's static decode step (CUDA graphs on a GPU; the same step uncaptured here) takes
+    every all-decode micro-batch and changes no token."""
+    source = resolve_model(str(tiny_dirs["llama"]))
+    daemons = [Served(f"s{i}") for i in range(2)]
+    for d in daemons:
+        d.stage.decode_steps = "eager"
+    pipe = Pipeline(cluster_of(*daemons))
+    try:
+        pipe.deploy(str(tiny_dirs["llama"]), cut_stages(pipe.cluster, [4], source.config.num_units), torch.float32)
+        prompts, news = workload(8, source.config.vocab_size)
+        tokens, _ = run(pipe, prompts, news, "gllm")
+        assert tokens == alone(source, prompts, news)
+        assert all(s.graphs.runs > 0 for d in daemons for s in d.stage.stages.values())
+    finally:
+        pipe.close()
+        for d in daemons:
+            d.stop()
+
+
+def test_a_running_request_that_waits_is_never_freed_by_a_stage_idle_timeout(tiny, monkeypatch):
+    """A request whose prompt is in waits its turn far longer than the daemons' idle timeout (with
+    nothing in flight, so the session never polls them): the engine's keep-alives hold its
+    sequence on every stage, and its tokens come out as if it never waited."""
+    from runtime import engine as engine_module
+
+    pipe, source, path, daemons = tiny
+    cfg = source.config
+    pipe.deploy(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32)
+    monkeypatch.setattr(engine_module, "KEEPALIVE_S", 0.2)
+    for d in daemons:
+        monkeypatch.setattr(d.stage.sequences, "idle_timeout_s", 0.5)  # freed within 1.5 s unnamed
+    prompt = torch.randint(1, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(9)).tolist()
+    waits = Request(prompt, 3)
+    held = []
+
+    class HoldsItBack(POLICIES["fcfs"]):  # its prompt goes in, then nothing for 3 s
+        def form(self, engine):
+            if waits.tokens and not held:
+                held.append(time.monotonic())
+            if held and time.monotonic() - held[0] < 3.0:
+                return []
+            return super().form(engine)
+
+    session = pipe.session()
+    try:
+        engine = Engine(session, HoldsItBack(), depth=len(pipe.stages))
+        engine.add(waits)
+        engine.run()
+    finally:
+        session.close()
+    assert not waits.error and engine.preemptions == 0, waits.error
+    assert [waits.tokens] == alone(source, [prompt], [3])
