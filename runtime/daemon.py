@@ -22,6 +22,7 @@ from hpipe.core.cluster import DaemonOptions
 from hpipe.core.errors import HpipeError, InputError, ModelSourceError, StatusError, UnsupportedModelError
 from hpipe.model.stage import parse_dtype
 from runtime import hoststat
+from runtime.backoff import TokenBackoff, grpc_host
 from runtime.channels import TOKEN_HEADER, Security
 from runtime.deployment import Deployment
 from runtime.stage_server import StageServer
@@ -111,10 +112,12 @@ class StageServicer(pb_grpc.StageServiceServicer):
 class TokenInterceptor(grpc.ServerInterceptor):
     """Refuse every RPC (health checks included) that lacks the shared token."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, backoff: TokenBackoff | None = None):
         self._expected = f"Bearer {token}".encode()
+        backoff = backoff or TokenBackoff()
 
         def deny(request, context):
+            backoff.refused(grpc_host(context.peer()))  # guessing gets slow (runtime.backoff)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
@@ -144,7 +147,7 @@ def build_server(options: DaemonOptions, services: tuple[Service, ...] = (),
     stage = StageServer(options.device, options.memory_budget, host=options.host, token=security.token,
                         tls_server=server_context(options.tls_cert, options.tls_key),
                         tls_client=client_context(security.tls_ca), on_worker_start=on_worker_start,
-                        cuda_graphs=options.cuda_graphs)
+                        cuda_graphs=options.cuda_graphs, model_dirs=options.model_dir_list)
     interceptors = [TokenInterceptor(security.token)] if security.token else []
     # so_reuseport off: a second daemon on a port in use must fail to bind, not share it unseen
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="grpc"),

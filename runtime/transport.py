@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from hpipe.core.errors import HpipeError
+from runtime.backoff import TokenBackoff
 from runtime.wire import pb
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,7 @@ class DataServer:
     def __init__(self, host: str, token: str | None, serve: Callable[[Connection, int], None],
                  tls: ssl.SSLContext | None = None):
         self._token, self._serve, self._tls = token, serve, tls
+        self._backoff = TokenBackoff()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -210,6 +212,11 @@ class DataServer:
             hello = read_header(sock, pb.Hello)
             expected = (self._token or "").encode()
             error = "" if hmac.compare_digest(hello.token.encode(), expected) else "missing or wrong token"
+            host = peer.rsplit(":", 1)[0]
+            if error:
+                self._backoff.refused(host)  # guessing gets slow (runtime.backoff)
+            else:
+                self._backoff.accepted(host)
             body = pb.HelloReply(error=error).SerializeToString()
             sock.sendall(_LEN.pack(len(body)) + body)
             if error:

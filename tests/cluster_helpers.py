@@ -27,7 +27,8 @@ def write_cluster(directory: Path, n: int, *, name="test", extra_top="", extra_d
         f"  - name: s{i}\n    address: 127.0.0.1:{p}\n    device: cpu\n    threads: 1\n{extra_daemon}"
         for i, p in enumerate(ports))
     path = directory / f"{name}.yaml"
-    path.write_text(f"name: {name}\n{extra_top}daemons:\n{daemons}")
+    # tests load their tiny models from temporary directories
+    path.write_text(f"name: {name}\nmodel_dirs: [{tempfile.gettempdir()}]\n{extra_top}daemons:\n{daemons}")
     return path
 
 
@@ -64,6 +65,7 @@ class Served:
             kw["token_file"] = Path(f.name)
         if tls_cert:
             kw.update(tls_cert=Path(tls_cert), tls_key=Path(tls_key))
+        kw.setdefault("model_dirs", tempfile.gettempdir())  # tests' tiny models live in temporary directories
         self.server, self.stage, port = build(DaemonOptions(name=name, port=0, **kw))
         self.server.start()
         self.address = f"127.0.0.1:{port}"

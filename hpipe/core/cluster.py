@@ -4,6 +4,7 @@
 name: local-3
 token_file: secret.txt        # optional, relative to this file: every RPC must carry it
 tls_ca: ca.pem                # optional: verify daemons' TLS certificates against this
+model_dirs: [/srv/models]     # optional: every daemon's model_dirs unless it sets its own
 daemons:
   - name: a
     address: 127.0.0.1:50151  # host:port the daemon binds and clients reach
@@ -11,6 +12,7 @@ daemons:
     threads: 1                # torch CPU threads (optional)
     memory_budget: 2GiB       # optional cap on weights + KV cache
     cuda_graphs: false        # optional: GPU decode steps eagerly instead of as CUDA graphs
+    model_dirs: [/srv/models] # optional: where Load may read model files, beyond hpipe's cache
     tls_cert: a.pem           # optional, with tls_key
     tls_key: a.key
     emulate: {...}            # optional, see runtime/emulate/
@@ -24,6 +26,7 @@ cluster up`` turns it back into those flags (:meth:`DaemonOptions.argv`).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, fields
 from importlib.resources import files
@@ -67,6 +70,15 @@ def _bool(value) -> bool:
     return value
 
 
+def _dirs(value) -> str:
+    """Directories as one ``os.pathsep``-separated string (a YAML list or text)."""
+    if isinstance(value, (list, tuple)):
+        return os.pathsep.join(str(v) for v in value)
+    if not isinstance(value, str):
+        raise ValueError(value)
+    return value
+
+
 def _path(value) -> Path:
     return Path(value)
 
@@ -89,6 +101,9 @@ class DaemonOptions:
                                                                      parse_size))
     cuda_graphs: bool = field(default=True, metadata=_option("run GPU decode steps eagerly", _bool,
                                                                              "--no-cuda-graphs"))
+    model_dirs: str = field(default="", metadata=_option(
+        f"directories ('{os.pathsep}'-separated) Load may read model files from, beyond hpipe's cache and "
+        "built-in models", _dirs))
     token_file: Path | None = field(default=None, metadata=_option("shared secret every RPC must carry", _path))
     tls_cert: Path | None = field(default=None, metadata=_option("TLS certificate (with --tls-key)", _path))
     tls_key: Path | None = field(default=None, metadata=_option("TLS private key", _path))
@@ -107,6 +122,10 @@ class DaemonOptions:
             raise HpipeError(f"{who}: memory budget must be positive, got {self.memory_budget}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise HpipeError(f"{who}: a TLS certificate and key go together")
+
+    @property
+    def model_dir_list(self) -> tuple[str, ...]:
+        return tuple(d for d in self.model_dirs.split(os.pathsep) if d)
 
     @property
     def address(self) -> str:
@@ -274,6 +293,8 @@ class ClusterSpec:
                     d[key] = rel(d[key])
             if "token_file" in d or "tls_ca" in d:
                 raise HpipeError(f"{who}: token_file and tls_ca are set for the whole cluster, at the top level")
+            if raw.get("model_dirs") and "model_dirs" not in d:
+                d["model_dirs"] = raw["model_dirs"]
             options = DaemonOptions.from_values({"name": f"d{i}", **d, "host": host, "port": port}, who)
             daemons.append(DaemonSpec(**{**vars(options), "token_file": token_file, "tls_ca": tls_ca},
                                       emulate=emulate, spec=_spec(who, spec)))

@@ -64,8 +64,19 @@ class WeightStore:
     def _index(self) -> dict[str, Path]:
         index = self.directory / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: self.directory / fname for name, fname in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError
+            except (OSError, ValueError, KeyError, TypeError):
+                raise ModelSourceError(f"{index}: not a safetensors index (no weight_map)") from None
+            files = {}
+            for name, fname in weight_map.items():
+                # shards are files of this directory: an absolute path or a '..' would read any file
+                if not isinstance(fname, str) or Path(fname).is_absolute() or ".." in Path(fname).parts:
+                    raise ModelSourceError(f"{index}: shard {fname!r} of {name!r} is not a file of this directory")
+                files[name] = self.directory / fname
+            return files
         files = sorted(self.directory.glob("*.safetensors"))
         if not files:
             raise ModelSourceError(f"{self.directory}: no *.safetensors weights found")

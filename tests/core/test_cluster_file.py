@@ -41,9 +41,9 @@ def test_daemon_options_defined_once_round_trip_through_the_daemon_command(tmp_p
 
     (tmp_path / "t.token").write_text("s3cret")
     path = tmp_path / "c.yaml"
-    path.write_text("token_file: t.token\ndaemons:\n"
+    path.write_text("token_file: t.token\nmodel_dirs: [/srv/models, /data/llm]\ndaemons:\n"
                     "  - {name: a, address: '127.0.0.1:50151', threads: 2, memory_budget: 1GiB, cuda_graphs: false}\n"
-                    "  - {name: b, address: '[::1]:7', device: 'cuda:1'}\n")
+                    "  - {name: b, address: '[::1]:7', device: 'cuda:1', model_dirs: /opt/m}\n")
     for d in ClusterSpec.load(path).daemons:
         options = d.options()
         args = build_parser().parse_args(["daemon", *options.argv()])
@@ -53,6 +53,8 @@ def test_daemon_options_defined_once_round_trip_through_the_daemon_command(tmp_p
     assert a.port == 50151 and a.threads == 2 and a.memory_budget == 2**30 and not a.cuda_graphs
     assert a.token_file == tmp_path / "t.token" and a.address == "127.0.0.1:50151"
     assert ClusterSpec.load(path).daemon("b").address == "[::1]:7"
+    assert a.model_dir_list == ("/srv/models", "/data/llm")  # the cluster's, unless a daemon sets its own
+    assert ClusterSpec.load(path).daemon("b").model_dir_list == ("/opt/m",)
 
 
 @pytest.mark.parametrize("entry,match", [

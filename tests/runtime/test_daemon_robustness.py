@@ -1,5 +1,6 @@
 """Bad messages sent straight to a daemon get a clear refusal, and the daemon keeps serving."""
 
+import json
 import shutil
 import subprocess
 import time
@@ -11,6 +12,7 @@ import torch
 from hpipe.core.cluster import ClusterSpec, DaemonSpec
 from runtime.channels import DaemonClient, Security
 from runtime.coordinator import Pipeline, cut_stages
+from runtime.deployment import check_source
 from runtime.transport import LinkError, connect, read_payload
 from runtime.wire import MAX_MESSAGE_BYTES, pb, pb_grpc
 from tests.cluster_helpers import Served
@@ -70,7 +72,8 @@ def entry(seq, start, length, max_len=0, logits=pb.LAST_LOGITS):
 def test_bad_loads_then_a_good_one(daemon, tiny_dirs):
     c = daemon.client()
     model = tiny_dirs["llama"]
-    assert code_of(lambda: load(c, "no-such-model", 0, 8))[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert code_of(lambda: load(c, "no-such-model", 0, 8))[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert code_of(lambda: load(c, model.parent / "no-such-model", 0, 8))[0] == grpc.StatusCode.FAILED_PRECONDITION
     code, msg = code_of(lambda: load(c, model, 0, 99))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "the model's units [0, 8)" in msg
     code, msg = code_of(lambda: c.call("Load", pb.LoadRequest(model=str(model), dtype=pb.FLOAT32, stages=[
@@ -83,6 +86,38 @@ def test_bad_loads_then_a_good_one(daemon, tiny_dirs):
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory budget" in msg
     info = load(c, model, 3, 8)
     assert info.hidden_size == 64 and info.parameters > 0 and info.pools[0].blocks > 0
+
+
+def test_load_reads_model_files_only_from_allowed_directories(tiny_dirs, tmp_path):
+    allowed = tmp_path / "models"
+    shutil.copytree(tiny_dirs["llama"], allowed / "llama")
+    d = Served(model_dirs=str(allowed))
+    try:
+        c = d.client()
+        info = load(c, allowed / "llama", 0, 8)  # inside: loads
+        outside = [tiny_dirs["llama"],                                  # another directory
+                   allowed / ".." / tiny_dirs["llama"].relative_to(tiny_dirs["llama"].anchor),  # '..' out of it
+                   f"random:{tiny_dirs['llama'] / 'config.json'}",     # a random-weight shape from any JSON
+                   "random:/etc/hostname.json"]
+        for model in outside:
+            code, msg = code_of(lambda: load(c, model, 0, 8))
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "--model-dirs" in msg, model
+        assert d.stage.deployment is not None and d.stage.deployment.model == str(allowed / "llama")  # kept
+        # a shard index naming files outside its directory is refused without opening them
+        crafted = allowed / "crafted"
+        shutil.copytree(allowed / "llama", crafted)
+        weights = next(crafted.glob("*.safetensors"))
+        names = list(json.loads(weights.read_bytes()[8:8 + int.from_bytes(weights.read_bytes()[:8], "little")]))
+        for shard in ("/etc/hostname", "../llama/" + weights.name):
+            (crafted / "model.safetensors.index.json").write_text(json.dumps(
+                {"weight_map": {n: shard for n in names if n != "__metadata__"}}))
+            code, msg = code_of(lambda: load(c, crafted, 0, 8))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "is not a file of this directory" in msg
+        assert info.parameters > 0
+        for builtin in ("smollm2-135m", "random:llama-7b"):  # read no path the caller names
+            check_source(builtin, ())
+    finally:
+        d.stop()
 
 
 def test_bad_micro_batches_fail_alone_and_the_daemon_keeps_serving(daemon, tiny_dirs):
@@ -185,6 +220,14 @@ def test_token_required(tiny_dirs):
         assert not d.client().health()
         good = d.client(Security(token="s3cret"))
         assert good.health() and not good.call("Status", pb.StatusRequest()).loaded
+        # guessing is slowed down: each wrong token waits longer (0.05, 0.1, 0.2, 0.4, 0.8, 1 s ...)
+        wrong = d.client(Security(token="guess"))
+        t0 = time.monotonic()
+        for _ in range(6):
+            assert code_of(lambda: wrong.call("Status", pb.StatusRequest()))[0] == grpc.StatusCode.UNAUTHENTICATED
+        assert time.monotonic() - t0 > 1.0
+        t0 = time.monotonic()
+        assert good.call("Status", pb.StatusRequest()) is not None and time.monotonic() - t0 < 0.5  # the token still works
         # gRPC reads a message whole before the token check: a large one is refused for its size
         # (a client that would send it: ours refuses to)
         with grpc.insecure_channel(d.address, options=[("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES)]) as ch:
