@@ -304,6 +304,14 @@ class Engine:
                     self._refused(r, *failed)
             if rows:
                 logits = result.logits[rows]
+                finite = torch.isfinite(logits).all(dim=-1).tolist()
+                if not all(finite):  # NaN or inf hidden states upstream: say so, do not sample noise
+                    for r, ok in zip(owners, finite):
+                        if not ok:
+                            self._finish(r, "error", "the model produced non-finite logits (NaN or inf) for this "
+                                                     "sequence: a stage's weights or activations overflowed")
+                    keep = [i for i, ok in enumerate(finite) if ok]
+                    logits, samplers, owners = logits[keep], [samplers[i] for i in keep], [owners[i] for i in keep]
                 for i, (r, token) in enumerate(zip(owners, sample(samplers, logits))):
                     if r.logprobs is not None:
                         r.token_logprobs.append(_logprobs(logits[i], token, r.logprobs))

@@ -1,6 +1,7 @@
 """The engine over real daemons: every policy gives each request the tokens it gets alone, and a
 KV pool too small for the load preempts and recomputes, losing nothing."""
 
+import shutil
 import time
 
 import pytest
@@ -187,3 +188,27 @@ def test_a_running_request_that_waits_is_never_freed_by_a_stage_idle_timeout(tin
         session.close()
     assert not waits.error and engine.preemptions == 0, waits.error
     assert [waits.tokens] == alone(source, [prompt], [3])
+
+
+def test_non_finite_logits_fail_the_request_with_a_clear_error(tiny, tmp_path):
+    """A model whose hidden states overflow gives NaN logits: the request fails saying so, it does
+    not answer with argmax-of-NaN tokens, and the daemons free its sequence."""
+    from safetensors.torch import load_file, save_file
+
+    pipe, source, path, _ = tiny
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    weights = broken / "model.safetensors"
+    state = load_file(str(weights))
+    state["model.norm.weight"] = torch.full_like(state["model.norm.weight"], float("nan"))
+    save_file(state, str(weights), metadata={"format": "pt"})
+    pipe.deploy(str(broken), cut_stages(pipe.cluster, [3, 5], source.config.num_units), torch.float32)
+    session = pipe.session()
+    try:
+        engine = Engine(session, POLICIES["gllm"](), depth=len(pipe.stages))
+        r = engine.add(Request([5, 6, 7, 8], 4, slicer=chunks))
+        engine.run()
+    finally:
+        session.close()
+    assert r.stop_reason == "error" and "non-finite logits" in r.error and r.tokens == []
+    assert pools_empty(pipe)
