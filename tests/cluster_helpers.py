@@ -1,5 +1,6 @@
 """Daemons for tests: real processes on free loopback ports, or in-process servers."""
 
+import random
 import shutil
 import socket
 import tempfile
@@ -12,12 +13,19 @@ from runtime.channels import DaemonClient, Security
 
 
 def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """``n`` free loopback ports below the kernel's ephemeral range: a daemon starting up binds its
+    data port from that range, and must not take a port another daemon is about to bind."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
     return ports
 
 
