@@ -148,6 +148,10 @@ def _run_parser(sub) -> None:
     rn.add_argument("--ignore-eos", action="store_true",
                     help="decode --max-new-tokens tokens whatever the model answers (for measurements)")
     rn.add_argument("--strategy", help="run a baseline of the plan instead (base, gpipe, gp-b, terapipe)")
+    rn.add_argument("--profile", help="the profile the plan came from: a daemon that dies and does not come back "
+                                      "is planned around on the survivors")
+    rn.add_argument("--grace", type=float, default=60.0,
+                    help="seconds a broken pipeline waits for a dead daemon to come back (default: 60)")
     rn.add_argument("-o", "--output", default="results.jsonl")
     rn.add_argument("--json", action="store_true")
     rn.add_argument("documents", nargs="+", help="text or markdown files; '-' for stdin")
@@ -192,11 +196,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("daemon", help="serve this device as a pipeline stage (gRPC)")
     _daemon_arguments(dm)
+    dm.add_argument("--print-systemd-unit", action="store_true",
+                    help="print a systemd unit that runs this daemon and restarts it when it fails, then exit")
     dm.set_defaults(func=commands.daemon)
 
     cl = sub.add_parser("cluster", help="start, stop or inspect the local daemons of a cluster file")
-    cl.add_argument("action", choices=["up", "down", "status"])
+    cl.add_argument("action", choices=["up", "down", "status", "supervise"],
+                    help="supervise: what `up` starts in the background to restart daemons that die")
     cl.add_argument("file")
+    cl.add_argument("--no-restart", dest="restart", action="store_false",
+                    help="up: do not start the supervisor that restarts daemons that die")
     cl.add_argument("--json", action="store_true")
     cl.set_defaults(func=commands.cluster)
 

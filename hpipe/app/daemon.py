@@ -8,8 +8,11 @@ its worker thread by (:mod:`runtime.emulate`).
 from __future__ import annotations
 
 import logging
+import shlex
 import signal
+import sys
 import threading
+from pathlib import Path
 
 import grpc
 import torch
@@ -55,3 +58,30 @@ def serve(options: DaemonOptions) -> int:
     stage.shutdown()
     server.stop(grace=3).wait()
     return 0
+
+
+def systemd_unit(options) -> str:
+    """A systemd service running ``hpipe daemon`` with ``options``, restarted when it fails (a
+    bounded number of times, as ``hpipe cluster up``'s supervisor does for local daemons)."""
+    from runtime.launcher import MAX_RESTARTS, RESTART_WINDOW_S
+
+    command = " ".join(shlex.quote(str(a)) for a in [sys.executable, "-m", "hpipe", "daemon", *options.argv()])
+    return f"""# hpipe daemon {options.name or options.address}: save as /etc/systemd/system/hpipe-daemon.service, then
+#   systemctl daemon-reload && systemctl enable --now hpipe-daemon
+[Unit]
+Description=hpipe pipeline stage daemon {options.name or ''} on {options.address}
+After=network-online.target
+Wants=network-online.target
+StartLimitIntervalSec={RESTART_WINDOW_S:.0f}
+StartLimitBurst={MAX_RESTARTS}
+
+[Service]
+ExecStart={command}
+WorkingDirectory={Path.cwd()}
+Restart=on-failure
+RestartSec=2
+KillSignal=SIGTERM
+TimeoutStopSec=15
+
+[Install]
+WantedBy=multi-user.target"""

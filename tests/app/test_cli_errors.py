@@ -64,3 +64,12 @@ def test_colocation_rounds_must_be_positive(capsys):
     with pytest.raises(SystemExit) as e:
         main(["profile", "--cluster", "c.yaml", "--colocation-rounds", "0"])
     assert e.value.code == 2 and "expected a positive integer, got '0'" in capsys.readouterr().err
+
+
+def test_daemon_prints_a_systemd_unit_that_restarts_it(capsys):
+    assert main(["daemon", "--port", "50199", "--name", "box", "--model-dirs", "/srv/models",
+                 "--print-systemd-unit"]) == 0
+    unit = capsys.readouterr().out
+    assert "Restart=on-failure" in unit and "StartLimitBurst=5" in unit
+    exec_line = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert exec_line.endswith("-m hpipe daemon --name box --port 50199 --model-dirs /srv/models")

@@ -3,15 +3,19 @@ surviving daemons free the sequence's KV cache."""
 
 import os
 import signal
+import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from hpipe.core.cluster import ClusterSpec
+from hpipe.core.errors import HpipeError
 from runtime import launcher
 from runtime.coordinator import Pipeline, StageFailure, cut_stages
 from runtime.wire import pb
-from tests.cluster_helpers import RunningCluster, write_cluster
+from tests.cluster_helpers import RunningCluster, discard_state, write_cluster
 
 
 def test_killed_daemon_mid_prefill(tmp_path, smollm2):
@@ -42,3 +46,31 @@ def test_killed_daemon_mid_prefill(tmp_path, smollm2):
                 assert time.monotonic() < deadline, status
                 time.sleep(0.1)
         pipe.close()
+
+
+def test_a_failed_cluster_up_leaves_no_daemon_behind(tmp_path):
+    path = write_cluster(tmp_path, 2, name="half")
+    spec = ClusterSpec.load(path)
+    a, b = spec.daemons
+    with socket.socket() as taken:  # b's port is in use: b cannot start
+        taken.bind(("127.0.0.1", b.port))
+        taken.listen(1)
+        with pytest.raises(HpipeError, match=f"daemon {b.name}"):
+            launcher.up(spec)
+
+    def running(port):
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                args = cmdline.read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"daemon" in args and str(port).encode() in args:
+                return True
+        return False
+    deadline = time.monotonic() + 10
+    while running(a.port):
+        assert time.monotonic() < deadline, "daemon a still runs after the failed start"
+        time.sleep(0.1)
+    assert not (launcher.state_dir(spec) / f"{a.name}.pid").exists()
+    assert not (launcher.state_dir(spec) / launcher.SUPERVISOR_PID).exists()
+    discard_state(spec)
