@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -33,7 +33,7 @@ from hpipe.core.config import ModelConfig
 from hpipe.core.errors import StatusError
 from hpipe.core.paths import cache_root
 from hpipe.core.plan import Stage
-from hpipe.core.shapes import RANDOM_PREFIX, SHAPES, is_random, random_config
+from hpipe.core.shapes import RANDOM_PREFIX, is_random, random_config
 from hpipe.core.units import UnitRange
 from hpipe.model import StageModel
 from hpipe.model.graphs import DecodeGraphs
@@ -78,6 +78,20 @@ class LoadedStage:
         return self.model.units
 
 
+def successor_of(dep: Deployment, i: int) -> tuple[str, int] | None:
+    """(host, data port) of the daemon after stage ``i``; None for the last stage."""
+    if i + 1 >= len(dep.stages):
+        return None
+    host = split_address(dep.stages[i + 1].address, "the next stage")[0]
+    return host, dep.data_ports[i + 1] if dep.data_ports else 0
+
+
+def same_but_ports(a: Deployment | None, b: Deployment) -> bool:
+    """Whether ``a`` and ``b`` differ at most in the daemons' data ports (one was restarted):
+    the held stages then stay loaded, only their successors change."""
+    return a is not None and replace(a, data_ports=()) == replace(b, data_ports=())
+
+
 def check_memory(device: torch.device, budget: int | None, in_use: int, new_bytes: int, what: str) -> None:
     """Refuse ``new_bytes`` more (``RESOURCE_EXHAUSTED``) past the budget or 90% of the free memory."""
     if budget is not None and in_use + new_bytes > budget:
@@ -105,8 +119,8 @@ def check_source(model: str, model_dirs: tuple[str, ...]) -> None:
     """Refuse a model whose files lie outside hpipe's cache and ``model_dirs``: built-in models
     and random-weight shapes read nothing else; a path (a model directory, a GGUF file, a
     ``random:`` config.json) must be inside one of them, after ``..`` is resolved."""
-    if model in BUILTIN_MODELS or (is_random(model) and model[len(RANDOM_PREFIX):] in SHAPES):
-        return
+    if model in BUILTIN_MODELS or (is_random(model) and not model.endswith(".json")):
+        return  # reads no path the caller names (random:NAME is a built-in shape, or an error)
     name = model[len(RANDOM_PREFIX):] if is_random(model) else model
     path = os.path.abspath(os.path.expanduser(name))
     roots = [os.path.abspath(d) for d in (str(cache_root()), *model_dirs) if d]
@@ -160,10 +174,7 @@ def load(dep: Deployment, device: torch.device, budget: int | None, check: Calla
             model = StageModel.random(cfg, units, dtype=dep.dtype, device=device)
         else:
             model = StageModel.from_checkpoint(source.weights(), cfg, units, dtype=dep.dtype, device=device)
-        successor = None
-        if i + 1 < len(dep.stages):
-            host = split_address(dep.stages[i + 1].address, "the next stage")[0]
-            successor = (host, dep.data_ports[i + 1] if dep.data_ports else 0)
+        successor = successor_of(dep, i)
         pool = model.new_pool(blocks) if blocks else None
         graphs = DecodeGraphs(model, pool, graph=decode_steps == "graphs") if decode_steps != "off" else None
         loaded[i] = LoadedStage(i, dep.stages[i], model, pool, successor, graphs)

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from hpipe.model.sampling import Sampler, SamplingParams, sample
-from runtime.session import Session
+from runtime.session import Session, StageFailure
 from runtime.wire import pb
 
 log = logging.getLogger(__name__)
@@ -140,8 +140,12 @@ class Sent:
 class Engine:
     """Runs :class:`Request` s on a session, ``depth`` micro-batches in flight, formed by ``policy``."""
 
-    def __init__(self, session: Session, policy, depth: int, max_running: int = 64):
+    def __init__(self, session: Session, policy, depth: int, max_running: int = 64,
+                 recover: Callable[[str], Session] | None = None):
         self.session, self.policy, self.depth, self.max_running = session, policy, max(1, depth), max_running
+        #: when the pipeline breaks: a new session on a working one, or StageFailure (runtime.recovery)
+        self.recover = recover
+        self.recoveries = 0
         self.memories = max(1, session.pipe.memories)  # independent memory systems in the pipeline
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -233,7 +237,38 @@ class Engine:
 
     # --- the loop -----------------------------------------------------------------------------
     def run(self, until_idle: bool = True, stop: threading.Event | None = None) -> None:
-        """Schedule and collect until every request added is done (``until_idle``), or ``stop`` is set."""
+        """Schedule and collect until every request added is done (``until_idle``), or ``stop`` is
+        set. A broken pipeline is :class:`StageFailure`, unless ``recover`` brings it back."""
+        while True:
+            try:
+                return self._run(until_idle, stop)
+            except StageFailure as e:
+                if self.recover is None:
+                    raise
+                self._recover(str(e))
+
+    def _recover(self, error: str) -> None:
+        """Go on on the session ``recover`` gives (or raise its StageFailure): every running
+        request starts again from its token ids, prefilling its prompt and the tokens it has."""
+        session = self.recover(error)
+        with self._lock:
+            old, self.session = self.session, session
+            old.close()
+            self._in_flight.clear()
+            for r in sorted(self.running, key=lambda r: r.admitted, reverse=True):
+                r.in_flight = 0
+                r.id = random.getrandbits(63)
+                r._restart(r.prompt + r.tokens)
+                self.running.remove(r)
+                self.waiting.insert(0, r)  # the oldest first again
+            pools = session.pipe.pools()
+            self.kv_blocks = min((p.blocks for p in pools), default=0)
+            self.depth = max(1, len(session.pipe.stages))
+            self.memories = max(1, session.pipe.memories)
+            self.recoveries += 1
+            self._checked = time.monotonic()
+
+    def _run(self, until_idle: bool, stop: threading.Event | None) -> None:
         while not (stop and stop.is_set()):
             with self._arrived:
                 if not self.running and not self.waiting and not self._in_flight:

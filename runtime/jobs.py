@@ -17,16 +17,18 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from tqdm import tqdm
 
 from hpipe.core.errors import HpipeError, InputError
-from hpipe.core.plan import Plan
+from hpipe.core.plan import Plan, Stage
 from hpipe.model.generate import encode_prompt
 from hpipe.model.stage import DTYPES
 from runtime.coordinator import Pipeline
 from runtime.engine import Engine, Request
 from runtime.policies import POLICIES
+from runtime.recovery import GRACE_S, Redeploy
 from runtime.results import ResultsFile, answer_key
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class JobConfig:
     strategy: str | None = None
     policy: str = "gllm"     # how micro-batches are formed (runtime.policies)
     ignore_eos: bool = False  # decode max_new_tokens whatever the model says (for benchmarks)
+    grace_s: float = GRACE_S  # how long a broken pipeline waits for its daemons (runtime.recovery)
 
 
 def read_document(name: str) -> str:
@@ -86,9 +89,12 @@ def plan_slicer(plan: Plan, strategy: str | None = None):
     return slices
 
 
-def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: Path, job: JobConfig) -> dict:
+def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: Path, job: JobConfig,
+            replan: Callable[[list[str]], list[Stage]] | None = None) -> dict:
     """Analyse ``documents``; returns a summary. Raises nothing per document: each failure is
-    recorded in the results file with its error, and in the summary."""
+    recorded in the results file with its error, and in the summary. A stage that dies is waited
+    for and redeployed, or (``replan(survivors)`` given) planned around, and the documents in
+    flight go on (:mod:`runtime.recovery`); the summary's ``recoveries`` says what happened."""
     tokenizer = source.tokenizer()
     eos = frozenset(() if job.ignore_eos else source.eos_token_ids())
     strategy = job.strategy or plan.strategy
@@ -125,10 +131,11 @@ def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: P
         if skipped:
             log.warning("skipping %d documents already answered in %s", skipped, results)
         pipe.deploy(plan.model_name, sp.stages, DTYPES[plan.dtype])
+        redeploy = Redeploy(pipe, plan.model_name, sp.stages, DTYPES[plan.dtype], grace_s=job.grace_s, replan=replan)
         t0 = time.perf_counter()
         bar = tqdm(total=len(prompts), desc="documents", unit="doc", file=sys.stderr, disable=not sys.stderr.isatty())
-        session = pipe.session()
-        engine = Engine(session, POLICIES[job.policy](), depth=len(pipe.stages), max_running=max(1, job.parallel))
+        engine = Engine(pipe.session(), POLICIES[job.policy](), depth=len(pipe.stages),
+                        max_running=max(1, job.parallel), recover=redeploy)
 
         def finished(r: Request) -> None:
             name, key, dropped = r.tag
@@ -159,9 +166,10 @@ def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: P
         except HpipeError as e:
             engine.fail_all(str(e))
         finally:
-            session.close()
+            engine.session.close()
             bar.close()
     elapsed = time.perf_counter() - t0
     return {**stats, "skipped": skipped, "failed": failures, "elapsed_s": round(elapsed, 3),
             "tokens_per_s": round((stats["prompt_tokens"] + stats["new_tokens"]) / elapsed, 1) if elapsed else None,
-            "strategy": strategy, "policy": job.policy, "micro_batches": engine.micro_batches}
+            "strategy": strategy, "policy": job.policy, "micro_batches": engine.micro_batches,
+            "recoveries": redeploy.events}

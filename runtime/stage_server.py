@@ -108,7 +108,16 @@ class StageServer:
         t0 = time.perf_counter()
         deployment.check_source(dep.model, self.model_dirs)  # before anything held is dropped
         with self._lock:
-            if self.deployment != dep:
+            if deployment.same_but_ports(self.deployment, dep) and self.deployment != dep:
+                # a daemon of the pipeline came back on a new data port: keep the weights and the
+                # KV pools, re-point the successors (runtime.recovery)
+                def relink():
+                    for i, held in self.stages.items():
+                        held.successor = deployment.successor_of(dep, i)
+                    self.deployment = dep
+                self.run_on_device(relink)
+                log.info("kept units %s of %s; successors re-pointed", self._held(), dep.model)
+            elif self.deployment != dep:
                 for hook in self.before_load:
                     hook()
                 self.run_on_device(self._drop_everything)

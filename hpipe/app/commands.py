@@ -148,11 +148,15 @@ def _generate_on_cluster(args, cluster, source, dtype, tokenizer, prompt, sampli
 
 
 def daemon(args: argparse.Namespace) -> int:
-    from hpipe.app.daemon import serve
+    from hpipe.app.daemon import serve, systemd_unit
     from hpipe.core.cluster import DaemonOptions
 
     values = {f.name: getattr(args, f.name) for f in fields(DaemonOptions)}
-    return serve(DaemonOptions.from_values({k: v for k, v in values.items() if v is not None}, "hpipe daemon"))
+    options = DaemonOptions.from_values({k: v for k, v in values.items() if v is not None}, "hpipe daemon")
+    if args.print_systemd_unit:
+        print(systemd_unit(options))
+        return 0
+    return serve(options)
 
 
 def cluster(args: argparse.Namespace) -> int:
@@ -172,7 +176,10 @@ def cluster(args: argparse.Namespace) -> int:
                       f"{'units ' + ' '.join('[%d, %d)' % tuple(u) for u in units) if units else '-':<16} "
                       f"open sequences: {r.get('open_sequences', '-')}")
         return 0 if all(r["healthy"] for r in rows) else 1
-    result = launcher.up(spec) if args.action == "up" else launcher.down(spec)
+    if args.action == "supervise":
+        launcher.supervise(spec)
+        return 0
+    result = launcher.up(spec, restart=args.restart) if args.action == "up" else launcher.down(spec)
     if args.json:
         print(json.dumps(result))
     else:
@@ -250,6 +257,22 @@ def plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def replanner(plan, profile_path: str):
+    """``replan(survivors) -> stages``: the plan's strategy re-planned from the saved profile on
+    the daemons still answering (what runtime.recovery calls when one does not come back)."""
+    from planner.costs import Workload
+    from planner.strategies import plan as make_plan
+
+    profile = load_profile(profile_path)
+
+    def replan(alive: list[str]):
+        gone = [d.name for d in profile.daemons if d.name not in alive]
+        result = make_plan(profile.without(gone), Workload(plan.seq_len, plan.batch, plan.max_len),
+                           strategy=plan.strategy)
+        return list(result.chosen.stages)
+    return replan
+
+
 def run(args: argparse.Namespace) -> int:
     from hpipe.model.sources import resolve_model
     from runtime.coordinator import Pipeline
@@ -264,12 +287,16 @@ def run(args: argparse.Namespace) -> int:
     pipe = Pipeline(cluster_for(the_plan, args.cluster))
     job = JobConfig(instruction=args.instruction, chat=args.chat, max_new_tokens=args.max_new_tokens,
                     truncate=args.truncate, parallel=args.parallel, policy=args.policy,
-                    ignore_eos=args.ignore_eos,
+                    ignore_eos=args.ignore_eos, grace_s=args.grace,
                     strategy=args.strategy.replace("-", "_") if args.strategy else None)
     try:
-        summary = run_job(the_plan, pipe, source, args.documents, output, job)
+        summary = run_job(the_plan, pipe, source, args.documents, output, job,
+                          replan=replanner(the_plan, args.profile) if args.profile else None)
     finally:
         pipe.close()
+    for event in summary["recoveries"]:
+        print(f"hpipe: the pipeline broke ({event['error']}); {event['action']} in {event['seconds']:.1f} s",
+              file=sys.stderr)
     print(json.dumps(summary) if args.json else
           f"{summary['documents']} analysed, {summary['skipped']} skipped, {len(summary['failed'])} failed; "
           f"{summary['tokens_per_s']} tokens/s -> {args.output}", file=sys.stdout if args.json else sys.stderr)

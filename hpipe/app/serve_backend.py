@@ -23,6 +23,7 @@ from runtime.coordinator import Pipeline
 from runtime.engine import Engine, Request
 from runtime.jobs import plan_slicer
 from runtime.policies import POLICIES
+from runtime.recovery import Redeploy
 from runtime.wire import pb
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,6 @@ class Backend:
         self.started = int(time.time())
         self.metrics = Metrics()
         self.engine: Engine | None = None
-        self.session = None
         self._stop = threading.Event()
         self._state = "loading"
         self._health = (0.0, True, "")
@@ -101,9 +101,11 @@ class Backend:
     def start(self) -> None:
         """Deploy the plan and start the engine's thread (returns once serving)."""
         self.pipe.deploy(self.plan.model_name, self.plan.chosen.stages, DTYPES[self.plan.dtype])
-        self.session = self.pipe.session()
-        self.engine = Engine(self.session, POLICIES[self.policy](), depth=len(self.pipe.stages),
-                             max_running=self.max_queue)
+        # a stage that dies is waited for (the supervisor restarts it) and redeployed; requests
+        # in flight start again from their tokens and their streams go on (runtime.recovery)
+        recover = Redeploy(self.pipe, self.plan.model_name, self.plan.chosen.stages, DTYPES[self.plan.dtype])
+        self.engine = Engine(self.pipe.session(), POLICIES[self.policy](), depth=len(self.pipe.stages),
+                             max_running=self.max_queue, recover=recover)
         threading.Thread(target=self._run, name="engine", daemon=True).start()
         self._state = "ok"
 
@@ -117,8 +119,8 @@ class Backend:
 
     def stop(self) -> None:
         self._stop.set()
-        if self.session is not None:
-            self.session.close()
+        if self.engine is not None:
+            self.engine.session.close()
 
     def ready(self) -> tuple[bool, str]:
         if self._state != "ok":

@@ -208,6 +208,18 @@ class Profile:
             raise ProfileError(f"no daemon {', '.join(unknown)} in the profile")
         return replace(self, daemons=tuple(d.scaled(factors.get(d.name, 1.0)) for d in self.daemons))
 
+    def without(self, names) -> "Profile":
+        """The profile with the named daemons (and their links) left out: what a pipeline that
+        lost them can be re-planned on."""
+        gone = set(names)
+        unknown = sorted(gone - {d.name for d in self.daemons})
+        if unknown:
+            raise ProfileError(f"no daemon {', '.join(unknown)} in the profile")
+        if gone >= {d.name for d in self.daemons}:
+            raise ProfileError("no daemon would be left")
+        return replace(self, daemons=tuple(d for d in self.daemons if d.name not in gone),
+                       links=tuple(l for l in self.links if l.src not in gone and l.dst not in gone))
+
     def link(self, src: str, dst: str) -> LinkProfile:
         for l in self.links:
             if l.src == src and l.dst == dst:

@@ -1,0 +1,98 @@
+"""Bringing a broken pipeline back: wait for its daemons, redeploy, and let the engine go on.
+
+When a stage dies the session fails (:class:`runtime.session.StageFailure`). The engine then asks
+its :class:`Redeploy` for a new session: it waits up to ``grace_s`` for every daemon of the
+pipeline to answer again (``hpipe cluster up``'s supervisor restarts a local daemon that crashed;
+systemd one on another machine), then deploys the same stages. Daemons that kept their weights keep
+them: a deployment that differs only in data ports re-points their successors and reloads nothing
+(:meth:`runtime.stage_server.StageServer.load`). If a daemon stays away and a ``replan`` is given,
+it is asked for stages on the daemons that answer (the application re-plans them from the saved
+profile), and those are deployed instead.
+
+The engine then restarts every running request on the new session from its token ids: each one
+prefills its prompt and the tokens it has generated again and goes on decoding, so its answer is
+the one it would have had (:meth:`runtime.engine.Engine.recover`). What a sequence had prefilled
+before the failure is recomputed, not replayed from the stages' logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from hpipe.core.errors import HpipeError
+from hpipe.core.plan import Stage
+from runtime.channels import DaemonClient
+from runtime.session import Session, StageFailure
+
+log = logging.getLogger(__name__)
+
+#: seconds a broken pipeline waits for its daemons to answer again before it re-plans or gives up
+GRACE_S = 60.0
+#: recoveries at most in one engine's life (a pipeline that keeps breaking is given up on)
+MAX_RECOVERIES = 5
+
+
+class Redeploy:
+    """A new session on the same deployment once its daemons are back (or on a re-planned one)."""
+
+    def __init__(self, pipe, model: str, stages: Sequence[Stage], dtype: torch.dtype, kv_pool_bytes: int = 0,
+                 grace_s: float = GRACE_S, replan: Callable[[list[str]], list[Stage]] | None = None,
+                 max_times: int = MAX_RECOVERIES):
+        self.pipe, self.model, self.stages, self.dtype, self.kv_pool_bytes = \
+            pipe, model, list(stages), dtype, kv_pool_bytes
+        self.grace_s, self.replan, self.max_times = grace_s, replan, max_times
+        self.events: list[dict] = []  # what happened: when, why, what was done, how long it took
+
+    def __call__(self, error: str) -> Session:
+        """A session on a working pipeline, or :class:`StageFailure` (with ``error``'s story)."""
+        if len(self.events) >= self.max_times:
+            raise StageFailure(f"{error} (the pipeline broke {len(self.events)} times already: giving up)")
+        t0 = time.monotonic()
+        log.warning("the pipeline broke (%s); waiting up to %.0f s for its daemons", error, self.grace_s)
+        names = list(dict.fromkeys(s.daemon for s in self.stages))
+        deadline = t0 + self.grace_s
+        while True:
+            down = self._down(names)
+            if not down:
+                try:
+                    self.pipe.deploy(self.model, self.stages, self.dtype, self.kv_pool_bytes)
+                    return self._done(error, "redeployed", t0)
+                except StageFailure as e:  # died again while loading: wait on
+                    log.warning("redeploying failed: %s", e)
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if self.replan is None:
+            raise StageFailure(f"{error}; {', '.join(down)} did not come back within {self.grace_s:.0f} s")
+        alive = [d.name for d in self.pipe.cluster.daemons if d.name not in down]
+        try:
+            stages = self.replan(alive)
+        except HpipeError as e:
+            raise StageFailure(f"{error}; {', '.join(down)} did not come back and the survivors cannot take "
+                               f"over: {e}") from None
+        log.warning("%s did not come back: re-planned on %s", ", ".join(down), ", ".join(alive))
+        self.pipe.deploy(self.model, stages, self.dtype, self.kv_pool_bytes)
+        self.stages = list(stages)
+        return self._done(error, f"re-planned without {', '.join(down)}", t0)
+
+    def _down(self, names: list[str]) -> list[str]:
+        down = []
+        for name in names:
+            d = self.pipe.cluster.daemon(name)
+            client = DaemonClient(d.address, self.pipe.security, name)
+            try:
+                if not client.health(timeout=1.0):
+                    down.append(name)
+            finally:
+                client.close()
+        return down
+
+    def _done(self, error: str, action: str, t0: float) -> Session:
+        took = time.monotonic() - t0
+        self.events.append({"error": error, "action": action, "seconds": round(took, 3)})
+        log.warning("pipeline %s after %.1f s; running requests start again from their tokens", action, took)
+        return self.pipe.session()
