@@ -35,6 +35,8 @@ _LEN = struct.Struct("<I")
 MAX_HEADER_BYTES = 4 << 20
 #: the largest payload a frame may declare: a 32k-token slice of a 4096-wide model in fp32 is 512 MiB
 MAX_PAYLOAD_BYTES = 1 << 30
+#: data connections a daemon serves at once (each has a thread): the next is refused, not queued
+MAX_CONNECTIONS = 256
 HELLO_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
 
@@ -183,6 +185,8 @@ class DataServer:
                  tls: ssl.SSLContext | None = None):
         self._token, self._serve, self._tls = token, serve, tls
         self._backoff = TokenBackoff()
+        self._open = 0  # connections being served
+        self._count_lock = threading.Lock()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -204,6 +208,7 @@ class DataServer:
                              daemon=True).start()
 
     def _handshake(self, sock, peer: str) -> None:
+        counted = False
         try:
             sock.settimeout(HELLO_TIMEOUT_S)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -217,6 +222,12 @@ class DataServer:
                 self._backoff.refused(host)  # guessing gets slow (runtime.backoff)
             else:
                 self._backoff.accepted(host)
+                with self._count_lock:
+                    if self._open >= MAX_CONNECTIONS:
+                        error = f"RESOURCE_EXHAUSTED: this daemon already serves {MAX_CONNECTIONS} data connections"
+                    else:
+                        self._open += 1
+                        counted = True
             body = pb.HelloReply(error=error).SerializeToString()
             sock.sendall(_LEN.pack(len(body)) + body)
             if error:
@@ -227,12 +238,17 @@ class DataServer:
         except (OSError, ssl.SSLError, LinkError) as e:
             log.debug("data handshake with %s failed: %s", peer, e)
             sock.close()
+            if counted:
+                with self._count_lock:
+                    self._open -= 1
             return
         conn = Connection(sock, peer)
         try:
             self._serve(conn, hello.session)
         finally:
             conn.close()
+            with self._count_lock:
+                self._open -= 1
 
     def stop(self) -> None:
         self._stopping.set()

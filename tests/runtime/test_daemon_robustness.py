@@ -287,3 +287,28 @@ def test_bind_warning():
 
     assert bind_warning("127.0.0.1") is None and bind_warning("localhost") is None
     assert "trusted network" in bind_warning("0.0.0.0")
+
+
+def test_data_connections_are_capped(monkeypatch):
+    import runtime.transport as transport
+
+    monkeypatch.setattr(transport, "MAX_CONNECTIONS", 2)
+    d = Served()
+    try:
+        host, port = "127.0.0.1", d.stage.data.port
+        held = [connect(host, port, None, s) for s in (1, 2)]
+        with pytest.raises(LinkError, match="RESOURCE_EXHAUSTED: this daemon already serves 2"):
+            connect(host, port, None, 3)
+        held.pop().close()
+        deadline = time.monotonic() + 5
+        while True:  # the daemon counts it gone once its reader sees the close
+            try:
+                held.append(connect(host, port, None, 4))
+                break
+            except LinkError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        for c in held:
+            c.close()
+    finally:
+        d.stop()
