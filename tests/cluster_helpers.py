@@ -65,7 +65,7 @@ def discard_state(spec: ClusterSpec) -> None:
 class Served:
     """An in-process daemon on a free loopback port (with the profiler, as ``hpipe daemon`` serves)."""
 
-    def __init__(self, name: str = "d", token: str | None = None, tls_cert=None, tls_key=None, **kw):
+    def __init__(self, name: str = "d", token: str | None = None, tls_cert=None, tls_key=None, port: int = 0, **kw):
         self.name = name
         if token is not None:
             with tempfile.NamedTemporaryFile("w", suffix=".token", delete=False) as f:
@@ -74,7 +74,7 @@ class Served:
         if tls_cert:
             kw.update(tls_cert=Path(tls_cert), tls_key=Path(tls_key))
         kw.setdefault("model_dirs", tempfile.gettempdir())  # tests' tiny models live in temporary directories
-        self.server, self.stage, port = build(DaemonOptions(name=name, port=0, **kw))
+        self.server, self.stage, port = build(DaemonOptions(name=name, port=port, **kw))
         self.server.start()
         self.address = f"127.0.0.1:{port}"
 

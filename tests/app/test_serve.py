@@ -60,7 +60,7 @@ def server(tiny_chat_model):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     backend.start()
-    yield base, backend, source, pipe
+    yield base, backend, source, pipe, daemons  # (a test may replace a daemon in the list)
     server.should_exit = True
     thread.join(10)
     backend.stop()
@@ -78,7 +78,7 @@ def reference(source, prompt: list[int], n: int) -> list[int]:
 def test_openai_client_chat_completions_and_models(server):
     from openai import OpenAI
 
-    base, backend, source, _ = server
+    base, backend, source, *_ = server
     client = OpenAI(base_url=f"{base}/v1", api_key=KEY)
     assert [m.id for m in client.models.list()] == ["tiny"]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -112,7 +112,7 @@ def test_sse_is_well_formed_and_ends_with_done(server):
 
 
 def test_a_stop_string_cuts_the_answer_and_frees_the_request(server):
-    base, backend, source, pipe = server
+    base, backend, source, pipe, _ = server
     messages = [{"role": "user", "content": "Count."}]
     full = backend.decode(reference(source, encode_chat(backend.tokenizer, messages), 12))
     stop = full[len(full) // 2:len(full) // 2 + 2]
@@ -135,7 +135,7 @@ def pools_empty(pipe, within_s: float = 5.0) -> bool:
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_kv_on_every_stage(server):
-    base, backend, source, pipe = server
+    base, backend, source, pipe, _ = server
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 80, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
         lines = r.iter_lines()
@@ -203,3 +203,41 @@ def test_metrics_are_prometheus(server):
     for name in ("hpipe_http_requests_total", "hpipe_time_to_first_token_seconds_bucket", "hpipe_kv_blocks_used",
                  "hpipe_queue_length", "hpipe_generated_tokens_total"):
         assert name in text, name
+
+
+def test_a_stream_survives_a_daemon_restart(server):
+    """The last stage's daemon goes away mid-stream and comes back on its port: the engine
+    redeploys, the request starts again from its tokens, and the stream goes on to the answer a
+    failure-free run gives."""
+    base, backend, source, pipe, daemons = server
+    messages = [{"role": "user", "content": "Tell a long story."}]
+    prompt = encode_chat(backend.tokenizer, messages)
+    n = 40
+    model = LocalModel(source)
+    want = decode_loop(model.open(len(prompt) + n), prompt, max_new_tokens=n, sampler=Sampler(), eos_ids=[],
+                       slices=[len(prompt)])[0]
+    body = {"model": "tiny", "messages": messages, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    engine = backend.engine
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        events = []
+        for line in lines:
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+                if events[-1]["choices"] and events[-1]["choices"][0]["delta"].get("content"):
+                    break
+        with engine._lock:  # hold the engine between micro-batches while its last stage goes away
+            old = daemons[1]
+            port = int(old.address.rsplit(":", 1)[1])
+            old.stop()
+        time.sleep(1.0)  # the engine finds the pipeline broken and waits for the daemon
+        daemons[1] = Served("d1", port=port)
+        for line in lines:
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text == backend.decode(want)
+    assert engine.recoveries == 1
+    assert pools_empty(pipe)

@@ -312,3 +312,16 @@ def test_data_connections_are_capped(monkeypatch):
             c.close()
     finally:
         d.stop()
+
+
+def test_a_port_in_use_is_refused_not_shared():
+    from hpipe.core.errors import HpipeError
+
+    a = Served("a")
+    try:
+        port = int(a.address.rsplit(":", 1)[1])
+        with pytest.raises(HpipeError, match=f"cannot bind 127.0.0.1:{port}"):
+            Served("b", port=port)
+        assert a.client().health()
+    finally:
+        a.stop()
