@@ -163,7 +163,7 @@ def _read_pid(path: Path) -> int:
         return 0
 
 
-def supervise(cluster: ClusterSpec, poll_s: float = 0.5, timeout_s: float = 180.0) -> None:
+def supervise(cluster: ClusterSpec, poll_s: float = 0.1, timeout_s: float = 180.0) -> None:
     """Restart the cluster's daemons that die, while ``cluster up`` stands: until ``cluster down``
     removes the supervisor's pid file, or no daemon pid file is left. A daemon that dies
     :data:`MAX_RESTARTS` times within :data:`RESTART_WINDOW_S` is left down (and logged)."""

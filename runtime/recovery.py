@@ -65,7 +65,7 @@ class Redeploy:
                     log.warning("redeploying failed: %s", e)
             if time.monotonic() > deadline:
                 break
-            time.sleep(0.5)
+            time.sleep(0.1)
         if self.replan is None:
             raise StageFailure(f"{error}; {', '.join(down)} did not come back within {self.grace_s:.0f} s")
         alive = [d.name for d in self.pipe.cluster.daemons if d.name not in down]
