@@ -145,7 +145,7 @@ def up(cluster: ClusterSpec, timeout_s: float = 180.0, restart: bool = True) -> 
                                start_new_session=True)
         logf.close()
         (sdir / SUPERVISOR_PID).write_text(f"{sup.pid}\n")
-        status["supervisor"] = f"started (pid {sup.pid}): restarts a daemon that dies, {MAX_RESTARTS} times " \
+        status["supervisor"] = f"running (pid {sup.pid}): restarts a daemon that dies, {MAX_RESTARTS} times " \
                                f"in {RESTART_WINDOW_S // 60:.0f} min at most"
     return status
 
