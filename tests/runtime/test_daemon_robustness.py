@@ -72,7 +72,7 @@ def entry(seq, start, length, max_len=0, logits=pb.LAST_LOGITS):
 def test_bad_loads_then_a_good_one(daemon, tiny_dirs):
     c = daemon.client()
     model = tiny_dirs["llama"]
-    assert code_of(lambda: load(c, "no-such-model", 0, 8))[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert code_of(lambda: load(c, "/no-such-model", 0, 8))[0] == grpc.StatusCode.PERMISSION_DENIED
     assert code_of(lambda: load(c, model.parent / "no-such-model", 0, 8))[0] == grpc.StatusCode.FAILED_PRECONDITION
     code, msg = code_of(lambda: load(c, model, 0, 99))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "the model's units [0, 8)" in msg
