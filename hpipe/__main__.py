@@ -1,7 +1,5 @@
 """``python -m hpipe``: the ``hpipe`` command."""
 
-import sys
+from hpipe.app.cli import console
 
-from hpipe.app.cli import main
-
-sys.exit(main())
+console()

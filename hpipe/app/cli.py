@@ -253,5 +253,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def console() -> None:
+    """The ``hpipe`` command as a process. Interrupted, it leaves at once: what a job finished is
+    on disk already, and a slow interpreter teardown can abort in gRPC's or torch's C++ threads."""
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()
