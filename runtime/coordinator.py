@@ -125,8 +125,9 @@ class Pipeline:
                 out[p.stage] = p
         return [out[i] for i in sorted(out)]
 
-    def session(self, result_timeout_s: float = 600.0) -> Session:
-        return Session(self, result_timeout_s)
+    def session(self, result_timeout_s: float = 600.0, resume_from: int = 0) -> Session:
+        """A new session; with ``resume_from``, one that takes over that session's sequences."""
+        return Session(self, result_timeout_s, resume_from)
 
     def open(self, max_len: int, batch: int = 1) -> "RemoteSequence":
         """One sequence on a session of its own (closed with it)."""

@@ -108,6 +108,14 @@ class StageServicer(pb_grpc.StageServiceServicer):
                                              bytes_sent=st.bytes_sent, spans=spans))
         return reply
 
+    @handled
+    def Resume(self, request, context):
+        if not request.from_session or not request.to_session:
+            raise StatusError("INVALID_ARGUMENT", "Resume needs the old and the new session")
+        progress = self.server.resume(request.from_session, request.to_session)
+        return pb.ResumeReply(progress=[pb.Progress(sequence_id=i, stage=st, computed=c, logged=g)
+                                        for i, st, c, g in progress])
+
 
 class TokenInterceptor(grpc.ServerInterceptor):
     """Refuse every RPC (health checks included) that lacks the shared token."""
@@ -147,7 +155,8 @@ def build_server(options: DaemonOptions, services: tuple[Service, ...] = (),
     stage = StageServer(options.device, options.memory_budget, host=options.host, token=security.token,
                         tls_server=server_context(options.tls_cert, options.tls_key),
                         tls_client=client_context(security.tls_ca), on_worker_start=on_worker_start,
-                        cuda_graphs=options.cuda_graphs, model_dirs=options.model_dir_list)
+                        cuda_graphs=options.cuda_graphs, model_dirs=options.model_dir_list,
+                        replay_budget=options.replay_budget)
     interceptors = [TokenInterceptor(security.token)] if security.token else []
     # so_reuseport off: a second daemon on a port in use must fail to bind, not share it unseen
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="grpc"),

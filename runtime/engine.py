@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from hpipe.model.sampling import Sampler, SamplingParams, sample
+from runtime.resume import replays, resume_point
 from runtime.session import Session, StageFailure
 from runtime.wire import pb
 
@@ -67,6 +68,7 @@ class Request:
     in_flight: int = 0                         # entries of it in flight
     admitted: int = 0                          # order in which the engine admitted it (newest: highest)
     preemptions: int = 0
+    resumed_at: list[int] = field(default_factory=list)  # per recovery: the position it went on from
     refusals: int = 0
     stop_reason: str = ""                      # length | eos | stop | error | cancelled
     error: str = ""
@@ -141,11 +143,13 @@ class Engine:
     """Runs :class:`Request` s on a session, ``depth`` micro-batches in flight, formed by ``policy``."""
 
     def __init__(self, session: Session, policy, depth: int, max_running: int = 64,
-                 recover: Callable[[str], Session] | None = None):
+                 recover: Callable[[str, int], Session] | None = None):
         self.session, self.policy, self.depth, self.max_running = session, policy, max(1, depth), max_running
-        #: when the pipeline breaks: a new session on a working one, or StageFailure (runtime.recovery)
+        #: when the pipeline breaks: (error, the broken session's id) -> a new session on a working
+        #: pipeline that took over its sequences where it could, or StageFailure (runtime.recovery)
         self.recover = recover
         self.recoveries = 0
+        self.resumes: list[dict] = []  # per recovery: requests resumed, positions kept and replayed, restarted
         self.memories = max(1, session.pipe.memories)  # independent memory systems in the pipeline
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -248,25 +252,59 @@ class Engine:
                 self._recover(str(e))
 
     def _recover(self, error: str) -> None:
-        """Go on on the session ``recover`` gives (or raise its StageFailure): every running
-        request starts again from its token ids, prefilling its prompt and the tokens it has."""
-        session = self.recover(error)
+        """Go on on the session ``recover`` gives (or raise its StageFailure). Every running request
+        resumes where every stage can go on from (:mod:`runtime.resume`): stages that lost its
+        cache are rebuilt by replays, sent before anything else; a request that cannot be resumed
+        starts again from its token ids, prefilling its prompt and the tokens it has."""
+        old = self.session
+        session = self.recover(error, old.id)
         with self._lock:
-            old, self.session = self.session, session
-            old.close()
-            self._in_flight.clear()
-            for r in sorted(self.running, key=lambda r: r.admitted, reverse=True):
+            self.session = session
+            stages = len(session.pipe.stages)
+            wanted, restarted, kept = {}, [], 0
+            for r in sorted(self.running, key=lambda r: r.admitted):
                 r.in_flight = 0
-                r.id = random.getrandbits(63)
-                r._restart(r.prompt + r.tokens)
+                prefix = r.prompt + r.tokens
+                where = session.resumed.get(r.id, {})
+                p, runs = resume_point(where, stages, len(prefix) - 1)
+                r._restart(prefix)
+                r.resumed_at.append(p)
+                if p:
+                    r.laid_out = p  # the next entry starts here, rewinding any stage that went further
+                    wanted[r.id] = runs
+                    kept += p
+                else:
+                    log.info("request %d starts again: its stages hold (computed, logged) %s", r.id, where)
+                    if where:
+                        session.close_sequences([r.id])
+                    r.id = random.getrandbits(63)
+                    restarted.append(r)
+            for r in reversed(restarted):
                 self.running.remove(r)
                 self.waiting.insert(0, r)  # the oldest first again
+            old.close()
+            self._in_flight.clear()
+            batches = replays(wanted)
+            for batch in batches:
+                prefixes = {r.id: r.prefix for r in self.running}
+                entries = [pb.Entry(sequence_id=i, start=a, length=n, logits=pb.NO_LOGITS,
+                                    max_len=self._max_len(i) if a == 0 else 0) for i, a, n in batch.entries]
+                tokens = torch.tensor([t for i, a, n in batch.entries for t in prefixes[i][a:a + n]], dtype=torch.long)
+                session.submit(entries, tokens, pb.Replay(first=batch.first, last=batch.last))
             pools = session.pipe.pools()
             self.kv_blocks = min((p.blocks for p in pools), default=0)
-            self.depth = max(1, len(session.pipe.stages))
+            self.depth = max(1, stages)
             self.memories = max(1, session.pipe.memories)
             self.recoveries += 1
+            self.resumes.append({"resumed": len(self.running),
+                                 "kept_positions": kept, "replayed_positions": sum(b.tokens for b in batches),
+                                 "restarted": len(restarted)})
             self._checked = time.monotonic()
+            log.warning("resumed %d requests (%d positions kept, %d rebuilt by replays), %d start again",
+                        self.resumes[-1]["resumed"], kept, self.resumes[-1]["replayed_positions"], len(restarted))
+
+    def _max_len(self, seq_id: int) -> int:
+        return next(r.max_len for r in self.running if r.id == seq_id)
 
     def _run(self, until_idle: bool, stop: threading.Event | None) -> None:
         while not (stop and stop.is_set()):
@@ -354,9 +392,10 @@ class Engine:
             self.policy.observe(result, sent, self)
 
     def _refused(self, r: Request, code: str, message: str) -> None:
-        """A daemon failed ``r``'s sequence: out of KV blocks, it waits and recomputes (once its
-        entries still in flight are back); otherwise it ends with the error."""
-        if code != "RESOURCE_EXHAUSTED":
+        """A daemon failed ``r``'s sequence: out of KV blocks (or, resuming, without the log to
+        rebuild it), it waits and recomputes (once its entries still in flight are back);
+        otherwise it ends with the error."""
+        if code not in ("RESOURCE_EXHAUSTED", "DATA_LOSS"):  # DATA_LOSS: a replay found no log
             self._finish(r, "error", f"{code}: {message}")
         elif r.in_flight == 0:
             r.refusals += 1

@@ -12,6 +12,7 @@ so an interrupted job resumes where it stopped.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import time
@@ -172,4 +173,5 @@ def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: P
     return {**stats, "skipped": skipped, "failed": failures, "elapsed_s": round(elapsed, 3),
             "tokens_per_s": round((stats["prompt_tokens"] + stats["new_tokens"]) / elapsed, 1) if elapsed else None,
             "strategy": strategy, "policy": job.policy, "micro_batches": engine.micro_batches,
-            "recoveries": redeploy.events}
+            "recoveries": [{**event, **(resumed or {})}
+                           for event, resumed in itertools.zip_longest(redeploy.events, engine.resumes)]}

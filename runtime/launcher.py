@@ -260,8 +260,9 @@ def status(cluster: ClusterSpec) -> list[dict]:
         if row["healthy"]:
             try:
                 st = client.call("Status", pb.StatusRequest(), timeout=5.0)
-                row.update(model=st.model, units=[[p.unit_start, p.unit_end] for p in st.parts] if st.loaded else None,
-                           open_sequences=st.open_sequences, kv_bytes=st.kv_bytes, weight_bytes=st.weight_bytes)
+                row.update(model=st.model, units=[[st.stages[i].unit_start, st.stages[i].unit_end] for i in st.held]
+                           if st.loaded else None, open_sequences=st.open_sequences, kv_bytes=st.kv_bytes,
+                           replay_bytes=st.replay_bytes, weight_bytes=st.weight_bytes)
             except Exception as e:  # noqa: BLE001 - report, do not fail the whole table
                 row["error"] = str(e)
         client.close()

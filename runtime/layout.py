@@ -6,6 +6,11 @@ grows every named sequence's KV blocks on each held stage, so the worker never a
 sequence that cannot be laid out (unknown, failed, out of order, or out of KV blocks) is refused
 alone: it is recorded as failed, its entries are computed as dead rows (so the micro-batch keeps
 its shape), and the failure travels with the micro-batch's data to the coordinator.
+
+An entry that starts before the position its sequence reached rewinds it there (its later KV
+blocks and replay log are dropped). A replay micro-batch (``MicroBatch.replay``) is laid out only
+on the held stages it rebuilds; a daemon holding the stage just before them sends it from its
+replay log (:mod:`runtime.resume` plans replays).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 
 from hpipe.core.errors import HpipeError
 from hpipe.model.kvpool import PoolExhausted
@@ -33,6 +39,12 @@ class Layout:
         self.tokens = sum(e.length for e in self.entries)
         self.failures: dict[int, pb.Failure] = {}
         self.remaining = set(held)
+        #: a replay's last stage, which passes nothing on (None: an ordinary micro-batch)
+        self.last: int | None = mb.replay.last if mb.HasField("replay") else None
+
+    def forwards(self, stage: int) -> bool:
+        """Whether ``stage``'s output of this micro-batch goes on to the next stage."""
+        return self.last is None or stage < self.last
 
     def fail(self, seq_id: int, code: str, message: str) -> None:
         self.failures.setdefault(seq_id, pb.Failure(sequence_id=seq_id, code=code, message=message))
@@ -47,13 +59,21 @@ class Layouts:
     def __init__(self, server):
         self.server = server
         self._by_key: dict[tuple[int, int], Layout] = {}
+        self._ended: deque[int] = deque(maxlen=256)  # sessions ended lately: their late data is skipped
         self._arrived = threading.Condition()
 
     def add(self, session: int, mb: pb.MicroBatch) -> None:
-        """Lay out ``mb`` (the session's next micro-batch) on every held stage."""
-        stages = self.server.stages
+        """Lay out ``mb`` (the session's next micro-batch) on every held stage it runs on."""
+        held = stages = self.server.stages
+        source = None
+        if mb.HasField("replay"):
+            first, last = mb.replay.first, mb.replay.last
+            stages = {i: s for i, s in held.items() if first <= i <= last}
+            source = first - 1 if first - 1 in held else None
+            if not stages and source is None:
+                return  # nothing of it here
         layout = Layout(session, mb, list(stages))
-        if not stages:
+        if not held:
             layout.fail_all(-1, "FAILED_PRECONDITION", "no model is loaded on this daemon (deploy a plan first)")
         elif layout.tokens > MAX_TOKENS or any(e.length < 1 for e in layout.entries):
             layout.fail_all(-1, "INVALID_ARGUMENT", f"micro-batch {mb.id}: {layout.tokens} tokens; entries need "
@@ -66,15 +86,20 @@ class Layouts:
                                 f"micro-batch {mb.id}")
                     continue
                 seen.add(e.sequence_id)
-                self._lay_out(layout, session, e, stages)
-        with self._arrived:
-            self._by_key[session, mb.id] = layout
-            self._arrived.notify_all()
+                if stages:
+                    self._lay_out(layout, session, e, held, stages)
+        if stages:
+            with self._arrived:
+                self._by_key[session, mb.id] = layout
+                self._arrived.notify_all()
+        if source is not None:
+            self.server.replay(layout, source)
 
-    def _lay_out(self, layout: Layout, session: int, e: pb.Entry, stages: dict) -> None:
+    def _lay_out(self, layout: Layout, session: int, e: pb.Entry, held: dict, stages: dict) -> None:
+        """Open (on every ``held`` stage) or find ``e``'s sequence, and lay ``e`` out on ``stages``."""
         table = self.server.sequences
         seq = table.find(e.sequence_id)
-        cfg = next(iter(stages.values())).model.cfg
+        cfg = next(iter(held.values())).model.cfg
         if seq is None:
             if e.max_len <= 0:
                 layout.fail(e.sequence_id, "NOT_FOUND", f"unknown sequence {e.sequence_id} (never opened, closed, "
@@ -85,8 +110,8 @@ class Layouts:
                             f"{cfg.max_position_embeddings} tokens")
                 return
             seq = Sequence(e.sequence_id, session, e.max_len,
-                           {i: s.pool.sequence(e.max_len) for i, s in stages.items() if s.pool is not None},
-                           {i: 0 for i in stages})
+                           {i: s.pool.sequence(e.max_len) for i, s in held.items() if s.pool is not None},
+                           {i: 0 for i in held}, {i: 0 for i in held})
             try:
                 table.add(seq)
             except HpipeError as err:
@@ -99,10 +124,12 @@ class Layouts:
             layout.fail(e.sequence_id, seq.code or "ABORTED", seq.error)
             return
         for i in stages:
-            if e.start != seq.planned[i]:
+            if e.start > seq.planned[i]:
                 layout.fail(e.sequence_id, "FAILED_PRECONDITION", f"sequence {e.sequence_id}: an entry starts at "
                             f"position {e.start}; the sequence continues at {seq.planned[i]}")
                 return
+            if e.start < seq.planned[i]:
+                self.server.rewind(seq, i, e.start)
             end = e.start + e.length
             if end > seq.max_len:
                 layout.fail(e.sequence_id, "OUT_OF_RANGE", f"positions up to {end} exceed sequence {e.sequence_id}'s "
@@ -122,6 +149,8 @@ class Layouts:
         deadline = time.monotonic() + timeout_s
         with self._arrived:
             while (session, mb_id) not in self._by_key:
+                if session in self._ended:
+                    return None
                 left = deadline - time.monotonic()
                 if left <= 0 or self.server._stopping.is_set():
                     return None
@@ -136,12 +165,20 @@ class Layouts:
                 self._by_key.pop((layout.session, layout.id), None)
 
     def forget(self, session: int) -> None:
+        """Drop a session's layouts; its data still on the way is skipped when it arrives."""
         with self._arrived:
             for key in [k for k in self._by_key if k[0] == session]:
                 del self._by_key[key]
+            self._ended.append(session)
+            self._arrived.notify_all()
 
-    def fail_sequences(self, seq_ids: list[int], code: str, message: str) -> None:
+    def ended(self, session: int) -> bool:
+        with self._arrived:
+            return session in self._ended
+
+    def fail_sequences(self, seq_ids: list[int], session: int, code: str, message: str) -> None:
+        """Fail these sequences if they still belong to ``session`` (not adopted by a new one)."""
         for i in set(seq_ids):
             seq = self.server.sequences.find(i)
-            if seq is not None:
+            if seq is not None and seq.session == session:
                 seq.fail(code, message)

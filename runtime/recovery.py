@@ -9,10 +9,13 @@ them: a deployment that differs only in data ports re-points their successors an
 it is asked for stages on the daemons that answer (the application re-plans them from the saved
 profile), and those are deployed instead.
 
-The engine then restarts every running request on the new session from its token ids: each one
-prefills its prompt and the tokens it has generated again and goes on decoding, so its answer is
-the one it would have had (:meth:`runtime.engine.Engine.recover`). What a sequence had prefilled
-before the failure is recomputed, not replayed from the stages' logs.
+The new session takes over the old one's sequences on the daemons that kept them, and the engine
+resumes each running request where every stage can go on from: the restarted daemon's stages
+rebuild their KV caches from the activations the stage before them logged (a replay, planned by
+:mod:`runtime.resume`), and no other stage computes those positions again. A request that cannot
+be resumed (no log reaches far enough, or a re-plan moved its stages) starts again from its token
+ids: it prefills its prompt and the tokens it has generated, and goes on decoding. Either way its
+answer is the one it would have had (:meth:`runtime.engine.Engine._recover`).
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ class Redeploy:
         self.grace_s, self.replan, self.max_times = grace_s, replan, max_times
         self.events: list[dict] = []  # what happened: when, why, what was done, how long it took
 
-    def __call__(self, error: str) -> Session:
-        """A session on a working pipeline, or :class:`StageFailure` (with ``error``'s story)."""
+    def __call__(self, error: str, resume_from: int = 0) -> Session:
+        """A session on a working pipeline, or :class:`StageFailure` (with ``error``'s story); it
+        takes over session ``resume_from``'s sequences where daemons kept them."""
         if len(self.events) >= self.max_times:
             raise StageFailure(f"{error} (the pipeline broke {len(self.events)} times already: giving up)")
         t0 = time.monotonic()
@@ -60,7 +64,7 @@ class Redeploy:
             if not down:
                 try:
                     self.pipe.deploy(self.model, self.stages, self.dtype, self.kv_pool_bytes)
-                    return self._done(error, "redeployed", t0)
+                    return self._done(error, "redeployed", t0, resume_from)
                 except StageFailure as e:  # died again while loading: wait on
                     log.warning("redeploying failed: %s", e)
             if time.monotonic() > deadline:
@@ -77,7 +81,7 @@ class Redeploy:
         log.warning("%s did not come back: re-planned on %s", ", ".join(down), ", ".join(alive))
         self.pipe.deploy(self.model, stages, self.dtype, self.kv_pool_bytes)
         self.stages = list(stages)
-        return self._done(error, f"re-planned without {', '.join(down)}", t0)
+        return self._done(error, f"re-planned without {', '.join(down)}", t0, resume_from)
 
     def _down(self, names: list[str]) -> list[str]:
         down = []
@@ -91,8 +95,9 @@ class Redeploy:
                 client.close()
         return down
 
-    def _done(self, error: str, action: str, t0: float) -> Session:
+    def _done(self, error: str, action: str, t0: float, resume_from: int) -> Session:
+        session = self.pipe.session(resume_from=resume_from)
         took = time.monotonic() - t0
         self.events.append({"error": error, "action": action, "seconds": round(took, 3)})
-        log.warning("pipeline %s after %.1f s; running requests start again from their tokens", action, took)
-        return self.pipe.session()
+        log.warning("pipeline %s after %.1f s; running requests resume", action, took)
+        return session

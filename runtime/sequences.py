@@ -1,7 +1,8 @@
 """The sequences a daemon holds: each one's KV blocks per held stage, its progress, its lifetime.
 
 A sequence opens with its first entry in a micro-batch's layout (which declares its max length)
-and takes KV blocks as later layouts extend it. It is freed when its coordinator closes it or
+and takes KV blocks as later layouts extend it (or gives them back when one rewinds it). A
+recovering coordinator's new session adopts it (``Resume``). It is freed when its coordinator closes it or
 disconnects, when it fails, or after ``idle_timeout_s`` without being named in a layout or a
 status request; its blocks go back to the pool at once (:mod:`hpipe.model.kvpool` says why that
 is safe beside a micro-batch being computed).
@@ -31,6 +32,8 @@ class Sequence:
     max_len: int
     kv: dict[int, SeqKV]          # held stage index -> its blocks there
     planned: dict[int, int]       # held stage index -> positions laid out so far
+    computed: dict[int, int] = field(default_factory=dict)  # held stage index -> positions in its KV cache
+    logs: dict | None = field(default_factory=dict)  # held stage index -> its replay log (runtime.replay_log)
     last_active: float = field(default_factory=time.monotonic)
     error: str = ""
     code: str = ""

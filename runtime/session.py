@@ -9,6 +9,10 @@ result by micro-batch id; waiting callers poll every daemon's ``Status`` meanwhi
 stuck stage surfaces as a :class:`StageFailure` naming it within ``POLL_S`` plus a status
 deadline, never as a hang. Sequences that a daemon failed (out of KV blocks, say) come back in
 the result's ``failed``: they fail alone.
+
+A session opened with ``resume_from`` (after a failure, :mod:`runtime.recovery`) first takes over
+the old session's sequences on every daemon (``Resume``) and keeps where each one stands on each
+stage in ``resumed``, for the engine to resume them (:mod:`runtime.resume`).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ class Result:
 
 
 class Session:
-    def __init__(self, pipe, result_timeout_s: float = 600.0):
+    def __init__(self, pipe, result_timeout_s: float = 600.0, resume_from: int = 0):
         if not pipe.stages:
             raise HpipeError("no model is deployed")
         self.pipe, self.id = pipe, random.getrandbits(63) or 1
@@ -72,25 +76,45 @@ class Session:
         self._closed = False
         self._reader = threading.Thread(target=self._read_results, name=f"results-{self.id}", daemon=True)
         self._reader.start()
+        #: sequence -> stage -> (computed, logged): what the daemons kept of ``resume_from``'s sequences
+        self.resumed: dict[int, dict[int, tuple[int, int]]] = {}
+        if resume_from:
+            self._resume(resume_from)
+
+    def _resume(self, old: int) -> None:
+        for d, client in enumerate(self.pipe.clients):
+            try:
+                reply = client.call("Resume", pb.ResumeRequest(from_session=old, to_session=self.id), timeout=90.0)
+            except grpc.RpcError as e:
+                self.close()
+                raise StageFailure(f"{self.pipe.describe_daemon(d)} could not resume the session "
+                                   f"({e.code().name}: {e.details()})") from None
+            for p in reply.progress:
+                self.resumed.setdefault(p.sequence_id, {})[p.stage] = (p.computed, p.logged)
 
     # --- the data path ------------------------------------------------------------------------
-    def submit(self, entries: list[pb.Entry], tokens: torch.Tensor) -> int:
-        """Send one micro-batch (its layout to every daemon, ``tokens`` [n] to the first stage); its id."""
-        tokens = tokens.to(torch.int64).reshape(-1).contiguous()
-        if tokens.numel() != sum(e.length for e in entries):
-            raise HpipeError(f"{tokens.numel()} token ids for entries of {sum(e.length for e in entries)} tokens")
+    def submit(self, entries: list[pb.Entry], tokens: torch.Tensor | None, replay: pb.Replay | None = None) -> int:
+        """Send one micro-batch (its layout to every daemon, ``tokens`` [n] to the first stage); its id.
+
+        A ``replay`` only rebuilds the caches of its stages and has no result; its ``tokens`` are
+        sent only when it starts at stage 0 (otherwise the stage before it sends its input)."""
+        first = replay is None or replay.first == 0
+        if first:
+            tokens = tokens.to(torch.int64).reshape(-1).contiguous()
+            if tokens.numel() != sum(e.length for e in entries):
+                raise HpipeError(f"{tokens.numel()} token ids for entries of {sum(e.length for e in entries)} tokens")
         with self._lock:
             if self._closed:
                 raise HpipeError("the session is closed")
             mb = self._next
             self._next += 1
-            layout = pb.Frame(layout=pb.MicroBatch(id=mb, entries=entries))
-            act = pb.Frame(activation=pb.Activation(session=self.id, micro_batch=mb, stage=0,
-                                                    payload_bytes=tokens.numel() * 8))
+            layout = pb.Frame(layout=pb.MicroBatch(id=mb, entries=entries, replay=replay))
             try:
                 for conn in self.conns:
                     conn.send(layout)
-                self._first.send(act, tokens)
+                if first:
+                    self._first.send(pb.Frame(activation=pb.Activation(
+                        session=self.id, micro_batch=mb, stage=0, payload_bytes=tokens.numel() * 8)), tokens)
             except LinkError as e:
                 self.check()
                 raise StageFailure(str(e)) from None

@@ -12,6 +12,12 @@ and MLPs once over all its tokens, attention per entry against its sequence's bl
 thread forwards the output to the next stage's daemon over one persistent connection, or, from the
 last stage, the sampled rows' logits to the coordinator's session. Failures travel with the
 data: each stage adds the sequences it failed to the activation's list.
+
+Recovery. The sender keeps what each held stage sent downstream in a replay log per sequence
+(:mod:`runtime.replay_log`, within ``replay_budget`` bytes). When a daemon of the pipeline is
+restarted, the coordinator's new session adopts the sequences here (:meth:`StageServer.resume`)
+and sends replays: this daemon sends the logged rows again to the restarted stage after one of
+its own, which rebuilds its KV cache from them (:mod:`runtime.resume`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from hpipe.model.kvpool import BLOCK_SIZE
 from runtime import deployment, memory
 from runtime.deployment import Deployment, LoadedStage
 from runtime.device_io import DeviceIO, Pending
-from runtime.layout import Layouts
+from runtime.layout import Layout, Layouts
+from runtime.replay_log import DEFAULT_BUDGET, ReplayLog
 from runtime.sequences import SequenceTable
 from runtime.session_stats import SessionStats
 from runtime.transport import Connection, DataServer, LinkError, connect, read_payload, skip_payload
@@ -61,7 +68,7 @@ class StageServer:
     def __init__(self, device: str = "cpu", memory_budget: int | None = None, host: str = "127.0.0.1",
                  token: str | None = None, tls_server=None, tls_client=None,
                  on_worker_start: Callable[[], None] | None = None, cuda_graphs: bool = True,
-                 model_dirs: tuple[str, ...] = ()):
+                 model_dirs: tuple[str, ...] = (), replay_budget: int = DEFAULT_BUDGET):
         self.device = torch.device(device)
         self.model_dirs = model_dirs  # where Load may read model files (deployment.check_source)
         #: how all-decode micro-batches run (hpipe.model.graphs): "graphs" (CUDA graphs), "eager"
@@ -76,6 +83,7 @@ class StageServer:
         self.weight_bytes = 0
         self._baseline_memory = 0
         self.sequences = SequenceTable()
+        self.replay_log = ReplayLog(replay_budget)
         self.layouts = Layouts(self)
         self.stats = SessionStats()
         self._token, self._tls_client = token, tls_client
@@ -201,6 +209,8 @@ class StageServer:
         layout = self.layouts.wait(act.session, act.micro_batch)
         if stage is None or layout is None:
             skip_payload(conn.sock, act.payload_bytes)
+            if layout is None and self.layouts.ended(act.session):
+                return  # computed for a session that has ended (or was taken over): nobody needs it
             log.error("dropped micro-batch %d of session %d for stage %d: %s", act.micro_batch, act.session,
                       act.stage, "no such stage here" if stage is None else "its layout never came")
             return
@@ -219,10 +229,16 @@ class StageServer:
         self.stats.add_recv(act.session, act.stage, time.perf_counter() - t0)
         self._work.put((stage, layout, x, list(act.failed), received))
 
-    def send(self, stage: LoadedStage, act: pb.Activation, payload, seq_ids: list[int]) -> None:
-        """Queue ``payload`` (a tensor or a :class:`Pending` one) of a micro-batch of ``seq_ids``
-        for the sender thread."""
-        self._outbox.put((stage, act, payload, seq_ids))
+    def send(self, stage: LoadedStage, act: pb.Activation, payload, layout: Layout) -> None:
+        """Queue ``stage``'s output of ``layout`` (a tensor or a :class:`Pending` one) for the sender
+        thread, which logs it for replays and passes it on (unless ``layout`` is a replay ending here)."""
+        self._outbox.put((stage, act, payload, layout))
+
+    def replay(self, layout: Layout, source: int) -> None:
+        """Send the next stage its input for the replay ``layout`` from held stage ``source``'s log."""
+        stage = self.stages[source]
+        act = pb.Activation(session=layout.session, micro_batch=layout.id, stage=source + 1)
+        self._outbox.put((stage, act, None, layout))
 
     def _link(self, where: tuple[str, int]) -> Connection:
         conn = self._links.get(where)
@@ -235,9 +251,17 @@ class StageServer:
             item = self._outbox.get()
             if item is _STOP:
                 return
-            stage, act, payload, seq_ids = item
+            stage, act, payload, layout = item
+            seq_ids = [e.sequence_id for e in layout.entries]
             t0 = time.perf_counter()
-            tensor = payload.on_host() if isinstance(payload, Pending) else payload
+            if payload is None:
+                tensor = self._logged_input(stage, act, layout)
+            else:
+                tensor = payload.on_host() if isinstance(payload, Pending) else payload
+                if stage.successor is not None:
+                    self._log(stage.index, layout, tensor, {f.sequence_id for f in act.failed})
+                if not layout.forwards(stage.index):
+                    continue
             act.payload_bytes = tensor.numel() * tensor.element_size()
             try:
                 if stage.successor is None:
@@ -250,12 +274,67 @@ class StageServer:
                     sent = self._link(stage.successor).send(pb.Frame(activation=act), tensor)
             except LinkError as e:
                 where = "the coordinator" if stage.successor is None else f"stage {stage.index + 1}"
-                self.layouts.fail_sequences(seq_ids, "UNAVAILABLE",
+                self.layouts.fail_sequences(seq_ids, act.session, "UNAVAILABLE",
                                             f"stage {stage.index} could not send to {where}: {e}")
                 continue
             self.stats.add_send(act.session, stage.index, time.perf_counter() - t0, sent)
 
+    # --- replay logs (on the sender thread) ---------------------------------------------------
+    def _log(self, stage: int, layout: Layout, out: torch.Tensor, failed: set[int]) -> None:
+        """Keep each live entry's rows of ``stage``'s output in its sequence's replay log (a failed
+        entry's rows are not its output: they are left out, and its log stops where it was)."""
+        off = 0
+        for e in layout.entries:
+            seq = self.sequences.find(e.sequence_id)
+            if seq is not None and seq.session == layout.session and e.sequence_id not in failed:
+                self.replay_log.append(seq, stage, e.start, out[off:off + e.length])
+            off += e.length
+
+    def _logged_input(self, stage: LoadedStage, act: pb.Activation, layout: Layout) -> torch.Tensor:
+        """The input of a replay for stage ``act.stage``, from ``stage``'s log; a sequence whose rows
+        are not all logged gets zeros and fails there with ``DATA_LOSS`` (it is prefilled again)."""
+        parts = []
+        for e in layout.entries:
+            seq = self.sequences.find(e.sequence_id)
+            rows = None
+            if seq is not None and seq.session == layout.session:
+                rows = self.replay_log.rows(seq, stage.index, e.start, e.start + e.length)
+            if rows is None:
+                rows = torch.zeros(e.length, stage.model.cfg.hidden_size, dtype=stage.model.dtype)
+                act.failed.append(pb.Failure(sequence_id=e.sequence_id, code="DATA_LOSS", message=(
+                    f"stage {stage.index} has no log of positions {e.start}-{e.start + e.length} to replay")))
+            parts.append(rows)
+        return torch.cat(parts) if parts else torch.zeros(0, stage.model.cfg.hidden_size, dtype=stage.model.dtype)
+
     # --- sequences ----------------------------------------------------------------------------
+    def rewind(self, seq, stage: int, position: int) -> None:
+        """Drop ``seq``'s positions from ``position`` on held ``stage`` (its KV blocks past them, its log)."""
+        seq.planned[stage] = position
+        seq.computed[stage] = min(seq.computed.get(stage, 0), position)
+        if stage in seq.kv:
+            seq.kv[stage].truncate(position)
+        self.replay_log.truncate(seq, stage, position)
+
+    def resume(self, old: int, new: int) -> list[tuple[int, int, int, int]]:
+        """Session ``new`` takes over ``old``'s sequences (their errors cleared: the coordinator
+        resumes each from where every stage stands); (sequence, stage, computed, logged) of each.
+        Runs on the worker, so nothing of the old session is being computed meanwhile; what is still
+        queued of it computes dead rows (its sequences belong to another session now)."""
+        def adopt():
+            out = []
+            for seq_id in self.sequences.ids(old):
+                seq = self.sequences.find(seq_id)
+                if seq is None:
+                    continue
+                seq.session, seq.error, seq.code = new, "", ""
+                for i in self.stages:
+                    out.append((seq_id, i, seq.computed.get(i, 0), self.replay_log.logged(seq, i)))
+            self.sequences.touch([s for s, *_ in out])
+            return out
+        progress = self.run_on_device(adopt, timeout_s=60.0)
+        self.layouts.forget(old)
+        return progress
+
     def close(self, seq_id: int) -> bool:
         """Free a sequence and its blocks now: a micro-batch computed later finds it gone and treats
         its entries as dead rows (see :mod:`hpipe.model.kvpool` for one already being computed)."""
@@ -270,10 +349,10 @@ class StageServer:
         if seq is not None:
             self._release(seq)
 
-    @staticmethod
-    def _release(seq) -> None:
+    def _release(self, seq) -> None:
         for kv in seq.kv.values():
             kv.release()
+        self.replay_log.drop(seq)
 
     def end_session(self, session: int) -> list:
         """Free a session's sequences and forget its layouts; its statistics per stage."""
@@ -296,7 +375,8 @@ class StageServer:
             "open_sequences": len(self.sequences), "kv_bytes": self.kv_bytes(), "weight_bytes": self.weight_bytes,
             "memory_budget": self.memory_budget or 0, "sequences": states, "pools": self.pools(),
             "peak_memory_bytes": memory.peak(self.device), "baseline_memory_bytes": self._baseline_memory,
-            "data_port": self.data.port,
+            "data_port": self.data.port, "replay_bytes": self.replay_log.nbytes,
+            "replay_budget": self.replay_log.budget,
         }
 
     # --- threads ------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """One micro-batch on one stage, on the daemon's worker thread: compute it, pass it on.
 
-Every entry's sequence is looked up again here: one that failed or closed since its layout is
-computed as a dead row (no cache read or written), so its blocks, freed on this same thread, are
+Every entry's sequence is looked up again here: one that failed or closed since its layout, or
+that a new session took over (``Resume``), is computed as a dead row (no cache read or written), so its blocks, freed on this same thread, are
 never touched after they are given back. A compute error fails the micro-batch's sequences, and
 zeros of the right shape go on in its place, so the stages after it and the coordinator still
 see the micro-batch complete, with the failures named.
@@ -27,13 +27,17 @@ def compute_micro_batch(server, stage, layout, x, failed: list, received: float)
     failures = {f.sequence_id: f for f in failed}
     for seq_id, f in layout.failures.items():
         failures.setdefault(seq_id, f)
-    entries = []
+    entries, live_seqs = [], []
     for e in layout.entries:
         seq = server.sequences.find(e.sequence_id)
+        if seq is not None and seq.session != layout.session:
+            seq = None  # taken over by a recovering coordinator's new session
         if seq is not None and seq.error:
             failures.setdefault(e.sequence_id, pb.Failure(sequence_id=e.sequence_id, code=seq.code or "ABORTED",
                                                           message=seq.error))
         live = seq is not None and e.sequence_id not in failures
+        if live:
+            live_seqs.append((seq, e.start + e.length))
         entries.append(Entry(e.start, e.length, seq.kv.get(stage.index) if live else None, LOGITS[e.logits]))
     model = stage.model
     out = None
@@ -42,6 +46,8 @@ def compute_micro_batch(server, stage, layout, x, failed: list, received: float)
     if x is not None:
         try:
             out = _forward(stage, x.on_device(), entries)
+            for seq, end in live_seqs:
+                seq.computed[stage.index] = end
         except HpipeError as err:
             _fail_all(server, layout, failures, "INVALID_ARGUMENT", f"stage {stage.index}: {err}")
         except Exception as err:  # noqa: BLE001 - a bug must fail the micro-batch's sequences, not the worker
@@ -57,7 +63,7 @@ def compute_micro_batch(server, stage, layout, x, failed: list, received: float)
         out = torch.zeros(layout.tokens, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
     act = pb.Activation(session=layout.session, micro_batch=layout.id, stage=stage.index + 1,
                         failed=list(failures.values()))
-    server.send(stage, act, server.io.download(out), [e.sequence_id for e in layout.entries])
+    server.send(stage, act, server.io.download(out), layout)
     server.stats.add_span(layout.session, stage.index, layout.id, layout.tokens, received, timer)
     server.layouts.done(layout, stage.index)
 

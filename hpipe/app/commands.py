@@ -295,8 +295,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         pipe.close()
     for event in summary["recoveries"]:
-        print(f"hpipe: the pipeline broke ({event['error']}); {event['action']} in {event['seconds']:.1f} s",
-              file=sys.stderr)
+        print(f"hpipe: the pipeline broke ({event['error']}); {event['action']} in {event['seconds']:.1f} s; "
+              f"{event.get('resumed', 0)} documents resumed ({event.get('replayed_positions', 0)} positions "
+              f"replayed), {event.get('restarted', 0)} started again", file=sys.stderr)
     print(json.dumps(summary) if args.json else
           f"{summary['documents']} analysed, {summary['skipped']} skipped, {len(summary['failed'])} failed; "
           f"{summary['tokens_per_s']} tokens/s -> {args.output}", file=sys.stdout if args.json else sys.stderr)

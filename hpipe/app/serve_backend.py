@@ -102,7 +102,7 @@ class Backend:
         """Deploy the plan and start the engine's thread (returns once serving)."""
         self.pipe.deploy(self.plan.model_name, self.plan.chosen.stages, DTYPES[self.plan.dtype])
         # a stage that dies is waited for (the supervisor restarts it) and redeployed; requests
-        # in flight start again from their tokens and their streams go on (runtime.recovery)
+        # in flight resume where the stages can go on from, and their streams go on (runtime.recovery)
         recover = Redeploy(self.pipe, self.plan.model_name, self.plan.chosen.stages, DTYPES[self.plan.dtype])
         self.engine = Engine(self.pipe.session(), POLICIES[self.policy](), depth=len(self.pipe.stages),
                              max_running=self.max_queue, recover=recover)

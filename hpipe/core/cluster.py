@@ -41,6 +41,8 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+#: a daemon's default replay budget (runtime.replay_log)
+REPLAY_BUDGET = 512 << 20
 
 
 def parse_size(value) -> int | None:
@@ -99,6 +101,9 @@ class DaemonOptions:
     threads: int | None = field(default=None, metadata=_option("torch CPU threads", _int))
     memory_budget: int | None = field(default=None, metadata=_option("cap on weights + KV cache, e.g. 2GiB",
                                                                      parse_size))
+    replay_budget: int = field(default=REPLAY_BUDGET, metadata=_option(
+        "host memory for the activations each stage keeps so a restarted daemon can be rebuilt without "
+        "prefilling again, e.g. 512MiB (0: none)", parse_size))
     cuda_graphs: bool = field(default=True, metadata=_option("run GPU decode steps eagerly", _bool,
                                                                              "--no-cuda-graphs"))
     model_dirs: str = field(default="", metadata=_option(
@@ -120,6 +125,8 @@ class DaemonOptions:
             raise HpipeError(f"{who}: threads must be >= 1, got {self.threads}")
         if self.memory_budget is not None and self.memory_budget < 1:
             raise HpipeError(f"{who}: memory budget must be positive, got {self.memory_budget}")
+        if self.replay_budget < 0:
+            raise HpipeError(f"{who}: replay budget must be >= 0, got {self.replay_budget}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise HpipeError(f"{who}: a TLS certificate and key go together")
 

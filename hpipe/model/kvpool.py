@@ -164,6 +164,19 @@ class SeqKV:
                 self.leading += 1
             self.blocks.append(block)
 
+    def truncate(self, length: int) -> None:
+        """Hold only positions ``[0, length)``: the blocks past them go back to the pool."""
+        keep = math.ceil(length / self.pool.block_size)
+        if keep >= len(self.blocks) or self.released:
+            return
+        with self.pool._lock:
+            self.pool._used[self.blocks[keep:]] = False
+            if keep == 0:  # it starts afresh: a new first block reserves a new run
+                self.pool._reserved[self.extent[0]:self.extent[1]] = False
+                self.extent = (0, 0)
+        del self.blocks[keep:]
+        self.leading = min(self.leading, keep)
+
     def release(self) -> None:
         self.pool.release(self)
 

@@ -1,8 +1,10 @@
 """A stage's death mid-job: real daemon processes are killed, and the work finishes anyway.
 
 A daemon killed during a long prefill, while 8 other sequences decode, is restarted by ``hpipe
-cluster up``'s supervisor; the engine redeploys and every request ends with the tokens of a
-failure-free single-process run. A daemon that stays dead is planned around on the survivors."""
+cluster up``'s supervisor; the engine redeploys, the restarted stage is rebuilt from its
+predecessor's replay log (no other stage computes a position twice), and every request ends with
+the tokens of a failure-free single-process run. A daemon that stays dead is planned around on
+the survivors."""
 
 import json
 import os
@@ -50,7 +52,7 @@ def nothing_left(pipe) -> bool:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         status = [c.call("Status", pb.StatusRequest()) for c in pipe.clients]
-        if all(s.open_sequences == 0 and s.kv_bytes == 0 for s in status):
+        if all(s.open_sequences == 0 and s.kv_bytes == 0 and s.replay_bytes == 0 for s in status):
             return True
         time.sleep(0.1)
     return False
@@ -66,6 +68,8 @@ def test_a_killed_daemon_is_restarted_and_every_request_ends_as_without_failure(
         pipe = Pipeline(cluster.spec)
         stages = cut_stages(cluster.spec, [cfg.num_units // 3, 2 * cfg.num_units // 3], cfg.num_units)
         pipe.deploy(MODEL, stages, torch.float32)
+        rows = launcher.status(cluster.spec)  # what `hpipe cluster status` shows
+        assert [r.get("units") for r in rows] == [[[s.unit_start, s.unit_end]] for s in stages], rows
         redeploy = Redeploy(pipe, MODEL, stages, torch.float32, grace_s=120)
         engine = Engine(pipe.session(), POLICIES["gllm"](), depth=3, recover=redeploy)
         slicer = lambda n: [128] * (n // 128) + ([n % 128] if n % 128 else [])  # noqa: E731
@@ -90,13 +94,28 @@ def test_a_killed_daemon_is_restarted_and_every_request_ends_as_without_failure(
         assert not runner.is_alive() and not errors, errors
         assert engine.recoveries == 1 and redeploy.events[0]["action"] == "redeployed"
         assert not alive(victim) and alive(daemon_pid(cluster, "s1")) and daemon_pid(cluster, "s1") != victim
+        # every request resumed where it was: the restarted stage 1 rebuilt its caches from stage 0's
+        # log; after the failure, stages 0 and 2 computed only positions they did not hold
+        resumed = engine.resumes[0]
+        assert resumed["resumed"] == 9 and resumed["restarted"] == 0, resumed
+        assert resumed["replayed_positions"] == resumed["kept_positions"] >= len(long_prompt) // 2, resumed
+        held = engine.session.resumed  # sequence -> stage -> (computed, logged), as the survivors reported
+        assert all(set(held[r.id]) == {0, 2} for r in decoding + [long])
+        lacked = [0, 0, 0]
+        for r in decoding + [long]:
+            p = r.resumed_at[0]
+            final = len(r.prompt) + len(r.tokens) - 1  # the last token is never fed back
+            lacked = [lacked[0] + final - p, lacked[1] + final - p, lacked[2] + final - min(held[r.id][2][0], p)]
+            # at most the decode token in flight at the kill is computed again (its logits were lost)
+            assert held[r.id][0][0] - p <= 1
+        per_stage = [sum(span[1] for span in st["spans"]) for st in engine.session.close()]
+        assert per_stage == [lacked[0], lacked[1] + resumed["replayed_positions"], lacked[2]], (per_stage, lacked)
         model = LocalModel(smollm2)
         for r in decoding + [long]:
             assert not r.error, r.error
             want = decode_loop(model.open(r.max_len), r.prompt, max_new_tokens=r.max_new_tokens, sampler=Sampler(),
                                eos_ids=[], slices=[len(r.prompt)])[0]
             assert r.tokens == want
-        engine.session.close()
         assert nothing_left(pipe)
         pipe.close()
 

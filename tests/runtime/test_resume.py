@@ -1,0 +1,184 @@
+"""Resuming after a stage's loss: where each sequence goes on from, the replays that rebuild a
+restarted daemon's caches, the logs they come from, and the whole path on an interleaved chain.
+
+The end-to-end test with real daemon processes killed by SIGKILL is in test_recovery.py."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hpipe.model.generate import LocalModel, decode_loop
+from hpipe.model.kvpool import KVPool
+from hpipe.model.sampling import Sampler
+from runtime.coordinator import Pipeline, cut_stages
+from runtime.engine import Engine, Request
+from runtime.policies import POLICIES
+from runtime.recovery import Redeploy
+from runtime.replay_log import ReplayLog
+from runtime.resume import Piece, replays, resume_point
+from runtime.sequences import Sequence
+from runtime.wire import pb
+from tests.cluster_helpers import Served, cluster_of
+
+MODEL = "smollm2-135m"
+
+
+# --- where a sequence resumes ---------------------------------------------------------------------
+def test_a_restarted_middle_stage_is_rebuilt_from_the_log_of_the_stage_before_it():
+    # stage 1 came back empty; stage 2 had computed 256 of the 512 positions stage 0 had sent
+    p, runs = resume_point({0: (512, 512), 2: (256, 0)}, stages=3, limit=1023)
+    assert p == 512
+    # positions stage 2 holds go through stage 1 only; the ones it lacks go on to it, and no further
+    assert runs == [[Piece(1, 1, 0, 256), Piece(1, 2, 256, 512)]]
+
+
+def test_a_restarted_first_stage_is_rebuilt_from_the_token_ids_and_interleaved_runs_apart():
+    # a daemon holding stages 0 and 2 of 4 came back: two runs, the first fed by the coordinator
+    p, runs = resume_point({1: (300, 300), 3: (300, 0)}, stages=4, limit=1000)
+    assert p == 300 and runs == [[Piece(0, 0, 0, 300)], [Piece(2, 2, 0, 300)]]
+
+
+def test_the_resume_point_is_where_the_logs_reach_and_zero_without_one():
+    # stage 0 logged only 100 positions: stage 1 cannot be rebuilt past them, nor stage 2 kept at 512
+    assert resume_point({0: (512, 100), 2: (256, 0)}, 3, 1023) == (0, [])
+    # every stage kept the sequence, stage 0 without a log: stage 2 catches up from stage 1's
+    assert resume_point({0: (512, 0), 1: (300, 300), 2: (280, 0)}, 3, 1023) == (300, [[Piece(2, 2, 280, 300)]])
+    # with stage 0's log, stages 1 and 2 catch up together (stage 1 computes 280-300 again to pass them on)
+    assert resume_point({0: (512, 512), 1: (300, 300), 2: (280, 0)}, 3, 1023) == (512, [[Piece(1, 2, 280, 512)]])
+    # never past its tokens but one: that one gives the next token's logits
+    assert resume_point({0: (41, 41), 1: (41, 41), 2: (41, 0)}, 3, 40) == (40, [])
+    assert resume_point({}, 3, 100) == (0, [])
+
+
+def test_replays_keep_each_sequence_in_position_order_and_within_the_token_budget():
+    wanted = {7: [[Piece(1, 1, 0, 256), Piece(1, 2, 256, 512)]], 8: [[Piece(1, 1, 0, 30)]],
+              9: [[Piece(0, 0, 0, 500)], [Piece(2, 2, 0, 500)]]}
+    batches = replays(wanted, max_tokens=300)
+    assert all(b.tokens <= 300 for b in batches)
+    for b in batches:
+        assert len({i for i, _, _ in b.entries}) == len(b.entries)  # a sequence once per micro-batch
+    covered: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for b in batches:
+        for i, start, n in b.entries:
+            covered.setdefault((i, b.first, b.last), []).append((start, start + n))
+    for key, spans in covered.items():  # contiguous, in order, from where each piece starts
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), key
+    assert covered[7, 1, 1] == [(0, 256)] and covered[7, 1, 2] == [(256, 512)]
+    assert covered[9, 0, 0][-1][1] == 500 and covered[9, 2, 2][0][0] == 0
+    first_of_7 = [k for k, b in enumerate(batches) if any(i == 7 for i, _, _ in b.entries)]
+    assert batches[first_of_7[0]].last == 1 and batches[first_of_7[-1]].last == 2
+
+
+# --- the logs and the blocks ----------------------------------------------------------------------
+def _seq(max_len: int = 64) -> Sequence:
+    return Sequence(1, 1, max_len, {}, {0: 0})
+
+
+def test_a_replay_log_keeps_rows_in_order_within_its_budget_and_frees_them_with_the_sequence():
+    log = ReplayLog(budget=64 * 8 * 4)  # one sequence of 64 positions, 8 wide, in float32
+    seq, other = _seq(), _seq()
+    rows = torch.arange(40 * 8, dtype=torch.float32).view(40, 8)
+    log.append(seq, 0, 0, rows[:16])
+    log.append(seq, 0, 16, rows[16:40])
+    assert log.logged(seq, 0) == 40 and torch.equal(log.rows(seq, 0, 10, 30), rows[10:30])
+    assert log.rows(seq, 0, 30, 41) is None  # not all logged
+    log.append(other, 0, 0, rows[:8])  # past the budget: that sequence has no log
+    assert log.logged(other, 0) == 0 and log.rows(other, 0, 0, 8) is None
+    log.truncate(seq, 0, 20)  # rewound: positions from 20 on are computed again
+    log.append(seq, 0, 20, rows[20:24] + 1)
+    assert log.logged(seq, 0) == 24 and torch.equal(log.rows(seq, 0, 20, 24), rows[20:24] + 1)
+    log.append(seq, 0, 30, rows[30:31])  # a gap: the log is of no use any more
+    assert log.logged(seq, 0) == 0
+    log.append(seq, 1, 0, rows[:4])
+    log.drop(seq)
+    assert log.nbytes == 0
+    log.append(seq, 1, 4, rows[4:8])  # after it closed: nothing is kept
+    assert log.nbytes == 0
+
+
+def test_a_truncated_sequence_gives_its_later_blocks_back():
+    pool = KVPool([0], num_blocks=8, kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu", block_size=4)
+    seq = pool.sequence(32)
+    seq.grow(20)
+    assert pool.used_blocks == 5
+    seq.truncate(9)
+    assert pool.used_blocks == 3 and seq.capacity == 12 and seq.run(9) is not None
+    seq.grow(16)  # grows back into the blocks right after
+    assert pool.used_blocks == 4 and seq.run(16) is not None
+    seq.truncate(0)  # starts afresh: nothing held, nothing reserved
+    assert pool.used_blocks == 0
+    other = pool.sequence(32)
+    other.grow(32)
+    assert pool.used_blocks == 8
+
+
+# --- the whole path, in process ---------------------------------------------------------------------
+@pytest.mark.parametrize("lost,budget", [("a", None), ("b", None), ("b", 0)])
+def test_a_restarted_daemon_of_an_interleaved_chain_is_rebuilt_by_replays(smollm2, lost, budget):
+    """Daemons a and b hold stages 0, 2 and 1, 3 of four. One is stopped while a long prompt is
+    prefilled and 6 others decode, and started again empty on the same port: every request
+    resumes (replays from the token ids for stage 0, from the logs for the others) and ends with
+    the tokens of a single-process run; nothing stays behind on the daemons. With no replay
+    budget, every request is prefilled again from its token ids instead, with the same tokens."""
+    cfg = smollm2.config
+    gen = torch.Generator().manual_seed(11)
+    long_prompt = torch.randint(1, cfg.vocab_size, (640,), generator=gen).tolist()
+    shorts = [torch.randint(1, cfg.vocab_size, (int(n),), generator=gen).tolist()
+              for n in torch.randint(8, 40, (6,), generator=gen)]
+    kw = {} if budget is None else {"replay_budget": budget}
+    served = {name: Served(name, **kw) for name in "ab"}
+    try:
+        spec = cluster_of(*served.values())
+        pipe = Pipeline(spec)
+        q = cfg.num_units // 4
+        stages = cut_stages(spec, [q, 2 * q, 3 * q], cfg.num_units, daemons=["a", "b", "a", "b"])
+        pipe.deploy(MODEL, stages, torch.float32)
+        redeploy = Redeploy(pipe, MODEL, stages, torch.float32, grace_s=60)
+        engine = Engine(pipe.session(), POLICIES["gllm"](), depth=4, recover=redeploy)
+        slicer = lambda n: [64] * (n // 64) + ([n % 64] if n % 64 else [])  # noqa: E731
+        decoding = [engine.add(Request(p, 48, slicer=slicer)) for p in shorts]
+        long = engine.add(Request(long_prompt, 4, slicer=slicer))
+        errors = []
+        runner = threading.Thread(target=lambda: _run(engine, errors), daemon=True)
+        runner.start()
+        deadline = time.monotonic() + 300
+        while not (long.laid_out >= 320 and all(r.tokens for r in decoding)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        port = int(served[lost].address.rsplit(":", 1)[1])
+        served[lost].stop()
+        served[lost] = Served(lost, port=port, **kw)  # back, empty
+        runner.join(timeout=300)
+        assert not runner.is_alive() and not errors, errors
+        resumed = engine.resumes[0]
+        if budget is None:
+            assert resumed["resumed"] == 7 and resumed["restarted"] == 0 and resumed["replayed_positions"] > 0, resumed
+        else:
+            assert resumed["resumed"] == 0 and resumed["restarted"] == 7, resumed
+        model = LocalModel(smollm2)
+        for r in decoding + [long]:
+            assert not r.error, r.error
+            want = decode_loop(model.open(r.max_len), r.prompt, max_new_tokens=r.max_new_tokens, sampler=Sampler(),
+                               eos_ids=[], slices=[len(r.prompt)])[0]
+            assert r.tokens == want
+        engine.session.close()
+        deadline = time.monotonic() + 10
+        while True:
+            status = [c.call("Status", pb.StatusRequest()) for c in pipe.clients]
+            if all(s.open_sequences == 0 and s.kv_bytes == 0 and s.replay_bytes == 0 for s in status):
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.1)
+        pipe.close()
+    finally:
+        for s in served.values():
+            s.stop()
+
+
+def _run(engine, errors) -> None:
+    try:
+        engine.run()
+    except Exception as e:  # noqa: BLE001 - reported by the test
+        errors.append(e)
