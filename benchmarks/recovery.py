@@ -6,7 +6,8 @@ cluster up`` (whose supervisor restarts the daemon).
 
 Prints both times, the time added, and what the issue's bar allows: the daemon's restart (from
 the kill until it answers again), plus its load (the ``Load`` it reports), plus half the
-failure-free prefill. Checks that both runs give the same tokens. The model is SmolLM2-135M,
+failure-free prefill. Checks that both runs give the same tokens, and reports how the request
+resumed (positions kept, and rebuilt on the restarted stage by replaying its predecessor's log). The model is SmolLM2-135M,
 fp32, in three even stages; the prompt is the bundled sample report, repeated to ``--tokens``.
 """
 
@@ -59,7 +60,7 @@ def run(pipe, stages, prompt, new_tokens, slicer, kill: str | None, cluster) -> 
     out["total_s"] = time.monotonic() - t0
     out["prefill_s"] = request.first_token_s - t0
     out["tokens"] = request.tokens
-    out["recoveries"] = redeploy.events
+    out["recoveries"] = [{**event, **resumed} for event, resumed in zip(redeploy.events, engine.resumes)]
     out["load_s"] = max(load.load_s for load in pipe.loads)
     engine.session.close()
     return out

@@ -26,12 +26,13 @@ import math
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from hpipe.model.sampling import Sampler, SamplingParams, sample
+from hpipe.model.sampling import sample
+from runtime.request import Request
 from runtime.resume import replays, resume_point
 from runtime.session import Session, StageFailure
 from runtime.wire import pb
@@ -43,82 +44,6 @@ MAX_REFUSALS = 8
 #: seconds between the engine's keep-alives of its running requests (a daemon frees a sequence
 #: unnamed for 300 s)
 KEEPALIVE_S = 30.0
-
-
-@dataclass(eq=False)
-class Request:
-    """One prompt to continue, and its state as the engine runs it."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    params: SamplingParams = SamplingParams()
-    eos: frozenset[int] = frozenset()
-    slicer: Callable[[int], list[int]] | None = None  # a prefix's length -> its prefill slices (the plan's)
-    on_token: Callable[["Request", int], None] | None = None
-    on_done: Callable[["Request"], None] | None = None
-    tag: object = None                         # the caller's, e.g. a document's name
-    logprobs: int | None = None                # keep each token's log-probability and this many alternatives
-    arrival_s: float = field(default_factory=time.monotonic)
-    # state
-    id: int = field(default_factory=lambda: random.getrandbits(63))
-    prefix: list[int] = field(default_factory=list)   # what is prefilled: the prompt, and after a
-    slices: list[int] = field(default_factory=list)   # preemption the tokens generated too
-    laid_out: int = 0                          # positions sent into the pipeline
-    tokens: list[int] = field(default_factory=list)
-    in_flight: int = 0                         # entries of it in flight
-    admitted: int = 0                          # order in which the engine admitted it (newest: highest)
-    preemptions: int = 0
-    resumed_at: list[int] = field(default_factory=list)  # per recovery: the position it went on from
-    refusals: int = 0
-    stop_reason: str = ""                      # length | eos | stop | error | cancelled
-    error: str = ""
-    first_token_s: float | None = None
-    done_s: float | None = None
-    sampler: Sampler | None = None
-    token_logprobs: list = field(default_factory=list)  # (token, logprob, [(token, logprob)] * logprobs)
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def __post_init__(self) -> None:
-        if not self.prompt or self.max_new_tokens < 1:
-            raise ValueError("a request needs a prompt and at least one new token")
-        self.sampler = Sampler(self.params, self.prompt)
-        self._restart(list(self.prompt))
-
-    def _restart(self, prefix: list[int]) -> None:
-        self.prefix, self.laid_out = prefix, 0
-        self.slices = self.slicer(len(prefix)) if self.slicer else [len(prefix)]
-        if sum(self.slices) != len(prefix) or min(self.slices) < 1:
-            raise ValueError(f"slices {self.slices} do not cover the {len(prefix)} tokens to prefill")
-        self._ends = [sum(self.slices[:i + 1]) for i in range(len(self.slices))]
-
-    @property
-    def max_len(self) -> int:
-        return len(self.prompt) + self.max_new_tokens
-
-    @property
-    def prefilling(self) -> bool:
-        return self.laid_out < len(self.prefix)
-
-    @property
-    def waiting_tokens(self) -> int:
-        """Prefill tokens not yet sent."""
-        return len(self.prefix) - self.laid_out
-
-    @property
-    def ready(self) -> bool:
-        """Whether it can have its next entry scheduled now."""
-        if self.stop_reason:
-            return False
-        return self.prefilling or (self.in_flight == 0 and bool(self.tokens))
-
-    def next_chunk(self) -> int:
-        """Tokens from where its prefill stands to the end of its current slice."""
-        end = next(e for e in self._ends if e > self.laid_out)
-        return end - self.laid_out
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.stop_reason)
 
 
 @dataclass
@@ -275,22 +200,27 @@ class Engine:
                     kept += p
                 else:
                     log.info("request %d starts again: its stages hold (computed, logged) %s", r.id, where)
-                    if where:
-                        session.close_sequences([r.id])
                     r.id = random.getrandbits(63)
                     restarted.append(r)
             for r in reversed(restarted):
                 self.running.remove(r)
                 self.waiting.insert(0, r)  # the oldest first again
+            stale = set(session.resumed) - set(wanted)  # adopted, but no running request goes on with them
+            session.close_sequences(sorted(stale))
             old.close()
             self._in_flight.clear()
             batches = replays(wanted)
-            for batch in batches:
-                prefixes = {r.id: r.prefix for r in self.running}
-                entries = [pb.Entry(sequence_id=i, start=a, length=n, logits=pb.NO_LOGITS,
-                                    max_len=self._max_len(i) if a == 0 else 0) for i, a, n in batch.entries]
-                tokens = torch.tensor([t for i, a, n in batch.entries for t in prefixes[i][a:a + n]], dtype=torch.long)
-                session.submit(entries, tokens, pb.Replay(first=batch.first, last=batch.last))
+            broken = None
+            try:
+                by_id = {r.id: r for r in self.running}
+                for batch in batches:
+                    entries = [pb.Entry(sequence_id=i, start=a, length=n, logits=pb.NO_LOGITS,
+                                        max_len=by_id[i].max_len if a == 0 else 0) for i, a, n in batch.entries]
+                    tokens = torch.tensor([t for i, a, n in batch.entries for t in by_id[i].prefix[a:a + n]],
+                                          dtype=torch.long)
+                    session.submit(entries, tokens, pb.Replay(first=batch.first, last=batch.last))
+            except StageFailure as e:  # broke again while resuming: recovered again below
+                broken = str(e)
             pools = session.pipe.pools()
             self.kv_blocks = min((p.blocks for p in pools), default=0)
             self.depth = max(1, stages)
@@ -302,9 +232,8 @@ class Engine:
             self._checked = time.monotonic()
             log.warning("resumed %d requests (%d positions kept, %d rebuilt by replays), %d start again",
                         self.resumes[-1]["resumed"], kept, self.resumes[-1]["replayed_positions"], len(restarted))
-
-    def _max_len(self, seq_id: int) -> int:
-        return next(r.max_len for r in self.running if r.id == seq_id)
+        if broken is not None:
+            self._recover(broken)
 
     def _run(self, until_idle: bool, stop: threading.Event | None) -> None:
         while not (stop and stop.is_set()):

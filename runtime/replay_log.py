@@ -20,6 +20,7 @@ import threading
 import torch
 
 from hpipe.core.cluster import REPLAY_BUDGET as DEFAULT_BUDGET
+from runtime.wire import pb
 
 
 class _Log:
@@ -44,6 +45,38 @@ class ReplayLog:
         self.nbytes = 0
         self._lock = threading.Lock()
 
+    # --- a daemon's sender ----------------------------------------------------------------------
+    def record(self, sequences, stage: int, layout, out: torch.Tensor, failed: set[int]) -> None:
+        """Keep each live entry's rows of held ``stage``'s output of ``layout`` in its sequence's log
+        (a failed entry's rows are not its output: they are left out, and its log stops there)."""
+        off = 0
+        for e in layout.entries:
+            seq = sequences.find(e.sequence_id)
+            if seq is not None and seq.session == layout.session and e.sequence_id not in failed:
+                self.append(seq, stage, e.start, out[off:off + e.length])
+            off += e.length
+
+    def replay_input(self, sequences, stage, act: pb.Activation, layout) -> torch.Tensor:
+        """The input of the replay ``layout`` for stage ``act.stage``, from held ``stage``'s logs.
+        A sequence whose rows are not all logged gets zeros, computed as dead rows after this, and
+        fails here with ``DATA_LOSS``: its next micro-batch fails too, and the coordinator
+        prefills it again."""
+        hidden, dtype = stage.model.cfg.hidden_size, stage.model.dtype
+        parts = []
+        for e in layout.entries:
+            seq = sequences.find(e.sequence_id)
+            mine = seq is not None and seq.session == layout.session
+            rows = self.rows(seq, stage.index, e.start, e.start + e.length) if mine else None
+            if rows is None:
+                rows = torch.zeros(e.length, hidden, dtype=dtype)
+                message = f"stage {stage.index} has no log of positions {e.start}-{e.start + e.length} to replay"
+                act.failed.append(pb.Failure(sequence_id=e.sequence_id, code="DATA_LOSS", message=message))
+                if mine:
+                    seq.fail("DATA_LOSS", message)
+            parts.append(rows)
+        return torch.cat(parts) if parts else torch.zeros(0, hidden, dtype=dtype)
+
+    # --- the logs ----------------------------------------------------------------------------
     def append(self, seq, stage: int, start: int, rows: torch.Tensor) -> None:
         """Log ``rows`` [n, hidden] as positions ``[start, start + n)`` of ``seq``'s output on ``stage``."""
         n = rows.shape[0]

@@ -82,6 +82,16 @@ class SequenceTable:
                 if seq is not None:
                     seq.last_active = now
 
+    def adopt(self, old: int, new: int) -> list[Sequence]:
+        """Session ``new`` takes over ``old``'s sequences, their errors cleared (a recovering
+        coordinator decides from where each goes on)."""
+        now = time.monotonic()
+        with self.lock:
+            taken = [s for s in self._open.values() if s.session == old]
+            for s in taken:
+                s.session, s.error, s.code, s.last_active = new, "", "", now
+        return taken
+
     def pop(self, seq_id: int) -> Sequence | None:
         """Take a sequence out of the table (its blocks are the caller's to free)."""
         with self.lock:

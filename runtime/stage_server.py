@@ -255,11 +255,12 @@ class StageServer:
             seq_ids = [e.sequence_id for e in layout.entries]
             t0 = time.perf_counter()
             if payload is None:
-                tensor = self._logged_input(stage, act, layout)
+                tensor = self.replay_log.replay_input(self.sequences, stage, act, layout)
             else:
                 tensor = payload.on_host() if isinstance(payload, Pending) else payload
                 if stage.successor is not None:
-                    self._log(stage.index, layout, tensor, {f.sequence_id for f in act.failed})
+                    self.replay_log.record(self.sequences, stage.index, layout, tensor,
+                                           {f.sequence_id for f in act.failed})
                 if not layout.forwards(stage.index):
                     continue
             act.payload_bytes = tensor.numel() * tensor.element_size()
@@ -279,33 +280,6 @@ class StageServer:
                 continue
             self.stats.add_send(act.session, stage.index, time.perf_counter() - t0, sent)
 
-    # --- replay logs (on the sender thread) ---------------------------------------------------
-    def _log(self, stage: int, layout: Layout, out: torch.Tensor, failed: set[int]) -> None:
-        """Keep each live entry's rows of ``stage``'s output in its sequence's replay log (a failed
-        entry's rows are not its output: they are left out, and its log stops where it was)."""
-        off = 0
-        for e in layout.entries:
-            seq = self.sequences.find(e.sequence_id)
-            if seq is not None and seq.session == layout.session and e.sequence_id not in failed:
-                self.replay_log.append(seq, stage, e.start, out[off:off + e.length])
-            off += e.length
-
-    def _logged_input(self, stage: LoadedStage, act: pb.Activation, layout: Layout) -> torch.Tensor:
-        """The input of a replay for stage ``act.stage``, from ``stage``'s log; a sequence whose rows
-        are not all logged gets zeros and fails there with ``DATA_LOSS`` (it is prefilled again)."""
-        parts = []
-        for e in layout.entries:
-            seq = self.sequences.find(e.sequence_id)
-            rows = None
-            if seq is not None and seq.session == layout.session:
-                rows = self.replay_log.rows(seq, stage.index, e.start, e.start + e.length)
-            if rows is None:
-                rows = torch.zeros(e.length, stage.model.cfg.hidden_size, dtype=stage.model.dtype)
-                act.failed.append(pb.Failure(sequence_id=e.sequence_id, code="DATA_LOSS", message=(
-                    f"stage {stage.index} has no log of positions {e.start}-{e.start + e.length} to replay")))
-            parts.append(rows)
-        return torch.cat(parts) if parts else torch.zeros(0, stage.model.cfg.hidden_size, dtype=stage.model.dtype)
-
     # --- sequences ----------------------------------------------------------------------------
     def rewind(self, seq, stage: int, position: int) -> None:
         """Drop ``seq``'s positions from ``position`` on held ``stage`` (its KV blocks past them, its log)."""
@@ -321,16 +295,8 @@ class StageServer:
         Runs on the worker, so nothing of the old session is being computed meanwhile; what is still
         queued of it computes dead rows (its sequences belong to another session now)."""
         def adopt():
-            out = []
-            for seq_id in self.sequences.ids(old):
-                seq = self.sequences.find(seq_id)
-                if seq is None:
-                    continue
-                seq.session, seq.error, seq.code = new, "", ""
-                for i in self.stages:
-                    out.append((seq_id, i, seq.computed.get(i, 0), self.replay_log.logged(seq, i)))
-            self.sequences.touch([s for s, *_ in out])
-            return out
+            return [(seq.id, i, seq.computed.get(i, 0), self.replay_log.logged(seq, i))
+                    for seq in self.sequences.adopt(old, new) for i in self.stages]
         progress = self.run_on_device(adopt, timeout_s=60.0)
         self.layouts.forget(old)
         return progress

@@ -11,6 +11,7 @@ daemons:
     device: cpu               # cpu | cuda:N
     threads: 1                # torch CPU threads (optional)
     memory_budget: 2GiB       # optional cap on weights + KV cache
+    replay_budget: 512MiB     # optional: host memory for the replay logs of what its stages sent
     cuda_graphs: false        # optional: GPU decode steps eagerly instead of as CUDA graphs
     model_dirs: [/srv/models] # optional: where Load may read model files, beyond hpipe's cache
     tls_cert: a.pem           # optional, with tls_key

@@ -146,10 +146,14 @@ def test_bad_micro_batches_fail_alone_and_the_daemon_keeps_serving(daemon, tiny_
         assert failed.get(2, ("", ""))[0] == code and message in failed[2][1], (name, failed)
         assert c.call("Status", pb.StatusRequest(sequence_ids=[2])).sequences[0].error in ("", failed[2][1]), name
         co.conn.send(pb.Frame(close=pb.CloseSequences(sequence_ids=[2])))
-    # sequence 1 was untouched by all of that, and continues where it was
-    co.send([entry(1, 3, 1)], torch.randn(1, 64), stage=1)
+    # sequence 1 was untouched by all of that, and continues where it was: not past it, but an
+    # entry may rewind it (how a recovering coordinator resumes)
+    co.send([entry(1, 5, 1)], torch.randn(1, 64), stage=1)
     _, _, failed = co.result(384)
     assert failed[1][0] == "FAILED_PRECONDITION" and "continues at 4" in failed[1][1]
+    co.send([entry(1, 3, 1)], torch.randn(1, 64), stage=1)
+    assert not co.result(384)[2]
+    assert c.call("Status", pb.StatusRequest(sequence_ids=[1])).sequences[0].length == 4
     co2 = Coordinator(daemon, session=8)
     co2.send([entry(9, 0, 2, max_len=8)], torch.randn(2, 64), stage=1)
     assert not co2.result(384)[2]

@@ -1,0 +1,92 @@
+"""A request to the engine: a prompt to continue, how, and its state as the engine runs it.
+
+Its prefix is what gets prefilled: the prompt, and after a preemption or a recovery that starts it
+again, the tokens it has generated too; ``laid_out`` says how much of the prefix has been sent into
+the pipeline, and ``slices`` how its prefill is cut (the plan's slicing, :mod:`runtime.engine`).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hpipe.model.sampling import Sampler, SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt to continue, and its state as the engine runs it."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    params: SamplingParams = SamplingParams()
+    eos: frozenset[int] = frozenset()
+    slicer: Callable[[int], list[int]] | None = None  # a prefix's length -> its prefill slices (the plan's)
+    on_token: Callable[["Request", int], None] | None = None
+    on_done: Callable[["Request"], None] | None = None
+    tag: object = None                         # the caller's, e.g. a document's name
+    logprobs: int | None = None                # keep each token's log-probability and this many alternatives
+    arrival_s: float = field(default_factory=time.monotonic)
+    # state
+    id: int = field(default_factory=lambda: random.getrandbits(63))
+    prefix: list[int] = field(default_factory=list)   # what is prefilled: the prompt, and after a
+    slices: list[int] = field(default_factory=list)   # preemption the tokens generated too
+    laid_out: int = 0                          # positions sent into the pipeline
+    tokens: list[int] = field(default_factory=list)
+    in_flight: int = 0                         # entries of it in flight
+    admitted: int = 0                          # order in which the engine admitted it (newest: highest)
+    preemptions: int = 0
+    resumed_at: list[int] = field(default_factory=list)  # per recovery: the position it went on from
+    refusals: int = 0
+    stop_reason: str = ""                      # length | eos | stop | error | cancelled
+    error: str = ""
+    first_token_s: float | None = None
+    done_s: float | None = None
+    sampler: Sampler | None = None
+    token_logprobs: list = field(default_factory=list)  # (token, logprob, [(token, logprob)] * logprobs)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        if not self.prompt or self.max_new_tokens < 1:
+            raise ValueError("a request needs a prompt and at least one new token")
+        self.sampler = Sampler(self.params, self.prompt)
+        self._restart(list(self.prompt))
+
+    def _restart(self, prefix: list[int]) -> None:
+        self.prefix, self.laid_out = prefix, 0
+        self.slices = self.slicer(len(prefix)) if self.slicer else [len(prefix)]
+        if sum(self.slices) != len(prefix) or min(self.slices) < 1:
+            raise ValueError(f"slices {self.slices} do not cover the {len(prefix)} tokens to prefill")
+        self._ends = [sum(self.slices[:i + 1]) for i in range(len(self.slices))]
+
+    @property
+    def max_len(self) -> int:
+        return len(self.prompt) + self.max_new_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        return self.laid_out < len(self.prefix)
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Prefill tokens not yet sent."""
+        return len(self.prefix) - self.laid_out
+
+    @property
+    def ready(self) -> bool:
+        """Whether it can have its next entry scheduled now."""
+        if self.stop_reason:
+            return False
+        return self.prefilling or (self.in_flight == 0 and bool(self.tokens))
+
+    def next_chunk(self) -> int:
+        """Tokens from where its prefill stands to the end of its current slice."""
+        end = next(e for e in self._ends if e > self.laid_out)
+        return end - self.laid_out
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.stop_reason)
