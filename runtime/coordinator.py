@@ -70,17 +70,20 @@ class Pipeline:
     def daemon_stages(self, d: int) -> list[int]:
         return [i for i, dd in enumerate(self.stage_daemon) if dd == d]
 
-    def deploy(self, model: str, stages: Seq[Stage], dtype: torch.dtype, kv_pool_bytes: int = 0) -> list[Stage]:
+    def deploy(self, model: str, stages: Seq[Stage], dtype: torch.dtype, kv_pool_bytes: int = 0,
+               adjacent: bool = False) -> list[Stage]:
         """Load ``stages`` (a plan's, or :func:`cut_stages`) onto their daemons in the cluster, each
         daemon's KV pools ``kv_pool_bytes`` in all (0: the daemon sizes them).
 
         A daemon named for several stages holds them all (an interleaved schedule); two stages in a
-        row on one daemon would be one stage and are refused. Addresses are the cluster's."""
+        row on one daemon would be one stage and are refused, unless ``adjacent`` (a recovery that
+        moved a lost daemon's stage to its neighbour keeps both as they are). Addresses are the
+        cluster's."""
         if not stages:
             raise InputError("a pipeline needs at least one stage")
         stages = [replace(s, address=self.cluster.daemon(s.daemon).address) for s in stages]
         repeated = [i for i in range(1, len(stages)) if stages[i].daemon == stages[i - 1].daemon]
-        if repeated:
+        if repeated and not adjacent:
             i = repeated[0]
             raise InputError(f"stages {i - 1} and {i} are both on {stages[i].daemon}: merge them into one stage")
         self.close()

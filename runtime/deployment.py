@@ -86,10 +86,39 @@ def successor_of(dep: Deployment, i: int) -> tuple[str, int] | None:
     return host, dep.data_ports[i + 1] if dep.data_ports else 0
 
 
+def relink(stages: dict[int, LoadedStage], dep: Deployment) -> None:
+    """Point every held stage at its successor in ``dep``."""
+    for i, held in stages.items():
+        held.successor = successor_of(dep, i)
+
+
+def take_over(stages: dict[int, LoadedStage], added: dict[int, LoadedStage], dep: Deployment,
+              sequences) -> dict[int, LoadedStage]:
+    """``stages`` with ``added`` among them, in pipeline order, every successor re-pointed; each of
+    the open ``sequences`` gets an empty cache on the added stages (replays fill them)."""
+    out = dict(sorted({**stages, **added}.items()))
+    relink(out, dep)
+    for seq in sequences:
+        for i, held in added.items():
+            if held.pool is not None:
+                seq.kv[i] = held.pool.sequence(seq.max_len)
+            seq.planned[i] = seq.computed[i] = 0
+    return out
+
+
 def same_but_ports(a: Deployment | None, b: Deployment) -> bool:
     """Whether ``a`` and ``b`` differ at most in the daemons' data ports (one was restarted):
     the held stages then stay loaded, only their successors change."""
     return a is not None and replace(a, data_ports=()) == replace(b, data_ports=())
+
+
+def extends(a: Deployment | None, b: Deployment) -> bool:
+    """Whether ``b`` is ``a`` with more stages held here, the pipeline's units unchanged (a stage of a
+    daemon that was lost moved here): the stages held already stay loaded with their sequences."""
+    if a is None or (a.model, a.dtype, a.pool_bytes) != (b.model, b.dtype, b.pool_bytes):
+        return False
+    units = [(s.unit_start, s.unit_end) for s in a.stages] == [(s.unit_start, s.unit_end) for s in b.stages]
+    return units and set(a.held) < set(b.held)
 
 
 def check_memory(device: torch.device, budget: int | None, in_use: int, new_bytes: int, what: str) -> None:
@@ -156,20 +185,26 @@ def pool_blocks(dep: Deployment, cfg: ModelConfig, ranges: list[UnitRange], weig
 
 
 def load(dep: Deployment, device: torch.device, budget: int | None, check: Callable[[int, str], None],
-         decode_steps: str = "off") -> dict[int, LoadedStage]:
-    """Build every held stage and its KV pool (``check(bytes, what)`` first refuses what does not
-    fit); ``decode_steps`` is :attr:`StageServer.decode_steps`."""
+         decode_steps: str = "off", only: tuple[int, ...] | None = None, blocks: int | None = None
+         ) -> dict[int, LoadedStage]:
+    """Build every held stage (or the ``only`` ones) and its KV pool of ``blocks`` blocks (default:
+    sized here); ``check(bytes, what)`` first refuses what does not fit; ``decode_steps`` is
+    :attr:`StageServer.decode_steps`."""
     cfg = model_config(dep.model)
     ranges = validate(dep, cfg)
+    held = dep.held
+    if only is not None:
+        held, ranges = zip(*[(i, u) for i, u in zip(dep.held, ranges) if i in only])
     weights = sum(p.numel() for u in ranges for p in unit_params(cfg, u)) * dep.dtype.itemsize
-    blocks = pool_blocks(dep, cfg, ranges, weights, device, budget)
+    if blocks is None:
+        blocks = pool_blocks(dep, cfg, ranges, weights, device, budget)
     pools = blocks * sum(KVPool.block_bytes(len(u.attention_layers()), cfg.num_kv_heads, cfg.head_dim, dep.dtype)
                          for u in ranges)
     check(weights + pools, f"the weights of units {', '.join(map(str, ranges))} and their KV pools "
                            f"({blocks} blocks of {BLOCK_SIZE} tokens)")
     source = None if is_random(dep.model) else resolve_model(dep.model)
     loaded = {}
-    for i, units in zip(dep.held, ranges):
+    for i, units in zip(held, ranges):
         if source is None:  # random:NAME: this daemon creates its own units' weights
             model = StageModel.random(cfg, units, dtype=dep.dtype, device=device)
         else:

@@ -91,10 +91,10 @@ def plan_slicer(plan: Plan, strategy: str | None = None):
 
 
 def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: Path, job: JobConfig,
-            replan: Callable[[list[str]], list[Stage]] | None = None) -> dict:
+            replan: Callable[[list[str], list[Stage]], list[Stage]] | None = None) -> dict:
     """Analyse ``documents``; returns a summary. Raises nothing per document: each failure is
     recorded in the results file with its error, and in the summary. A stage that dies is waited
-    for and redeployed, or (``replan(survivors)`` given) planned around, and the documents in
+    for and redeployed, or (``replan(survivors, stages)`` given, :mod:`hpipe.app.replan`) planned around, and the documents in
     flight go on (:mod:`runtime.recovery`); the summary's ``recoveries`` says what happened."""
     tokenizer = source.tokenizer()
     eos = frozenset(() if job.ignore_eos else source.eos_token_ids())

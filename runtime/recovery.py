@@ -6,14 +6,16 @@ pipeline to answer again (``hpipe cluster up``'s supervisor restarts a local dae
 systemd one on another machine), then deploys the same stages. Daemons that kept their weights keep
 them: a deployment that differs only in data ports re-points their successors and reloads nothing
 (:meth:`runtime.stage_server.StageServer.load`). If a daemon stays away and a ``replan`` is given,
-it is asked for stages on the daemons that answer (the application re-plans them from the saved
-profile), and those are deployed instead.
+it is asked for stages on the daemons that answer (the application decides from the saved
+profile: the lost daemon's stages moved to survivors, every other stage kept, or a fresh plan;
+``hpipe.app.replan``), and those are deployed instead. A survivor that takes over a
+stage loads only that stage's units, beside the ones it holds, and keeps its sequences.
 
 The new session takes over the old one's sequences on the daemons that kept them, and the engine
 resumes each running request where every stage can go on from: the restarted daemon's stages
 rebuild their KV caches from the activations the stage before them logged (a replay, planned by
 :mod:`runtime.resume`), and no other stage computes those positions again. A request that cannot
-be resumed (no log reaches far enough, or a re-plan moved its stages) starts again from its token
+be resumed (no log reaches far enough, or a fresh plan moved every cut) starts again from its token
 ids: it prefills its prompt and the tokens it has generated, and goes on decoding. Either way its
 answer is the one it would have had (:meth:`runtime.engine.Engine._recover`).
 """
@@ -43,7 +45,7 @@ class Redeploy:
     """A new session on the same deployment once its daemons are back (or on a re-planned one)."""
 
     def __init__(self, pipe, model: str, stages: Sequence[Stage], dtype: torch.dtype, kv_pool_bytes: int = 0,
-                 grace_s: float = GRACE_S, replan: Callable[[list[str]], list[Stage]] | None = None,
+                 grace_s: float = GRACE_S, replan: Callable[[list[str], list[Stage]], list[Stage]] | None = None,
                  max_times: int = MAX_RECOVERIES):
         self.pipe, self.model, self.stages, self.dtype, self.kv_pool_bytes = \
             pipe, model, list(stages), dtype, kv_pool_bytes
@@ -74,14 +76,15 @@ class Redeploy:
             raise StageFailure(f"{error}; {', '.join(down)} did not come back within {self.grace_s:.0f} s")
         alive = [d.name for d in self.pipe.cluster.daemons if d.name not in down]
         try:
-            stages = self.replan(alive)
+            stages = self.replan(alive, self.stages)
         except HpipeError as e:
             raise StageFailure(f"{error}; {', '.join(down)} did not come back and the survivors cannot take "
                                f"over: {e}") from None
-        log.warning("%s did not come back: re-planned on %s", ", ".join(down), ", ".join(alive))
-        self.pipe.deploy(self.model, stages, self.dtype, self.kv_pool_bytes)
+        action = _describe(self.stages, stages, down)
+        log.warning("%s did not come back: %s", ", ".join(down), action)
+        self.pipe.deploy(self.model, stages, self.dtype, self.kv_pool_bytes, adjacent=True)
         self.stages = list(stages)
-        return self._done(error, f"re-planned without {', '.join(down)}", t0, resume_from)
+        return self._done(error, action, t0, resume_from)
 
     def _down(self, names: list[str]) -> list[str]:
         down = []
@@ -101,3 +104,11 @@ class Redeploy:
         self.events.append({"error": error, "action": action, "seconds": round(took, 3)})
         log.warning("pipeline %s after %.1f s; running requests resume", action, took)
         return session
+
+
+def _describe(old: Sequence[Stage], new: Sequence[Stage], down: list[str]) -> str:
+    """What a re-plan did: moved the lost daemons' stages, or planned the pipeline afresh."""
+    if [(s.unit_start, s.unit_end) for s in old] == [(s.unit_start, s.unit_end) for s in new]:
+        moved = [f"units {s.units} to {s.daemon}" for o, s in zip(old, new) if o.daemon != s.daemon]
+        return f"moved {', '.join(moved)} (without {', '.join(down)})"
+    return f"re-planned without {', '.join(down)}"

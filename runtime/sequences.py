@@ -64,6 +64,10 @@ class SequenceTable:
         with self.lock:
             return [i for i, s in self._open.items() if session is None or s.session == session]
 
+    def all(self) -> list[Sequence]:
+        with self.lock:
+            return list(self._open.values())
+
     def add(self, seq: Sequence) -> None:
         with self.lock:
             if seq.id in self._open:

@@ -42,26 +42,11 @@ from runtime.session_stats import SessionStats
 from runtime.transport import Connection, DataServer, LinkError, connect, read_payload, skip_payload
 from runtime.wire import pb
 from runtime.work import compute_micro_batch
+from runtime.worker import Worker
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
-
-
-class _DeviceCall:
-    """A function queued for the worker thread, with its outcome."""
-
-    def __init__(self, fn):
-        self.fn, self.result, self.error = fn, None, None
-        self.event = threading.Event()
-
-    def run(self) -> None:
-        try:
-            self.result = self.fn()
-        except Exception as e:  # noqa: BLE001 - handed back to the caller's thread
-            self.error = e
-        finally:
-            self.event.set()
 
 
 class StageServer:
@@ -75,7 +60,6 @@ class StageServer:
         #: (the same static step without capture; tests use it on the CPU) or "off" (forward_batch)
         self.decode_steps = "graphs" if self.device.type == "cuda" and cuda_graphs else "off"
         self.io = DeviceIO(self.device)
-        self._on_worker_start = on_worker_start  # e.g. name the thread an emulated device's CPU quota finds
         self.memory_budget = memory_budget
         self.before_load: list[Callable[[], None]] = []  # e.g. free what profiling built
         self.stages: dict[int, LoadedStage] = {}  # stage index -> held stage, in pipeline order
@@ -90,13 +74,12 @@ class StageServer:
         self._sessions: dict[int, Connection] = {}
         self._links: dict[tuple[str, int], Connection] = {}
         self._lock = threading.RLock()
-        self._work: queue.Queue = queue.Queue()
+        self.worker = Worker(lambda *item: compute_micro_batch(self, *item), on_worker_start)
         self._outbox: queue.Queue = queue.Queue()
         self._stopping = threading.Event()
         self.data = DataServer(host, token, self._serve_connection, tls_server)
         self._threads = [threading.Thread(target=f, name=n, daemon=True)
-                         for f, n in ((self._work_loop, "stage-worker"), (self._send_loop, "stage-sender"),
-                                      (self._reap_loop, "stage-reaper"))]
+                         for f, n in ((self._send_loop, "stage-sender"), (self._reap_loop, "stage-reaper"))]
         for t in self._threads:
             t.start()
 
@@ -105,7 +88,7 @@ class StageServer:
         since it started: what moving activations costs the host, apart from compute."""
         total = time.process_time()
         try:
-            worker = time.clock_gettime(time.pthread_getcpuclockid(self._threads[0].ident))
+            worker = time.clock_gettime(time.pthread_getcpuclockid(self.worker.thread.ident))
         except (AttributeError, OSError):  # no per-thread clocks on this platform
             return total
         return max(total - worker, 0.0)
@@ -120,11 +103,13 @@ class StageServer:
                 # a daemon of the pipeline came back on a new data port: keep the weights and the
                 # KV pools, re-point the successors (runtime.recovery)
                 def relink():
-                    for i, held in self.stages.items():
-                        held.successor = deployment.successor_of(dep, i)
+                    deployment.relink(self.stages, dep)
                     self.deployment = dep
                 self.run_on_device(relink)
                 log.info("kept units %s of %s; successors re-pointed", self._held(), dep.model)
+            elif deployment.extends(self.deployment, dep):
+                self._extend(dep)
+                log.info("took over units %s of %s; kept the others", self._held(), dep.model)
             elif self.deployment != dep:
                 for hook in self.before_load:
                     hook()
@@ -146,6 +131,24 @@ class StageServer:
             "vocab_size": cfg.vocab_size, "pools": self.pools(),
             "kv_bytes_per_token": sum(m.block_bytes() for m in models) // BLOCK_SIZE,
         }
+
+    def _extend(self, dep: Deployment) -> None:
+        """Load the stages ``dep`` adds (a lost daemon's, moved here) beside the held ones, with
+        pools of as many blocks; every open sequence gets an empty cache on them, which replays
+        fill (:mod:`runtime.resume`). Nothing held is dropped or reloaded."""
+        new = tuple(i for i in dep.held if i not in self.stages)
+        blocks = min((s.pool.num_blocks for s in self.stages.values() if s.pool is not None), default=None)
+        in_use = self.weight_bytes + sum(s.pool.nbytes for s in self.stages.values() if s.pool is not None)
+        added = deployment.load(dep, self.device, self.memory_budget,
+                                lambda n, what: deployment.check_memory(self.device, self.memory_budget, in_use,
+                                                                        n, what),
+                                self.decode_steps, only=new, blocks=blocks)
+
+        def extend():
+            self.stages = deployment.take_over(self.stages, added, dep, self.sequences.all())
+            self.weight_bytes += sum(s.model.weight_bytes() for s in added.values())
+            self.deployment = dep
+        self.run_on_device(extend)
 
     def _drop_everything(self) -> None:
         """On the worker: forget every sequence and the old stages, before a new deployment loads."""
@@ -227,7 +230,7 @@ class StageServer:
             shape = (layout.tokens,) if stage.units.has_embed else (layout.tokens, stage.model.cfg.hidden_size)
             x = self.io.upload_tensor(buf.view(dtype).view(shape))
         self.stats.add_recv(act.session, act.stage, time.perf_counter() - t0)
-        self._work.put((stage, layout, x, list(act.failed), received))
+        self.worker.put((stage, layout, x, list(act.failed), received))
 
     def send(self, stage: LoadedStage, act: pb.Activation, payload, layout: Layout) -> None:
         """Queue ``stage``'s output of ``layout`` (a tensor or a :class:`Pending` one) for the sender
@@ -347,36 +350,9 @@ class StageServer:
 
     # --- threads ------------------------------------------------------------------------------
     def run_on_device(self, fn: Callable[[], object], timeout_s: float | None = None):
-        """Run ``fn`` on the worker thread, between micro-batches, and return its result (or raise its error).
-
-        Profiling goes through here, so measurements run on the thread (and under the limits) that
-        runs micro-batches, and never overlap one's compute.
-        """
-        done = _DeviceCall(fn)
-        self._work.put(done)
-        if not done.event.wait(timeout_s):
-            raise StatusError("DEADLINE_EXCEEDED", "the device did not get to the request in time")
-        if done.error is not None:
-            raise done.error
-        return done.result
-
-    def _work_loop(self) -> None:
-        if self._on_worker_start:
-            self._on_worker_start()
-        while True:
-            item = self._work.get()  # blocks: an idle daemon uses no CPU
-            if item is _STOP:
-                return
-            if isinstance(item, _DeviceCall):
-                item.run()
-            else:
-                # in a function of its own so that its locals (the stage model, activations) do not
-                # outlive the micro-batch: a redeployment must not find the old model still referenced
-                try:
-                    compute_micro_batch(self, *item)
-                except Exception:  # noqa: BLE001 - a bug must not take the worker down with it
-                    log.exception("the worker failed a micro-batch")
-            del item
+        """Run ``fn`` on the worker thread, between micro-batches (:meth:`Worker.call`). Profiling goes
+        through here, so measurements run on the thread (and under the limits) that runs micro-batches."""
+        return self.worker.call(fn, timeout_s)
 
     def _reap_loop(self) -> None:
         while not self._stopping.wait(1.0):
@@ -389,7 +365,7 @@ class StageServer:
         self.data.stop()
         for seq_id in self.sequences.ids():
             self.close(seq_id)
-        self._work.put(_STOP)
+        self.worker.stop()
         self._outbox.put(_STOP)
         for conn in [*self._links.values(), *self._sessions.values()]:
             conn.close()

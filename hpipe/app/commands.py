@@ -257,23 +257,8 @@ def plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def replanner(plan, profile_path: str):
-    """``replan(survivors) -> stages``: the plan's strategy re-planned from the saved profile on
-    the daemons still answering (what runtime.recovery calls when one does not come back)."""
-    from planner.costs import Workload
-    from planner.strategies import plan as make_plan
-
-    profile = load_profile(profile_path)
-
-    def replan(alive: list[str]):
-        gone = [d.name for d in profile.daemons if d.name not in alive]
-        result = make_plan(profile.without(gone), Workload(plan.seq_len, plan.batch, plan.max_len),
-                           strategy=plan.strategy)
-        return list(result.chosen.stages)
-    return replan
-
-
 def run(args: argparse.Namespace) -> int:
+    from hpipe.app.replan import replanner
     from hpipe.model.sources import resolve_model
     from runtime.coordinator import Pipeline
     from runtime.jobs import JobConfig, run_job
@@ -291,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
                     strategy=args.strategy.replace("-", "_") if args.strategy else None)
     try:
         summary = run_job(the_plan, pipe, source, args.documents, output, job,
-                          replan=replanner(the_plan, args.profile) if args.profile else None)
+                          replan=replanner(the_plan, load_profile(args.profile)) if args.profile else None)
     finally:
         pipe.close()
     for event in summary["recoveries"]:
