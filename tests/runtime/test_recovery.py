@@ -162,3 +162,7 @@ def test_a_daemon_that_stays_dead_is_planned_around(smollm2, tmp_path, capsys):
                                eos_ids=smollm2.eos_token_ids(), max_new_tokens=8)
             assert r["token_ids"] == ref.token_ids, r["document"]
         assert not alive(victim)
+        # nothing left behind on the survivors: no sequence, no KV block, no replay log
+        survivors = [r for r in launcher.status(cluster.spec) if r["name"] != used[1]]
+        assert all(r["healthy"] and r["open_sequences"] == 0 and r["kv_bytes"] == 0 and r["replay_bytes"] == 0
+                   for r in survivors), survivors
