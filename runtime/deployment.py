@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -106,19 +106,24 @@ def take_over(stages: dict[int, LoadedStage], added: dict[int, LoadedStage], dep
     return out
 
 
-def same_but_ports(a: Deployment | None, b: Deployment) -> bool:
-    """Whether ``a`` and ``b`` differ at most in the daemons' data ports (one was restarted):
-    the held stages then stay loaded, only their successors change."""
-    return a is not None and replace(a, data_ports=()) == replace(b, data_ports=())
+def _same_pipeline(a: Deployment | None, b: Deployment) -> bool:
+    """The same model, dtype, pool size and stage units (daemons, addresses and ports may differ)."""
+    if a is None or (a.model, a.dtype, a.pool_bytes) != (b.model, b.dtype, b.pool_bytes):
+        return False
+    return [(s.unit_start, s.unit_end) for s in a.stages] == [(s.unit_start, s.unit_end) for s in b.stages]
+
+
+def relinks(a: Deployment | None, b: Deployment) -> bool:
+    """Whether ``b`` holds here what ``a`` does, only other daemons or ports around it (one was
+    restarted, or a lost daemon's stage moved elsewhere): the held stages stay loaded with their
+    sequences, only their successors change."""
+    return _same_pipeline(a, b) and set(a.held) == set(b.held)
 
 
 def extends(a: Deployment | None, b: Deployment) -> bool:
-    """Whether ``b`` is ``a`` with more stages held here, the pipeline's units unchanged (a stage of a
-    daemon that was lost moved here): the stages held already stay loaded with their sequences."""
-    if a is None or (a.model, a.dtype, a.pool_bytes) != (b.model, b.dtype, b.pool_bytes):
-        return False
-    units = [(s.unit_start, s.unit_end) for s in a.stages] == [(s.unit_start, s.unit_end) for s in b.stages]
-    return units and set(a.held) < set(b.held)
+    """Whether ``b`` is ``a`` with more stages held here (a lost daemon's stage moved here): the
+    stages held already stay loaded with their sequences."""
+    return _same_pipeline(a, b) and set(a.held) < set(b.held)
 
 
 def check_memory(device: torch.device, budget: int | None, in_use: int, new_bytes: int, what: str) -> None:

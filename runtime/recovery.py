@@ -4,7 +4,7 @@ When a stage dies the session fails (:class:`runtime.session.StageFailure`). The
 its :class:`Redeploy` for a new session: it waits up to ``grace_s`` for every daemon of the
 pipeline to answer again (``hpipe cluster up``'s supervisor restarts a local daemon that crashed;
 systemd one on another machine), then deploys the same stages. Daemons that kept their weights keep
-them: a deployment that differs only in data ports re-points their successors and reloads nothing
+them: a deployment that differs only around them re-points their successors and reloads nothing
 (:meth:`runtime.stage_server.StageServer.load`). If a daemon stays away and a ``replan`` is given,
 it is asked for stages on the daemons that answer (the application decides from the saved
 profile: the lost daemon's stages moved to survivors, every other stage kept, or a fresh plan;
@@ -65,7 +65,7 @@ class Redeploy:
             down = self._down(names)
             if not down:
                 try:
-                    self.pipe.deploy(self.model, self.stages, self.dtype, self.kv_pool_bytes)
+                    self.pipe.deploy(self.model, self.stages, self.dtype, self.kv_pool_bytes, adjacent=True)
                     return self._done(error, "redeployed", t0, resume_from)
                 except StageFailure as e:  # died again while loading: wait on
                     log.warning("redeploying failed: %s", e)

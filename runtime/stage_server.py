@@ -99,9 +99,9 @@ class StageServer:
         t0 = time.perf_counter()
         deployment.check_source(dep.model, self.model_dirs)  # before anything held is dropped
         with self._lock:
-            if deployment.same_but_ports(self.deployment, dep) and self.deployment != dep:
-                # a daemon of the pipeline came back on a new data port: keep the weights and the
-                # KV pools, re-point the successors (runtime.recovery)
+            if deployment.relinks(self.deployment, dep) and self.deployment != dep:
+                # a daemon of the pipeline came back on a new data port, or a stage moved to
+                # another: keep the weights, pools and sequences, re-point the successors
                 def relink():
                     deployment.relink(self.stages, dep)
                     self.deployment = dep

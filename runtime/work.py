@@ -1,8 +1,8 @@
 """One micro-batch on one stage, on the daemon's worker thread: compute it, pass it on.
 
 Every entry's sequence is looked up again here: one that failed or closed since its layout, or
-that a new session took over (``Resume``), is computed as a dead row (no cache read or written), so its blocks, freed on this same thread, are
-never touched after they are given back. A compute error fails the micro-batch's sequences, and
+that a new session took over (``Resume``), is computed as a dead row (no cache read or written),
+so its blocks, freed on this same thread, are never touched after they are given back. A compute error fails the micro-batch's sequences, and
 zeros of the right shape go on in its place, so the stages after it and the coordinator still
 see the micro-batch complete, with the failures named.
 """

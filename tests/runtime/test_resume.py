@@ -5,6 +5,7 @@ The end-to-end test with real daemon processes killed by SIGKILL is in test_reco
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -182,3 +183,55 @@ def _run(engine, errors) -> None:
         engine.run()
     except Exception as e:  # noqa: BLE001 - reported by the test
         errors.append(e)
+
+
+def test_a_stage_of_a_daemon_lost_for_good_moves_and_nothing_else_is_reloaded(smollm2):
+    """Daemons a, b, c hold stages 0, 1, 2. b is stopped for good while 6 sequences decode and a
+    long prompt is prefilled; the re-plan moves stage 1 to c. a and c keep the models they had
+    loaded (the same objects), c loads only stage 1's units beside its own, every request resumes
+    by replay from a's log, and every answer equals single-process generation."""
+    cfg = smollm2.config
+    gen = torch.Generator().manual_seed(12)
+    long_prompt = torch.randint(1, cfg.vocab_size, (512,), generator=gen).tolist()
+    shorts = [torch.randint(1, cfg.vocab_size, (int(n),), generator=gen).tolist()
+              for n in torch.randint(8, 40, (6,), generator=gen)]
+    served = {name: Served(name) for name in "abc"}
+    try:
+        spec = cluster_of(*served.values())
+        pipe = Pipeline(spec)
+        stages = cut_stages(spec, [cfg.num_units // 3, 2 * cfg.num_units // 3], cfg.num_units)
+        pipe.deploy(MODEL, stages, torch.float32)
+        models = {name: {i: s.model for i, s in served[name].stage.stages.items()} for name in "ac"}
+        moved = [stages[0], replace(stages[1], daemon="c"), stages[2]]
+        redeploy = Redeploy(pipe, MODEL, stages, torch.float32, grace_s=2, replan=lambda alive, old: moved)
+        engine = Engine(pipe.session(), POLICIES["gllm"](), depth=3, recover=redeploy)
+        slicer = lambda n: [64] * (n // 64) + ([n % 64] if n % 64 else [])  # noqa: E731
+        decoding = [engine.add(Request(p, 32, slicer=slicer)) for p in shorts]
+        long = engine.add(Request(long_prompt, 4, slicer=slicer))
+        errors = []
+        runner = threading.Thread(target=lambda: _run(engine, errors), daemon=True)
+        runner.start()
+        deadline = time.monotonic() + 300
+        while not (long.laid_out >= 256 and all(r.tokens for r in decoding)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        served["b"].stop()
+        runner.join(timeout=300)
+        assert not runner.is_alive() and not errors, errors
+        assert redeploy.events[0]["action"] == f"moved units {stages[1].units} to c (without b)", redeploy.events
+        resumed = engine.resumes[0]
+        assert resumed["resumed"] == 7 and resumed["restarted"] == 0 and resumed["replayed_positions"] > 0, resumed
+        held = {name: served[name].stage.stages for name in "ac"}
+        assert sorted(held["a"]) == [0] and sorted(held["c"]) == [1, 2]
+        assert held["a"][0].model is models["a"][0] and held["c"][2].model is models["c"][2]  # not reloaded
+        model = LocalModel(smollm2)
+        for r in decoding + [long]:
+            assert not r.error, r.error
+            want = decode_loop(model.open(r.max_len), r.prompt, max_new_tokens=r.max_new_tokens, sampler=Sampler(),
+                               eos_ids=[], slices=[len(r.prompt)])[0]
+            assert r.tokens == want
+        engine.session.close()
+        pipe.close()
+    finally:
+        for name in "ac":
+            served[name].stop()
