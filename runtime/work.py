@@ -2,9 +2,10 @@
 
 Every entry's sequence is looked up again here: one that failed or closed since its layout, or
 that a new session took over (``Resume``), is computed as a dead row (no cache read or written),
-so its blocks, freed on this same thread, are never touched after they are given back. A compute error fails the micro-batch's sequences, and
-zeros of the right shape go on in its place, so the stages after it and the coordinator still
-see the micro-batch complete, with the failures named.
+so its blocks, freed on this same thread, are never touched after they are given back; so is an
+entry whose earlier positions this stage never computed. A compute error fails the micro-batch's
+sequences, and zeros of the right shape go on in its place, so the stages after it and the
+coordinator still see the micro-batch complete, with the failures named.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ def compute_micro_batch(server, stage, layout, x, failed: list, received: float)
             failures.setdefault(e.sequence_id, pb.Failure(sequence_id=e.sequence_id, code=seq.code or "ABORTED",
                                                           message=seq.error))
         live = seq is not None and e.sequence_id not in failures
+        if live and e.start > seq.computed.get(stage.index, 0):
+            # its earlier positions were never computed here (data of a session this stage joined
+            # late, or after a failed entry): attention would read slots nobody wrote
+            failures[e.sequence_id] = pb.Failure(sequence_id=e.sequence_id, code="ABORTED", message=(
+                f"stage {stage.index}: positions {seq.computed.get(stage.index, 0)}-{e.start} of sequence "
+                f"{e.sequence_id} were never computed here"))
+            live = False
         if live:
             live_seqs.append((seq, e.start + e.length))
         entries.append(Entry(e.start, e.length, seq.kv.get(stage.index) if live else None, LOGITS[e.logits]))
