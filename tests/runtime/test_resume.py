@@ -5,7 +5,7 @@ The end-to-end test with real daemon processes killed by SIGKILL is in test_reco
 
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -124,10 +124,6 @@ def test_a_restarted_daemon_of_an_interleaved_chain_is_rebuilt_by_replays(smollm
     the tokens of a single-process run; nothing stays behind on the daemons. With no replay
     budget, every request is prefilled again from its token ids instead, with the same tokens."""
     cfg = smollm2.config
-    gen = torch.Generator().manual_seed(11)
-    long_prompt = torch.randint(1, cfg.vocab_size, (640,), generator=gen).tolist()
-    shorts = [torch.randint(1, cfg.vocab_size, (int(n),), generator=gen).tolist()
-              for n in torch.randint(8, 40, (6,), generator=gen)]
     kw = {} if budget is None else {"replay_budget": budget}
     served = {name: Served(name, **kw) for name in "ab"}
     try:
@@ -138,32 +134,16 @@ def test_a_restarted_daemon_of_an_interleaved_chain_is_rebuilt_by_replays(smollm
         pipe.deploy(MODEL, stages, torch.float32)
         redeploy = Redeploy(pipe, MODEL, stages, torch.float32, grace_s=60)
         engine = Engine(pipe.session(), POLICIES["gllm"](), depth=4, recover=redeploy)
-        slicer = lambda n: [64] * (n // 64) + ([n % 64] if n % 64 else [])  # noqa: E731
-        decoding = [engine.add(Request(p, 48, slicer=slicer)) for p in shorts]
-        long = engine.add(Request(long_prompt, 4, slicer=slicer))
-        errors = []
-        runner = threading.Thread(target=lambda: _run(engine, errors), daemon=True)
-        runner.start()
-        deadline = time.monotonic() + 300
-        while not (long.laid_out >= 320 and all(r.tokens for r in decoding)):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        running = _requests_halfway(engine, cfg, seed=11, long_len=640, new_tokens=48)
         port = int(served[lost].address.rsplit(":", 1)[1])
         served[lost].stop()
         served[lost] = Served(lost, port=port, **kw)  # back, empty
-        runner.join(timeout=300)
-        assert not runner.is_alive() and not errors, errors
+        _finish(running, smollm2)
         resumed = engine.resumes[0]
         if budget is None:
             assert resumed["resumed"] == 7 and resumed["restarted"] == 0 and resumed["replayed_positions"] > 0, resumed
         else:
             assert resumed["resumed"] == 0 and resumed["restarted"] == 7, resumed
-        model = LocalModel(smollm2)
-        for r in decoding + [long]:
-            assert not r.error, r.error
-            want = decode_loop(model.open(r.max_len), r.prompt, max_new_tokens=r.max_new_tokens, sampler=Sampler(),
-                               eos_ids=[], slices=[len(r.prompt)])[0]
-            assert r.tokens == want
         engine.session.close()
         deadline = time.monotonic() + 10
         while True:
@@ -178,11 +158,47 @@ def test_a_restarted_daemon_of_an_interleaved_chain_is_rebuilt_by_replays(smollm
             s.stop()
 
 
-def _run(engine, errors) -> None:
-    try:
-        engine.run()
-    except Exception as e:  # noqa: BLE001 - reported by the test
-        errors.append(e)
+@dataclass
+class _Running:
+    requests: list[Request]
+    thread: threading.Thread
+    errors: list[Exception]
+
+
+def _requests_halfway(engine, cfg, seed: int, long_len: int, new_tokens: int) -> _Running:
+    """6 short requests and a long one, running on ``engine`` in a thread of their own; returns
+    once the long prompt is half prefilled and every short one decodes."""
+    gen = torch.Generator().manual_seed(seed)
+    slicer = lambda n: [64] * (n // 64) + ([n % 64] if n % 64 else [])  # noqa: E731
+    requests = [engine.add(Request(torch.randint(1, cfg.vocab_size, (int(n),), generator=gen).tolist(), new_tokens,
+                                   slicer=slicer)) for n in torch.randint(8, 40, (6,), generator=gen)]
+    long = engine.add(Request(torch.randint(1, cfg.vocab_size, (long_len,), generator=gen).tolist(), 4, slicer=slicer))
+    errors: list[Exception] = []
+
+    def run():
+        try:
+            engine.run()
+        except Exception as e:  # noqa: BLE001 - reported by _finish
+            errors.append(e)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 300
+    while not (long.laid_out >= long_len // 2 and all(r.tokens for r in requests)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return _Running(requests + [long], thread, errors)
+
+
+def _finish(running: _Running, smollm2) -> None:
+    """Wait for the engine to finish; every answer equals single-process generation."""
+    running.thread.join(timeout=300)
+    assert not running.thread.is_alive() and not running.errors, running.errors
+    model = LocalModel(smollm2)
+    for r in running.requests:
+        assert not r.error, r.error
+        want = decode_loop(model.open(r.max_len), r.prompt, max_new_tokens=r.max_new_tokens, sampler=Sampler(),
+                           eos_ids=[], slices=[len(r.prompt)])[0]
+        assert r.tokens == want
 
 
 def test_a_stage_of_a_daemon_lost_for_good_moves_and_nothing_else_is_reloaded(smollm2):
@@ -191,10 +207,6 @@ def test_a_stage_of_a_daemon_lost_for_good_moves_and_nothing_else_is_reloaded(sm
     loaded (the same objects), c loads only stage 1's units beside its own, every request resumes
     by replay from a's log, and every answer equals single-process generation."""
     cfg = smollm2.config
-    gen = torch.Generator().manual_seed(12)
-    long_prompt = torch.randint(1, cfg.vocab_size, (512,), generator=gen).tolist()
-    shorts = [torch.randint(1, cfg.vocab_size, (int(n),), generator=gen).tolist()
-              for n in torch.randint(8, 40, (6,), generator=gen)]
     served = {name: Served(name) for name in "abc"}
     try:
         spec = cluster_of(*served.values())
@@ -205,31 +217,15 @@ def test_a_stage_of_a_daemon_lost_for_good_moves_and_nothing_else_is_reloaded(sm
         moved = [stages[0], replace(stages[1], daemon="c"), stages[2]]
         redeploy = Redeploy(pipe, MODEL, stages, torch.float32, grace_s=2, replan=lambda alive, old: moved)
         engine = Engine(pipe.session(), POLICIES["gllm"](), depth=3, recover=redeploy)
-        slicer = lambda n: [64] * (n // 64) + ([n % 64] if n % 64 else [])  # noqa: E731
-        decoding = [engine.add(Request(p, 32, slicer=slicer)) for p in shorts]
-        long = engine.add(Request(long_prompt, 4, slicer=slicer))
-        errors = []
-        runner = threading.Thread(target=lambda: _run(engine, errors), daemon=True)
-        runner.start()
-        deadline = time.monotonic() + 300
-        while not (long.laid_out >= 256 and all(r.tokens for r in decoding)):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        running = _requests_halfway(engine, cfg, seed=12, long_len=512, new_tokens=32)
         served["b"].stop()
-        runner.join(timeout=300)
-        assert not runner.is_alive() and not errors, errors
+        _finish(running, smollm2)
         assert redeploy.events[0]["action"] == f"moved units {stages[1].units} to c (without b)", redeploy.events
         resumed = engine.resumes[0]
         assert resumed["resumed"] == 7 and resumed["restarted"] == 0 and resumed["replayed_positions"] > 0, resumed
         held = {name: served[name].stage.stages for name in "ac"}
         assert sorted(held["a"]) == [0] and sorted(held["c"]) == [1, 2]
         assert held["a"][0].model is models["a"][0] and held["c"][2].model is models["c"][2]  # not reloaded
-        model = LocalModel(smollm2)
-        for r in decoding + [long]:
-            assert not r.error, r.error
-            want = decode_loop(model.open(r.max_len), r.prompt, max_new_tokens=r.max_new_tokens, sampler=Sampler(),
-                               eos_ids=[], slices=[len(r.prompt)])[0]
-            assert r.tokens == want
         engine.session.close()
         pipe.close()
     finally:
