@@ -237,21 +237,23 @@ class BatchKV:
         self.all_live = self.live_rows is not None and len(self.live_rows) == self.tokens
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the micro-batch's new keys and values ``[kv_heads, tokens, head_dim]``."""
+        """Store the micro-batch's new keys and values ``[tokens, kv_heads, head_dim]``."""
         if self.write_slots is None:
             return
         if not self.all_live:
-            k, v = k.index_select(1, self.live_rows), v.index_select(1, self.live_rows)
-        self.pool.k[layer].index_copy_(1, self.write_slots, k)
-        self.pool.v[layer].index_copy_(1, self.write_slots, v)
+            k, v = k.index_select(0, self.live_rows), v.index_select(0, self.live_rows)
+        self.pool.k[layer].index_copy_(1, self.write_slots, k.transpose(0, 1))
+        self.pool.v[layer].index_copy_(1, self.write_slots, v.transpose(0, 1))
 
     def read(self, layer: int, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[kv_heads, positions, head_dim]`` entry ``i`` attends to: its cached
-        prefix and itself (only itself for a dead entry)."""
+        prefix and itself (only itself for a dead entry, from the micro-batch's own ``k``, ``v``
+        ``[tokens, kv_heads, head_dim]``)."""
         where = self.reads[i]
         if where is None:
-            a = self.offsets[i]
-            return k[:, a:a + self.entries[i].length], v[:, a:a + self.entries[i].length]
+            a, n = self.offsets[i], self.entries[i].length
+            return k[a:a + n].transpose(0, 1), v[a:a + n].transpose(0, 1)
         if isinstance(where, tuple):
-            return self.pool.k[layer][:, where[0]:where[1]], self.pool.v[layer][:, where[0]:where[1]]
+            n = where[1] - where[0]
+            return self.pool.k[layer].narrow(1, where[0], n), self.pool.v[layer].narrow(1, where[0], n)
         return self.pool.k[layer].index_select(1, where), self.pool.v[layer].index_select(1, where)

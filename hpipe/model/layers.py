@@ -31,6 +31,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # one fused kernel, the same arithmetic
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -59,31 +61,32 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim ** -0.5
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Queries, keys and values ``[batch, heads, tokens, head_dim]`` of ``x``, rotated."""
-        b, s, _ = x.shape
-        qkv = self.qkv_proj(self.input_layernorm(x)).view(b, s, self.heads + 2 * self.kv_heads, self.head_dim)
-        qk = apply_rotary(qkv[:, :, :self.heads + self.kv_heads].transpose(1, 2), cos, sin)
-        q, k = qk[:, :self.heads], qk[:, self.heads:]
-        return q, k, qkv[:, :, self.heads + self.kv_heads:].transpose(1, 2)
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys ``[tokens, heads + kv_heads, head_dim]``, rotated, and values
+        ``[tokens, kv_heads, head_dim]`` of the tokens of ``x`` (``cos``, ``sin``: ``[tokens, 1, head_dim]``).
+        Token-major, so that a token's heads are one row: no transposes on the way."""
+        qkv = self.qkv_proj(self.input_layernorm(x)).view(-1, self.heads + 2 * self.kv_heads, self.head_dim)
+        return apply_rotary(qkv[:, :self.heads + self.kv_heads], cos, sin), qkv[:, self.heads + self.kv_heads:]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: BatchKV) -> torch.Tensor:
         """The micro-batch ``x [1, tokens, hidden]``: every entry's tokens attend to its own sequence's
         cached prefix and to themselves; projections run once over all tokens."""
-        _, t, _ = x.shape
-        q, k, v = self._qkv(x, cos, sin)
-        batch.write(self.layer, k[0], v[0])
-        out = []
+        t, heads = x.shape[1], self.heads
+        qk, v = self._project(x, cos, sin)
+        k = qk[:, heads:]
+        batch.write(self.layer, k, v)
+        o = x.new_empty(t, heads, self.head_dim)
+        one = not x.is_cuda
         for i, e in enumerate(batch.entries):
             a = batch.offsets[i]
-            keys, values = batch.read(self.layer, i, k[0], v[0])
-            if e.length == 1 and not x.is_cuda and (self.window is None or e.kv is None):
-                out.append(self._attend_one(q[0, :, a], keys, values))
+            keys, values = batch.read(self.layer, i, k, v)
+            if e.length == 1 and one and (self.window is None or e.kv is None):
+                self._attend_one(qk[a, :heads], keys, values, o[a])
             else:
-                out.append(self._attend(q[:, :, a:a + e.length], keys[None], values[None],
-                                        e.start if e.kv is not None else 0))
-        o = out[0] if len(out) == 1 else torch.cat(out, dim=2)
-        return x + self.o_proj(o.transpose(1, 2).reshape(1, t, self.heads * self.head_dim))
+                q = qk[a:a + e.length, :heads].transpose(0, 1)[None]
+                out = self._attend(q, keys[None], values[None], e.start if e.kv is not None else 0)
+                o[a:a + e.length] = out[0].transpose(0, 1)
+        return x + self.o_proj(o.view(1, t, heads * self.head_dim))
 
     def forward_decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                        v_pool: torch.Tensor, write: torch.Tensor, gather: torch.Tensor,
@@ -92,27 +95,27 @@ class Attention(nn.Module):
         change (what a CUDA graph needs, :mod:`hpipe.model.graphs`): row r writes its key at pool slot
         ``write[r]`` and attends over the slots ``gather[r]`` where ``mask[r]`` holds."""
         rows, context = gather.shape
-        q, k, v = self._qkv(x, cos[:, None, None, :], sin[:, None, None, :])  # [rows, heads, 1, head_dim]
-        k_pool.index_copy_(1, write, k[:, :, 0].transpose(0, 1))
-        v_pool.index_copy_(1, write, v[:, :, 0].transpose(0, 1))
+        qk, v = self._project(x, cos, sin)  # [rows, heads (+ kv_heads), head_dim]
+        k_pool.index_copy_(1, write, qk[:, self.heads:].transpose(0, 1))
+        v_pool.index_copy_(1, write, v.transpose(0, 1))
         keys = k_pool.index_select(1, gather.reshape(-1)).view(self.kv_heads, rows, context, self.head_dim)
         values = v_pool.index_select(1, gather.reshape(-1)).view(self.kv_heads, rows, context, self.head_dim)
-        out = F.scaled_dot_product_attention(q, keys.transpose(0, 1), values.transpose(0, 1),
+        out = F.scaled_dot_product_attention(qk[:, :self.heads, None], keys.transpose(0, 1), values.transpose(0, 1),
                                              attn_mask=mask.view(rows, 1, 1, context),
                                              enable_gqa=self.kv_heads != self.heads)
-        return x + self.o_proj(out.transpose(1, 2).reshape(rows, 1, self.heads * self.head_dim))
+        return x + self.o_proj(out.reshape(rows, 1, self.heads * self.head_dim))
 
-    def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """One query ``[heads, head_dim]`` over all of ``keys [kv_heads, positions, head_dim]``: on a
-        CPU two batched products beat the fused kernel's setup for a single row (SmolLM2, 620
-        positions: 54 us against 80 us, measured)."""
+    def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
+        """One query ``[heads, head_dim]`` over all of ``keys [kv_heads, positions, head_dim]``, into
+        ``out [heads, head_dim]``: on a CPU two batched products beat the fused kernel's setup for a
+        single row (SmolLM2, 620 positions: 54 us against 80 us, measured)."""
         group = self.heads // self.kv_heads
         scores = torch.bmm(q.view(self.kv_heads, group, self.head_dim), keys.transpose(1, 2)).mul_(self.scale)
         if scores.dtype == torch.float32:
-            probs = torch.softmax(scores, dim=-1)
+            torch.bmm(torch.softmax(scores, dim=-1), values, out=out.view(self.kv_heads, group, self.head_dim))
         else:
             probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        return torch.bmm(probs, values).view(1, self.heads, 1, self.head_dim)
+            torch.bmm(probs, values, out=out.view(self.kv_heads, group, self.head_dim))
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
         """``q [1, heads, s, head_dim]`` at positions ``start ..`` over ``keys [1, kv_heads, start + s, head_dim]``."""

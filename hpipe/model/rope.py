@@ -40,7 +40,8 @@ def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """``x [batch, heads, tokens, head_dim]`` rotated: ``x * cos + rotate_half(x) * sin``, where
+    """``x [..., head_dim]`` rotated (``cos``, ``signed_sin`` broadcast against it, one row per token):
+    ``x * cos + rotate_half(x) * sin``, where
     ``rotate_half(x) = cat(-x2, x1)`` is ``x`` rolled by half a head times the sign in
     ``signed_sin``: three kernels instead of six (a decode step runs this once per layer)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
