@@ -29,7 +29,7 @@ from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
 from hpipe.model.sources import resolve_model
 from hpipe.model.stage import DTYPES
-from runtime.coordinator import Pipeline
+from runtime.coordinator import Pipeline, coordinate_on_one_thread
 from runtime.engine import Engine, Request
 from runtime.jobs import JobConfig, run_job
 from runtime.policies import POLICIES
@@ -94,6 +94,7 @@ def main() -> None:
     source = resolve_model(plan.model_name)
     folder = Path(tempfile.mkdtemp(prefix="hpipe-batched-"))
     docs = documents(source.tokenizer(), args.documents, folder)
+    coordinate_on_one_thread()  # as hpipe run and hpipe serve do
     pipe = Pipeline(ClusterSpec.load(args.cluster))
     times = {"gllm": [], "single": []}
     decode = {1: [], args.documents: []}

@@ -24,7 +24,7 @@ from hpipe.core import workload
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
 from hpipe.model.stage import DTYPES
-from runtime.coordinator import Pipeline
+from runtime.coordinator import Pipeline, coordinate_on_one_thread
 from runtime.policies import GLLM
 
 
@@ -38,6 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     plan = Plan.from_json(Path(args.plan).read_text())
     items = workload.generate(args.requests, args.seed)
+    coordinate_on_one_thread()  # as hpipe run and hpipe serve do
     pipe = Pipeline(ClusterSpec.load(args.cluster))
     variants = ["memories", "stages"]
     runs: dict[str, list[dict]] = {v: [] for v in variants}

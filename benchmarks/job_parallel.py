@@ -26,7 +26,7 @@ from hpipe.app.demo import INSTRUCTION
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
 from hpipe.model.sources import resolve_model
-from runtime.coordinator import Pipeline
+from runtime.coordinator import Pipeline, coordinate_on_one_thread
 from runtime.jobs import JobConfig, run_job
 
 DEFAULT = JobConfig(instruction="").parallel
@@ -49,6 +49,7 @@ def main() -> int:
     source = resolve_model(plan.model_name)
     work = Path(tempfile.mkdtemp(prefix="hpipe-parallel-"))
     docs = [str(d) for d in documents(source.tokenizer(), args.documents, 1000, 3000, work)]
+    coordinate_on_one_thread()  # as hpipe run and hpipe serve do
     pipe = Pipeline(ClusterSpec.load(args.cluster))
     times: dict[int, list[float]] = {v: [] for v in values}
     tokens: dict[int, int] = {}

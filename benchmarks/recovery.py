@@ -28,7 +28,7 @@ from hpipe.core.cluster import ClusterSpec
 from hpipe.model.sources import resolve_model
 from runtime import launcher
 from runtime.channels import DaemonClient
-from runtime.coordinator import Pipeline, cut_stages
+from runtime.coordinator import Pipeline, coordinate_on_one_thread, cut_stages
 from runtime.engine import Engine, Request
 from runtime.policies import POLICIES
 from runtime.recovery import Redeploy
@@ -80,6 +80,7 @@ def main() -> None:
     ids = source.tokenizer()(text)["input_ids"]
     prompt = (ids * (args.tokens // len(ids) + 1))[: args.tokens - args.new_tokens]
     slicer = lambda n: [args.slice] * (n // args.slice) + ([n % args.slice] if n % args.slice else [])  # noqa: E731
+    coordinate_on_one_thread()  # as hpipe run and hpipe serve do
     pipe = Pipeline(cluster)
     stages = cut_stages(cluster, [cfg.num_units // 3, 2 * cfg.num_units // 3], cfg.num_units)
     victim = stages[1].daemon

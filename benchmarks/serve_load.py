@@ -38,7 +38,7 @@ from hpipe.core.workload import WorkItem
 from hpipe.model.sources import resolve_model
 from hpipe.model.stage import DTYPES
 from runtime.channels import DaemonClient, Security
-from runtime.coordinator import Pipeline
+from runtime.coordinator import Pipeline, coordinate_on_one_thread
 from runtime.wire import pb
 
 
@@ -161,6 +161,7 @@ def main() -> None:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
     items = [WorkItem(0.0, r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]) for r in served]
+    coordinate_on_one_thread()  # as hpipe run and hpipe serve do
     pipe = Pipeline(cluster)
     try:
         pipe.deploy(plan.model_name, plan.chosen.stages, DTYPES[plan.dtype])

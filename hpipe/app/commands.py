@@ -79,6 +79,14 @@ def load_plan(path: str):
     return Plan.from_json(read_text(path, "plan"))
 
 
+def coordinator(cluster):
+    """A :class:`Pipeline` on ``cluster``, this process coordinating on one CPU thread."""
+    from runtime.coordinator import Pipeline, coordinate_on_one_thread
+
+    coordinate_on_one_thread()
+    return Pipeline(cluster)
+
+
 def cluster_for(plan, cluster_file: str | None):
     """The cluster file if given, else one made of the plan's stage addresses (no token, no TLS)."""
     from hpipe.core.cluster import ClusterSpec, DaemonSpec
@@ -133,12 +141,12 @@ def generate(args: argparse.Namespace) -> int:
 
 def _generate_on_cluster(args, cluster, source, dtype, tokenizer, prompt, sampling):
     from hpipe.core.units import even_cuts
-    from runtime.coordinator import Pipeline, cut_stages, generate_on_cluster
+    from runtime.coordinator import cut_stages, generate_on_cluster
 
     cfg = source.config
     cuts = args.cuts if args.cuts is not None else even_cuts(cfg.num_units, min(len(cluster.daemons), cfg.num_units))
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
-    pipe = Pipeline(cluster)
+    pipe = coordinator(cluster)
     try:
         pipe.deploy(model, cut_stages(cluster, cuts, cfg.num_units), dtype)
         return generate_on_cluster(pipe, source, tokenizer, prompt, chat=args.chat,
@@ -260,7 +268,6 @@ def plan(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from hpipe.app.replan import replanner
     from hpipe.model.sources import resolve_model
-    from runtime.coordinator import Pipeline
     from runtime.jobs import JobConfig, run_job
 
     the_plan = load_plan(args.plan)
@@ -269,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.output, "results (JSONL)")
     output = Path(args.output)
     source = resolve_model(the_plan.model_name)
-    pipe = Pipeline(cluster_for(the_plan, args.cluster))
+    pipe = coordinator(cluster_for(the_plan, args.cluster))
     job = JobConfig(instruction=args.instruction, chat=args.chat, max_new_tokens=args.max_new_tokens,
                     truncate=args.truncate, parallel=args.parallel, policy=args.policy,
                     ignore_eos=args.ignore_eos, grace_s=args.grace,
@@ -298,12 +305,11 @@ def bench(args: argparse.Namespace) -> int:
         return bench_workload(args)
     from hpipe.app.bench import bench as run_bench
     from hpipe.app.bench import table
-    from runtime.coordinator import Pipeline
 
     the_plan = load_plan(args.plan)
     strategies = [s.strip().replace("-", "_") for s in args.strategies.split(",")] if args.strategies else None
     prof = load_profile(args.profile) if args.profile else None
-    pipe = Pipeline(cluster_for(the_plan, args.cluster))
+    pipe = coordinator(cluster_for(the_plan, args.cluster))
     try:
         result = run_bench(the_plan, pipe, seq_len=args.seq_len, batch=args.batch, strategies=strategies,
                            repeat=args.repeat, interleave=args.interleave, profile=prof)
@@ -322,7 +328,6 @@ def bench(args: argparse.Namespace) -> int:
 def bench_workload(args: argparse.Namespace) -> int:
     from hpipe.app.workload_bench import run_workload, table
     from hpipe.core import workload
-    from runtime.coordinator import Pipeline
 
     if args.workload == "generate":
         items = workload.generate(args.requests, args.seed, rate=args.rate)
@@ -333,7 +338,7 @@ def bench_workload(args: argparse.Namespace) -> int:
     if too_long:
         raise InputError(f"{len(too_long)} requests run past the model's context of "
                          f"{the_plan.model.max_position_embeddings} tokens")
-    pipe = Pipeline(cluster_for(the_plan, args.cluster))
+    pipe = coordinator(cluster_for(the_plan, args.cluster))
     try:
         result = run_workload(the_plan, pipe, items, [p.strip() for p in args.policies.split(",")],
                               rounds=args.repeat, seed=args.seed, kv_pool_bytes=(args.kv_pool_mb or 0) << 20)
@@ -355,12 +360,11 @@ def serve(args: argparse.Namespace) -> int:
     from hpipe.app.serve import read_key
     from hpipe.app.serve import serve as run_server
     from hpipe.model.sources import resolve_model
-    from runtime.coordinator import Pipeline
 
     the_plan = load_plan(args.plan)
     key = read_key(args.api_key_file)
     source = resolve_model(the_plan.model_name)
-    pipe = Pipeline(cluster_for(the_plan, args.cluster))
+    pipe = coordinator(cluster_for(the_plan, args.cluster))
     try:
         return run_server(the_plan, pipe, source, host=args.host, port=args.port, api_key=key, policy=args.policy,
                           max_queue=args.max_queue, model_name=args.served_model_name)

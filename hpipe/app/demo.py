@@ -59,7 +59,7 @@ def run_demo(cluster_file: Path | None = None, instruction: str = INSTRUCTION, m
     from planner.strategies import plan as make_plan
     from profiler.measure import profile_cluster
     from runtime import launcher
-    from runtime.coordinator import Pipeline
+    from runtime.coordinator import Pipeline, coordinate_on_one_thread
     from runtime.jobs import JobConfig, build_prompt, run_job
 
     cluster_file = cluster_file or default_cluster()
@@ -82,6 +82,7 @@ def run_demo(cluster_file: Path | None = None, instruction: str = INSTRUCTION, m
         doc_path.write_text(document, encoding="utf-8")
         plan_path = work / "plan.json"
         plan_path.write_text(plan.to_json())
+        coordinate_on_one_thread()
         pipe = Pipeline(cluster)
         try:
             say("analysing the document through the pipeline")
