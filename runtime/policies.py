@@ -75,7 +75,13 @@ class GLLM:
         decoding = sum(1 for r in engine.running if not r.prefilling)
         depth = min(engine.memories, engine.depth) if self.spread == "memories" else engine.depth
         quota = math.ceil(decoding / depth)
-        planned = [Planned(r, 1) for r in _decoding(engine)[:quota]]
+        ready = _decoding(engine)
+        # ready tokens that would share one micro-batch with those in flight wait for them, so that
+        # requests that finished prefill at different times merge instead of circulating as groups
+        # that each read every weight, step after step (on one memory system: every decode token)
+        coming = sum(1 for r in engine.running if r.in_flight and not r.prefilling)
+        hold = coming > 0 and len(ready) + coming <= quota
+        planned = [] if hold else [Planned(r, 1) for r in ready[:quota]]
         waiting = sum(r.waiting_tokens for r in engine.running if r.prefilling) + \
             sum(r.waiting_tokens for r in engine.waiting)
         free = engine.kv_free()
