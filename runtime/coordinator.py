@@ -131,10 +131,14 @@ class Pipeline:
         return self.stages
 
     def pools(self) -> list[pb.Pool]:
-        """Every held stage's KV pool now, in stage order."""
+        """Every held stage's KV pool now, in stage order (:class:`StageFailure` if a daemon does not answer)."""
         out = {}
         for client in self.clients:
-            for p in client.call("Status", pb.StatusRequest(), timeout=10.0).pools:
+            try:
+                status = client.call("Status", pb.StatusRequest(), timeout=10.0)
+            except grpc.RpcError as e:
+                raise StageFailure(f"{client.name} at {client.address} is not responding: {e.code().name}") from None
+            for p in status.pools:
                 out[p.stage] = p
         return [out[i] for i in sorted(out)]
 

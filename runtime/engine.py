@@ -219,9 +219,9 @@ class Engine:
                     tokens = torch.tensor([t for i, a, n in batch.entries for t in by_id[i].prefix[a:a + n]],
                                           dtype=torch.long)
                     session.submit(entries, tokens, pb.Replay(first=batch.first, last=batch.last))
+                pools = session.pipe.pools()
             except StageFailure as e:  # broke again while resuming: recovered again below
-                broken = str(e)
-            pools = session.pipe.pools()
+                broken, pools = str(e), []
             self.kv_blocks = min((p.blocks for p in pools), default=0)
             self.depth = max(1, stages)
             self.memories = max(1, session.pipe.memories)

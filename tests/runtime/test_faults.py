@@ -74,3 +74,23 @@ def test_a_failed_cluster_up_leaves_no_daemon_behind(tmp_path):
     assert not (launcher.state_dir(spec) / f"{a.name}.pid").exists()
     assert not (launcher.state_dir(spec) / launcher.SUPERVISOR_PID).exists()
     discard_state(spec)
+
+
+def test_the_pools_of_a_pipeline_with_a_dead_daemon_are_a_stage_failure(tiny_dirs):
+    # the engine reads the pools when it starts and after every recovery: a daemon that dies in
+    # that instant is a broken pipeline (recovered again), not a gRPC error out of the job
+    from hpipe.model.sources import resolve_model
+    from tests.cluster_helpers import Served, cluster_of
+
+    path = str(tiny_dirs["llama"])
+    daemons = [Served("a"), Served("b")]
+    pipe = Pipeline(cluster_of(*daemons))
+    try:
+        pipe.deploy(path, cut_stages(pipe.cluster, [3], resolve_model(path).config.num_units), torch.float32)
+        assert len(pipe.pools()) == 2
+        daemons[1].stop()
+        with pytest.raises(StageFailure, match="b at .* is not responding"):
+            pipe.pools()
+    finally:
+        pipe.close()
+        daemons[0].stop()
