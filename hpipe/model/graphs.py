@@ -120,7 +120,6 @@ class DecodeGraphs:
     def _body(self, step: _Static) -> torch.Tensor:
         stage, x = self.stage, step.x
         cos, sin = cos_sin(stage.inv_freq, step.pos, stage.dtype)
-        cos, sin = cos[:, None], sin[:, None]
         for u, block in stage.blocks.items():
             if isinstance(block, Attention):
                 mask = step.windowed[block.window] if block.window is not None else step.mask

@@ -76,11 +76,11 @@ class Attention(nn.Module):
         k = qk[:, heads:]
         batch.write(self.layer, k, v)
         o = x.new_empty(t, heads, self.head_dim)
-        one = not x.is_cuda
+        on_cpu = not x.is_cuda
         for i, e in enumerate(batch.entries):
             a = batch.offsets[i]
             keys, values = batch.read(self.layer, i, k, v)
-            if e.length == 1 and one and (self.window is None or e.kv is None):
+            if e.length == 1 and on_cpu and (self.window is None or e.kv is None):
                 self._attend_one(qk[a, :heads], keys, values, o[a])
             else:
                 q = qk[a:a + e.length, :heads].transpose(0, 1)[None]

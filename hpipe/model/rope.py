@@ -31,12 +31,13 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings
 
 
 def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, and sin with its first half negated, of shape ``[tokens, head_dim]`` for integer
-    ``positions [tokens]``: the two factors :func:`apply_rotary` takes."""
+    """cos, and sin with its first half negated, of shape ``[tokens, 1, head_dim]`` for integer
+    ``positions [tokens]``: the two factors :func:`apply_rotary` takes for queries and keys
+    ``[tokens, heads, head_dim]`` (the same for every head)."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     signed = torch.cat((-freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), signed.sin().to(dtype)
+    return emb.cos().to(dtype)[:, None], signed.sin().to(dtype)[:, None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -189,7 +189,6 @@ class StageModel(nn.Module):
             x = x.to(self.device, self.dtype)
         positions = torch.cat([torch.arange(e.start, e.start + e.length) for e in entries]).to(self.device)
         cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
-        cos, sin = cos[:, None], sin[:, None]  # [tokens, 1, head_dim]: the same for every head
         kv = BatchKV(entries, pool, self.device) if pool is not None else None
         x = x[None]
         for u, block in self.blocks.items():
