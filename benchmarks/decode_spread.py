@@ -1,5 +1,5 @@
 """gLLM's decode spread, side by side: decode tokens split over the pipeline's stages (eq. 4 as
-the paper writes it) or over its independent memory systems (what ``gllm`` does), on a live
+the paper writes it) or over its decode lanes (what ``gllm`` does: ``hpipe.core.cluster.decode_lane``), on a live
 cluster, in interleaved rounds.
 
     python benchmarks/decode_spread.py --plan plan.json --cluster clusters/local-3.yaml \
@@ -40,12 +40,12 @@ def main() -> None:
     items = workload.generate(args.requests, args.seed)
     coordinate_on_one_thread()  # as hpipe run and hpipe serve do
     pipe = Pipeline(ClusterSpec.load(args.cluster))
-    variants = ["memories", "stages"]
+    variants = ["lanes", "stages"]
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     try:
         pipe.deploy(plan.model_name, plan.chosen.stages, DTYPES[plan.dtype])
-        memories = pipe.memories
-        print(f"{len(pipe.stages)} stages on {len(pipe.daemons)} daemons, {memories} memory system(s)",
+        lanes = pipe.lanes
+        print(f"{len(pipe.stages)} stages on {len(pipe.daemons)} daemons, {lanes} decode lane(s)",
               file=sys.stderr)
         for r in range(args.rounds):
             for v in variants if r % 2 == 0 else variants[::-1]:
@@ -57,9 +57,9 @@ def main() -> None:
     finally:
         pipe.close()
     med = {v: statistics.median(run["total_tokens_per_s"] for run in rs) for v, rs in runs.items()}
-    same = all(a["outputs"] == b["outputs"] for a, b in zip(runs["memories"], runs["stages"]))
-    print(json.dumps({"memories": memories, "tokens_per_s": med, "memories_over_stages":
-                      round(med["memories"] / med["stages"], 3), "same_outputs": same,
+    same = all(a["outputs"] == b["outputs"] for a, b in zip(runs["lanes"], runs["stages"]))
+    print(json.dumps({"lanes": lanes, "tokens_per_s": med, "lanes_over_stages":
+                      round(med["lanes"] / med["stages"], 3), "same_outputs": same,
                       "rounds": {v: [run["total_tokens_per_s"] for run in rs] for v, rs in runs.items()}}))
 
 

@@ -60,6 +60,12 @@ def host_id() -> str:
         return platform.node()
 
 
+def cpu_counts() -> tuple[int, int]:
+    """(CPUs this process may run on, CPUs the machine has online); 0 where unknown."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    return usable, psutil.cpu_count() or 0
+
+
 def fingerprint(device: torch.device) -> str:
     """Identity of what determines speed: hardware, thread count, CPU quota, library versions."""
     if device.type == "cuda":

@@ -17,7 +17,7 @@ import torch
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import InputError, StatusError
 from hpipe.core.units import UnitRange
-from profiler.device import fingerprint, host_id, measure_units, release_timed_stages, time_stage
+from profiler.device import cpu_counts, fingerprint, host_id, measure_units, release_timed_stages, time_stage
 from profiler.links import MAX_PROBE_BYTES, time_probes
 from runtime import memory
 from runtime.channels import DaemonClient, Security
@@ -37,9 +37,10 @@ class ProfilerServicer(pb_grpc.ProfilerServiceServicer):
     @handled
     def GetDeviceInfo(self, request, context):
         dev = self.server.device
+        cpus, host_cpus = cpu_counts()
         return pb.DeviceInfo(device=str(dev), fingerprint=fingerprint(dev), available_bytes=memory.available(dev),
                              memory_budget=self.server.memory_budget or 0, threads=torch.get_num_threads(),
-                             host_id=host_id())
+                             host_id=host_id(), cpus=cpus, host_cpus=host_cpus)
 
     @handled
     def ProfileCompute(self, request, context):

@@ -20,7 +20,7 @@ from typing import Sequence as Seq
 import grpc
 import torch
 
-from hpipe.core.cluster import ClusterSpec, DaemonSpec, memory_system
+from hpipe.core.cluster import ClusterSpec, DaemonSpec, decode_lane
 from hpipe.core.errors import InputError
 from hpipe.core.plan import PlanError, Stage, stages_from_cuts
 from runtime.channels import DaemonClient, Security
@@ -70,7 +70,7 @@ class Pipeline:
         self.clients: list[DaemonClient] = []
         self.loads: list[pb.LoadReply] = []    # per daemon in use: what its Load reported
         self.data_ports: list[int] = []        # per daemon in use
-        self.memories = 0                      # distinct memory systems among them (hpipe.core.cluster.memory_system)
+        self.lanes = 0                         # distinct decode lanes among them (hpipe.core.cluster.decode_lane)
         self.vocab_size = 0
 
     def describe_daemon(self, d: int) -> str:
@@ -101,12 +101,12 @@ class Pipeline:
         daemons = [self.cluster.daemon(n) for n in names]
         stage_daemon = [names.index(s.daemon) for s in stages]
         self.clients = [DaemonClient(d.address, self.security, d.name) for d in daemons]
-        ports, memories = [], []
+        ports, lanes = [], []
         for d, client in zip(daemons, self.clients):
             try:
                 ports.append(client.call("Status", pb.StatusRequest(), timeout=10.0).data_port)
                 info = client.call("GetDeviceInfo", pb.DeviceInfoRequest(), timeout=10.0)
-                memories.append(memory_system(info.host_id or d.host, info.device))
+                lanes.append(decode_lane(d.name, info.host_id or d.host, info.device, info.cpus, info.host_cpus))
             except grpc.RpcError as e:
                 raise StageFailure(f"{d.name} at {d.address} is not responding: {e.code().name}: {e.details()}") \
                     from None
@@ -126,7 +126,7 @@ class Pipeline:
         with ThreadPoolExecutor(max_workers=len(daemons)) as pool:
             self.loads = list(pool.map(load, range(len(daemons))))
         self.daemons, self.stages, self.stage_daemon, self.data_ports = daemons, stages, stage_daemon, ports
-        self.memories = len(set(memories))
+        self.lanes = len(set(lanes))
         self.vocab_size = self.loads[stage_daemon[-1]].vocab_size
         return self.stages
 

@@ -75,7 +75,7 @@ class Engine:
         self.recover = recover
         self.recoveries = 0
         self.resumes: list[dict] = []  # per recovery: requests resumed, positions kept and replayed, restarted
-        self.memories = max(1, session.pipe.memories)  # independent memory systems in the pipeline
+        self.lanes = max(1, session.pipe.lanes)  # independent decode lanes in the pipeline
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._in_flight: dict[int, Sent] = {}
@@ -224,7 +224,7 @@ class Engine:
                 broken, pools = str(e), []
             self.kv_blocks = min((p.blocks for p in pools), default=0)
             self.depth = max(1, stages)
-            self.memories = max(1, session.pipe.memories)
+            self.lanes = max(1, session.pipe.lanes)
             self.recoveries += 1
             self.resumes.append({"resumed": len(self.running),
                                  "kept_positions": kept, "replayed_positions": sum(b.tokens for b in batches),

@@ -8,9 +8,10 @@ prefill whatever the policy.
 
 - ``gllm`` (gLLM's Token Throttling, ``docs/decisions/scheduler.md``): decode tokens spread evenly
   over the micro-batches in flight, ``#D = ceil(running decode requests / depth)`` (eq. 4), where
-  the depth counts the pipeline's independent memory systems, not its stages (a decode step reads
-  every weight whatever its batch: stages sharing one memory gain nothing from more, smaller
-  decode micro-batches and pay for every extra read); prefill
+  the depth counts the pipeline's decode lanes (:func:`hpipe.core.cluster.decode_lane`), not its
+  stages: a decode step reads every weight whatever its batch, so stages sharing one memory gain
+  nothing from more, smaller decode micro-batches and pay for every extra read, unless their
+  daemon is pinned to cores of its own; prefill
   tokens ``#P = max(min(#WP / T, MaxP (KVfree - KVthresh) / (1 - KVthresh)), MinP)`` (eq. 3),
   where ``#WP`` is every prompt token not yet sent, and none at all while the tightest stage's free
   KV share is under ``KVthresh``.
@@ -65,20 +66,20 @@ class GLLM:
     name = "gllm"
 
     def __init__(self, max_prefill: int = 512, min_prefill: int = 32, iterations: int = 4,
-                 kv_thresh: float = 0.05, spread: str = "memories"):
-        if spread not in ("memories", "stages"):
-            raise ValueError(f"spread decode tokens over 'memories' or 'stages', not {spread!r}")
+                 kv_thresh: float = 0.05, spread: str = "lanes"):
+        if spread not in ("lanes", "stages"):
+            raise ValueError(f"spread decode tokens over 'lanes' or 'stages', not {spread!r}")
         self.max_prefill, self.min_prefill, self.iterations, self.kv_thresh, self.spread = \
             max_prefill, min_prefill, iterations, kv_thresh, spread
 
     def form(self, engine: Engine) -> list[Planned]:
         decoding = sum(1 for r in engine.running if not r.prefilling)
-        depth = min(engine.memories, engine.depth) if self.spread == "memories" else engine.depth
+        depth = min(engine.lanes, engine.depth) if self.spread == "lanes" else engine.depth
         quota = math.ceil(decoding / depth)
         ready = _decoding(engine)
         # ready tokens that would share one micro-batch with those in flight wait for them, so that
         # requests that finished prefill at different times merge instead of circulating as groups
-        # that each read every weight, step after step (on one memory system: every decode token)
+        # that each read every weight, step after step (on one lane: every decode token)
         coming = sum(1 for r in engine.running if r.in_flight and not r.prefilling)
         hold = coming > 0 and len(ready) + coming <= quota
         planned = [] if hold else [Planned(r, 1) for r in ready[:quota]]

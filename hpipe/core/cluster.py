@@ -203,6 +203,18 @@ def memory_system(host_id: str, device: str) -> tuple[str, str]:
     return host_id, "cpu" if device.startswith("cpu") else device
 
 
+def decode_lane(name: str, host_id: str, device: str, cpus: int = 0, host_cpus: int = 0) -> tuple[str, ...]:
+    """Which capacity a daemon decodes with, as a key: daemons with the same key gain nothing from
+    more decode micro-batches than one (``gllm`` spreads decode tokens over the distinct keys). It
+    is the daemon's memory system (:func:`memory_system`: a decode step reads every weight, whatever
+    its batch), except for a CPU daemon pinned to ``cpus`` of its machine's ``host_cpus`` cores,
+    which computes at its own pace whatever the others do: a lane of its own."""
+    memory = memory_system(host_id, device)
+    if memory[1] == "cpu" and 0 < cpus < host_cpus:
+        return (*memory, name)
+    return memory
+
+
 def split_address(address: str, who: str) -> tuple[str, int]:
     m = re.match(r"^([^:\s\[\]]+):(\d+)$|^\[([0-9a-fA-F:]+)\]:(\d+)$", address)
     if not m:

@@ -5,8 +5,8 @@ from runtime.request import Request
 
 
 class Engine:
-    def __init__(self, running: list[Request], memories: int, depth: int = 9):
-        self.running, self.waiting, self.memories, self.depth = running, [], memories, depth
+    def __init__(self, running: list[Request], lanes: int, depth: int = 9):
+        self.running, self.waiting, self.lanes, self.depth = running, [], lanes, depth
 
     def kv_free(self) -> float:
         return 1.0
@@ -27,25 +27,42 @@ def decode_entries(engine: Engine) -> list[Request]:
 
 
 def test_ready_decode_tokens_wait_for_the_rest_of_their_micro_batch():
-    # one memory system: one micro-batch of every decode token. Requests that finished their
+    # one decode lane: one micro-batch of every decode token. Requests that finished their
     # prefill at different times would otherwise circulate as separate groups for good, each
     # reading every weight each step: the ready ones wait until the others are back
     running = decoding(16, in_flight=5)
-    assert decode_entries(Engine(running, memories=1)) == []
+    assert decode_entries(Engine(running, lanes=1)) == []
     for r in running:
         r.in_flight = 0
-    assert decode_entries(Engine(running, memories=1)) == running
+    assert decode_entries(Engine(running, lanes=1)) == running
 
 
-def test_decode_tokens_spread_over_memory_systems():
+def test_decode_tokens_spread_over_decode_lanes():
     running = decoding(16, in_flight=8)  # one micro-batch of 8 in flight, 8 ready: the other's share
-    assert decode_entries(Engine(running, memories=2)) == running[8:]
+    assert decode_entries(Engine(running, lanes=2)) == running[8:]
     # 6 ready, 10 in flight: together more than a share, so the 6 go now (waiting would starve them
     # behind the older requests, who would fill every micro-batch)
     running = decoding(16, in_flight=10)
-    assert decode_entries(Engine(running, memories=2)) == running[10:]
-    running = decoding(5, in_flight=2)  # one memory system: the 3 ready and the 2 coming share one
-    assert decode_entries(Engine(running, memories=1)) == []  # micro-batch, so the 3 wait
-    # more memory systems than stages: the stages bound the spread
+    assert decode_entries(Engine(running, lanes=2)) == running[10:]
+    running = decoding(5, in_flight=2)  # one decode lane: the 3 ready and the 2 coming share one
+    assert decode_entries(Engine(running, lanes=1)) == []  # micro-batch, so the 3 wait
+    # more lanes than stages: the stages bound the spread
     running = decoding(6, in_flight=0)
-    assert decode_entries(Engine(running, memories=4, depth=2)) == running[:3]
+    assert decode_entries(Engine(running, lanes=4, depth=2)) == running[:3]
+
+
+def test_a_decode_lane_is_a_memory_system_or_a_pinned_cpu_daemon():
+    from hpipe.core.cluster import decode_lane
+
+    # daemons sharing a machine's cores share its memory bandwidth: one lane (local-3)
+    assert len({decode_lane(n, "boot-1", "cpu", 2, 2) for n in "abc"}) == 1
+    # daemons pinned to cores of their own compute at their own pace: a lane each
+    # (emulated-hetero: one on core 0, two on core 1 under separate quotas)
+    assert len({decode_lane(n, "boot-1", "cpu", 1, 2) for n in ("fast", "mid", "slow")}) == 3
+    # an unknown affinity (an older daemon reports 0) counts as unpinned
+    assert decode_lane("a", "boot-1", "cpu", 0, 0) == decode_lane("b", "boot-1", "cpu")
+    # GPUs: one lane per GPU, whatever the host's cores
+    assert decode_lane("g0", "boot-1", "cuda:0", 1, 16) != decode_lane("g1", "boot-1", "cuda:1", 1, 16)
+    assert decode_lane("g0", "boot-1", "cuda:0", 1, 16) == decode_lane("g0b", "boot-1", "cuda:0", 1, 16)
+    # other machines: other lanes
+    assert decode_lane("a", "boot-1", "cpu") != decode_lane("a", "boot-2", "cpu")
