@@ -80,7 +80,8 @@ def fingerprint(device: torch.device) -> str:
         except OSError:
             pass
         # HPIPE_EMULATION: the limits `hpipe cluster up` applied (a network namespace may hide the cgroup files)
-        hw = (f"{cpu}/{psutil.cpu_count()}cpu/affinity={len(os.sched_getaffinity(0))}/quota={_cgroup_quota()}"
+        usable, online = cpu_counts()
+        hw = (f"{cpu}/{online}cpu/affinity={usable}/quota={_cgroup_quota()}"
               f"/emulation={os.environ.get('HPIPE_EMULATION', '')}")
     # the kernels a stage runs: float32 CPU projections are packed for MKL where that pays
     packs = device.type == "cpu" and packed.pays()
