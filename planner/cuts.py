@@ -85,12 +85,9 @@ def best_cuts(cost: CostModel, work: Workload, allowed: list[int] | None = None)
     table = stage_table(cost, work)
     comm = np.array([[cost.comm_time(i, j, work.seq_len, work.batch) if i != j else 0.0
                       for j in range(len(cost.daemons))] for i in range(len(cost.daemons))])
-    if len(devices) <= EXACT_DEVICES:
-        result = _subset_dp(table, comm, devices, cost.num_units)
-    else:
-        speed = sorted(devices, key=lambda m: table[m, 0, cost.num_units] if np.isfinite(
-            table[m, 0, cost.num_units]) else cost.stage_time(m, 0, cost.num_units, work.seq_len, 0, work.batch))
-        result = _ordered_dp(table, comm, speed, cost.num_units)
+    u = cost.num_units
+    result = min_max_cuts(table, comm, devices, u, speed=lambda m: table[m, 0, u] if np.isfinite(
+        table[m, 0, u]) else cost.stage_time(m, 0, u, work.seq_len, 0, work.batch))
     if not math.isfinite(result.bottleneck):
         need = cost.stage_memory(0, cost.num_units, work)
         have = sum(cost.daemons[m].memory_bytes for m in devices)
@@ -99,6 +96,16 @@ def best_cuts(cost: CostModel, work: Workload, allowed: list[int] | None = None)
             f"need about {need / 2**30:.2f} GiB in all, the devices offer {have / 2**30:.2f} GiB, and no split into "
             "contiguous unit ranges fits every device")
     return result
+
+
+def min_max_cuts(table: np.ndarray, comm: np.ndarray, devices: list[int], u: int, speed=None) -> Cuts:
+    """The contiguous split of ``u`` units over some of ``devices`` (chosen and ordered) that
+    minimises the largest ``table[m, a, b] + comm[m, next]``: exact over device orders for up to
+    ``EXACT_DEVICES`` devices, beyond that in a fixed order, fastest first by ``speed(m)``
+    (seconds; default: the whole model's ``table`` entry)."""
+    if len(devices) <= EXACT_DEVICES:
+        return _subset_dp(table, comm, devices, u)
+    return _ordered_dp(table, comm, sorted(devices, key=speed or (lambda m: table[m, 0, u])), u)
 
 
 def _subset_dp(table: np.ndarray, comm: np.ndarray, devices: list[int], u: int) -> Cuts:

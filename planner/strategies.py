@@ -4,6 +4,8 @@
 - **gpipe**: even split, the batch cut into micro-batches (best count among divisors of B).
 - **gp_b**: hpipe's split (Algorithm 1), micro-batches as GPipe.
 - **terapipe**: even split, uniform token slices (best count).
+- **throughput** (only when a request mix is given): the split whose busiest daemon does the least
+  per request of the mix, prefill and decode (:mod:`planner.serving`), sliced by Algorithm 2.
 - **hpipe**: the best simulated schedule among: {Algorithm-1 split, even split} x {micro-batch
   counts} x {Algorithm-2 slicing, uniform slicings} (and, when allowed, the splits interleaved:
   each device holding 2 or 3 unit ranges in rounds, :func:`interleave`), the best few polished by a
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -26,6 +28,7 @@ from hpipe.core.units import even_cuts
 from planner.costs import CostModel, Workload
 from planner.cuts import InfeasibleError, best_cuts
 from planner.refine import refine
+from planner.serving import Mix, daemon_loads, serving_cuts
 from planner.simulator import Timeline, simulate
 from planner.slicing import GRANULARITY, CostStage, slicing_table
 
@@ -145,17 +148,21 @@ def _uniforms(length: int):
 
 
 def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granularity: int = GRANULARITY,
-         max_ranges: int = MAX_RANGES, progress=None) -> Plan:
+         max_ranges: int = MAX_RANGES, mix: Mix | None = None, progress=None) -> Plan:
     """Plan hpipe and every baseline for ``work``; ``strategy`` is the one the plan executes.
 
     ``max_ranges``: the most unit ranges hpipe may give one device. Interleaved chains are
     candidates like any other, chosen only where the simulator says they are faster (1: none; see
-    docs/decisions/interleaving.md for the measurements behind the default)."""
+    docs/decisions/interleaving.md for the measurements behind the default).
+    ``mix``: also plan ``throughput``, the split for serving many requests of that mean shape
+    (:mod:`planner.serving`), sliced by Algorithm 2 like hpipe's."""
     t_start = time.perf_counter()
     cost = CostModel(profile)
     context = profile.model.max_position_embeddings
     if work.seq_len < 1 or work.batch < 1:
         raise InfeasibleError("sequence length and batch must be >= 1")
+    if strategy == "throughput" and mix is None:
+        raise InfeasibleError("the throughput strategy is planned for a request mix: none was given")
     if max_ranges < 1:
         raise InfeasibleError("a device holds at least one unit range (--max-ranges-per-device >= 1)")
     if work.kv_len > context:
@@ -210,10 +217,19 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
     results["gpipe"] = _best(cost, work, *even, mbs, one) if even_ok else None
     results["gp_b"] = _best(cost, work, dp.bounds, dp.daemons, mbs, one)
     results["terapipe"] = _best(cost, work, *even, [1], lambda m: _uniforms(L)) if even_ok else None
+    meta: dict = {}
+    if mix is not None:
+        split = serving_cuts(cost, work, mix)
+        results["throughput"] = _best(cost, work, split.bounds, split.daemons, mbs,
+                                      hpipe_slicings(split.bounds, split.daemons))
+        meta["serving"] = {"mix": asdict(mix), "daemon_request_s": {
+            name: daemon_loads(cost, work, mix, c.bounds, c.daemons)
+            for name, c in (("hpipe", best_h), ("throughput", results["throughput"]))}}
 
-    key = (best_h.bounds, best_h.daemons, best_h.micro_batches)
+    scheduled = results["throughput"] if strategy == "throughput" else best_h
+    key = (scheduled.bounds, scheduled.daemons, scheduled.micro_batches)
     if key not in tables:
-        hpipe_slicings(best_h.bounds, best_h.daemons)(best_h.micro_batches)
+        hpipe_slicings(scheduled.bounds, scheduled.daemons)(scheduled.micro_batches)
     schedule = dict(tables[key].slices)
 
     strategies = {}
@@ -224,11 +240,12 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
                                         cand.makespan)
     if strategy not in strategies:
         raise InfeasibleError(f"strategy {strategy!r} is infeasible here (its even split does not fit in memory)")
-    meta = {"planning_s": round(time.perf_counter() - t_start, 3), "profile_source": profile.source,
-            "cut_bottleneck_s": dp.bottleneck,
-            "infeasible": sorted(k for k, v in results.items() if v is None)}
+    meta.update({"planning_s": round(time.perf_counter() - t_start, 3), "profile_source": profile.source,
+                 "cut_bottleneck_s": dp.bottleneck,
+                 "infeasible": sorted(k for k, v in results.items() if v is None)})
     return Plan(profile.model_name, profile.model, profile.dtype, work.batch, L, work.kv_len, granularity,
-                strategy, strategies, schedule, ideal_seconds(cost, work), meta=meta)
+                strategy, strategies, schedule, ideal_seconds(cost, work), meta=meta,
+                schedule_for="throughput" if strategy == "throughput" else "hpipe")
 
 
 def _refined(cost: CostModel, work: Workload, cand: Candidate, granularity: int) -> Candidate:

@@ -118,7 +118,14 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--seq-len", type=_positive, required=True)
     pl.add_argument("--batch", type=_positive, default=1)
     pl.add_argument("--max-len", type=_positive, help="longest input the plan supports (default: --seq-len)")
-    pl.add_argument("--strategy", default="hpipe", choices=["hpipe", "base", "gpipe", "gp-b", "terapipe"])
+    pl.add_argument("--strategy", choices=["hpipe", "throughput", "base", "gpipe", "gp-b", "terapipe"],
+                    help="the strategy the plan executes (default: hpipe, or throughput with --objective throughput)")
+    pl.add_argument("--objective", choices=["latency", "throughput"], default="latency",
+                    help="latency: one --seq-len document as fast as possible (HPipe); throughput: also plan a split "
+                         "for serving many requests of --seq-len prompt and --output-len answer tokens, and execute it")
+    pl.add_argument("--output-len", type=_positive, default=128, help="mean answer tokens (--objective throughput)")
+    pl.add_argument("--decode-batch", type=_positive, default=16,
+                    help="decode tokens per micro-batch the serving split is costed at (--objective throughput)")
     pl.add_argument("--granularity", type=_positive, default=16, help="slice lengths are multiples of this")
     pl.add_argument("--max-ranges-per-device", type=int, choices=(1, 2, 3), metavar="V",
                     help="hpipe may give a daemon up to V unit ranges (an interleaved chain: shorter pipeline fill "
@@ -147,7 +154,7 @@ def _run_parser(sub) -> None:
                          "micro-batch, as hpipe ran before batching)")
     rn.add_argument("--ignore-eos", action="store_true",
                     help="decode --max-new-tokens tokens whatever the model answers (for measurements)")
-    rn.add_argument("--strategy", help="run a baseline of the plan instead (base, gpipe, gp-b, terapipe)")
+    rn.add_argument("--strategy", help="run another strategy of the plan (hpipe, throughput, base, gpipe, gp-b, terapipe)")
     rn.add_argument("--profile", help="the profile the plan came from: a daemon that dies and does not come back "
                                       "is planned around on the survivors")
     rn.add_argument("--grace", type=float, default=60.0,

@@ -235,6 +235,7 @@ def profile(args: argparse.Namespace) -> int:
 def plan(args: argparse.Namespace) -> int:
     from hpipe.app.plan_report import plan_table
     from planner.costs import Workload
+    from planner.serving import Mix
     from planner.strategies import plan as make_plan
     from planner.strategies import timeline
 
@@ -245,9 +246,13 @@ def plan(args: argparse.Namespace) -> int:
     if measured and work.kv_len > measured:
         print(f"hpipe: the profile was measured up to {measured} tokens; attention past that is extrapolated "
               f"for this {work.kv_len}-token plan", file=sys.stderr)
-    strategy = args.strategy.replace("-", "_")
+    serving = args.objective == "throughput"
+    strategy = (args.strategy or ("throughput" if serving else "hpipe")).replace("-", "_")
+    if strategy == "throughput" and not serving:
+        raise InputError("--strategy throughput needs --objective throughput (the split is made for a request mix)")
     ranges = {} if args.max_ranges_per_device is None else {"max_ranges": args.max_ranges_per_device}
-    result = make_plan(prof, work, strategy=strategy, granularity=args.granularity, **ranges)
+    mix = Mix(args.seq_len, args.output_len, args.decode_batch) if serving else None
+    result = make_plan(prof, work, strategy=strategy, granularity=args.granularity, mix=mix, **ranges)
     print(plan_table(result), file=sys.stderr)
     write_or_print(result.to_json(), args.output)
     if args.chart:

@@ -24,13 +24,32 @@ def plan_table(plan: Plan) -> str:
     lines.append("")
     lines.append(f"{'strategy':<10} {'predicted s':>12} {'tokens/s':>10} {'hpipe / it':>11}")
     hp = plan.strategies["hpipe"].predicted_s
-    for name in ("hpipe", "base", "gpipe", "gp_b", "terapipe"):
+    for name in ("hpipe", "throughput", "base", "gpipe", "gp_b", "terapipe"):
         s = plan.strategies.get(name)
         if s is None:
-            lines.append(f"{name:<10} {'infeasible':>12}")
+            if name != "throughput":
+                lines.append(f"{name:<10} {'infeasible':>12}")
             continue
         tps = plan.batch * plan.seq_len / s.predicted_s if s.predicted_s > 0 else math.inf
         lines.append(f"{name:<10} {s.predicted_s:>12.3f} {tps:>10.0f} {hp / s.predicted_s:>11.2f}")
     lines.append(f"{'ideal':<10} {plan.ideal_s:>12.3f}   (total work / summed device speed)")
+    lines.extend(_serving_lines(plan.meta.get("serving")))
     lines.append(f"planned in {plan.meta.get('planning_s', 0):.2f} s")
     return "\n".join(lines)
+
+
+def _serving_lines(serving: dict | None) -> list[str]:
+    """Each daemon's predicted seconds per request of the serving mix, under hpipe's split and the
+    throughput one: the busiest bounds requests per second when many are served."""
+    if not serving:
+        return []
+    mix, loads = serving["mix"], serving["daemon_request_s"]
+    names = list(loads["hpipe"])
+    lines = ["", f"serving {mix['prompt']}-token prompts, {mix['output']}-token answers "
+                 f"({mix['decode_batch']} decode tokens per micro-batch): seconds per request on each daemon",
+             f"{'split':<10} " + " ".join(f"{n:>10}" for n in names) + f" {'busiest':>10} {'req/s':>7}"]
+    for split, per in loads.items():
+        busiest = max(per.values())
+        lines.append(f"{split:<10} " + " ".join(f"{per.get(n, 0.0):>10.3f}" for n in names)
+                     + f" {busiest:>10.3f} {1 / busiest:>7.2f}")
+    return lines

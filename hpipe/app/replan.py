@@ -10,6 +10,7 @@ from hpipe.core.plan import Plan, Stage
 from hpipe.core.profile import Profile
 from planner.costs import CostModel, Workload
 from planner.reassign import busiest_load, reassign
+from planner.serving import Mix
 from planner.strategies import plan as make_plan
 
 #: how much slower (the busiest device's load) moving a lost daemon's stages may be than a fresh
@@ -23,11 +24,13 @@ def replanner(plan: Plan, profile: Profile):
     stage kept (planner.reassign), unless that is more than MOVE_SLACK times slower than the plan's
     strategy re-planned on the survivors, or does not fit; then the fresh plan."""
     work = Workload(plan.seq_len, plan.batch, plan.max_len)
+    serving = plan.meta.get("serving")
+    mix = Mix(**serving["mix"]) if serving else None  # a throughput plan is re-planned for its mix
 
     def replan(alive: list[str], stages: list[Stage]) -> list[Stage]:
         gone = [d.name for d in profile.daemons if d.name not in alive]
         survivors = profile.without(gone)
-        fresh = list(make_plan(survivors, work, strategy=plan.strategy).chosen.stages)
+        fresh = list(make_plan(survivors, work, strategy=plan.strategy, mix=mix).chosen.stages)
         cost = CostModel(survivors)
         moved = reassign(cost, work, stages, set(gone))
         if moved is not None and busiest_load(cost, work, moved) <= MOVE_SLACK * busiest_load(cost, work, fresh):

@@ -87,10 +87,11 @@ class Plan:
     granularity: int
     strategy: str                              # the one to execute by default
     strategies: dict[str, StrategyPlan] = field(hash=False)
-    schedule: dict[int, tuple[int, ...]] = field(hash=False)  # hpipe: length -> slices
+    schedule: dict[int, tuple[int, ...]] = field(hash=False)  # length -> slices, of strategy schedule_for
     ideal_s: float = 0.0
     version: int = FORMAT_VERSION
     meta: dict = field(default_factory=dict, hash=False, compare=False)
+    schedule_for: str = "hpipe"  # the strategy whose split the Algorithm-2 schedule was made for
 
     def __post_init__(self) -> None:
         if self.version != FORMAT_VERSION:
@@ -98,6 +99,8 @@ class Plan:
                             "make it again with `hpipe plan`")
         if self.strategy not in self.strategies:
             raise PlanError(f"plan has no strategy {self.strategy!r}")
+        if self.schedule and self.schedule_for not in self.strategies:
+            raise PlanError(f"the plan's schedule is for strategy {self.schedule_for!r}, which it does not have")
         units = self.model.num_units
         for sp in self.strategies.values():
             if sp.stages[-1].unit_end != units:
@@ -116,7 +119,7 @@ class Plan:
             raise PlanError(f"input of {length} tokens exceeds the plan's max length {self.max_len}")
         if length == self.seq_len:
             return list(self.strategies[name].slices)  # exactly what was simulated
-        if name == "hpipe":
+        if name == self.schedule_for:
             key = min(k for k in self.schedule if k >= length) if length > min(self.schedule) else min(self.schedule)
             return fit_slices(self.schedule[key], length)
         sp = self.strategies[name]
@@ -135,6 +138,7 @@ class Plan:
             "strategy": self.strategy, "ideal_s": self.ideal_s, "meta": self.meta,
             "strategies": {k: {**asdict(v), "predicted_s": finite(v.predicted_s)} for k, v in self.strategies.items()},
             "schedule": {str(k): list(v) for k, v in sorted(self.schedule.items())},
+            "schedule_for": self.schedule_for,
         }
 
     @classmethod
@@ -148,7 +152,7 @@ class Plan:
             return cls(d["model_name"], ModelConfig.from_dict(d["model"]), d["dtype"], int(d["batch"]), int(d["seq_len"]),
                        int(d["max_len"]), int(d["granularity"]), d["strategy"], strategies,
                        {int(k): tuple(v) for k, v in d["schedule"].items()}, float(d.get("ideal_s", 0.0)),
-                       int(d["version"]), dict(d.get("meta", {})))
+                       int(d["version"]), dict(d.get("meta", {})), str(d.get("schedule_for", "hpipe")))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"not a valid hpipe plan: {e!r}") from None
 

@@ -181,6 +181,23 @@ def test_cli_plan(tmp_path, capsys):
                  str(tmp_path / "plan3.json")]) == 0
 
 
+def test_cli_plan_for_serving_executes_the_throughput_split(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    path.write_text(make_profile(random.Random(4), n=3, layers=2).to_json())
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--profile", str(path), "--seq-len", "512", "--max-len", "1024", "--objective", "throughput",
+                 "--output-len", "64", "-o", str(out), "--json"]) == 0
+    printed = capsys.readouterr()
+    summary = json.loads(printed.out)
+    assert "throughput" in summary["predicted"] and "hpipe" in summary["predicted"]
+    assert "seconds per request on each daemon" in printed.err
+    the_plan = Plan.from_json(out.read_text())
+    assert the_plan.strategy == "throughput" and the_plan.meta["serving"]["mix"]["output"] == 64
+    assert main(["plan", "--profile", str(path), "--seq-len", "512", "--strategy", "throughput", "-o",
+                 str(tmp_path / "p2.json")]) == 1
+    assert "--objective throughput" in capsys.readouterr().err
+
+
 def test_cli_what_if_profile(tmp_path, capsys):
     out = tmp_path / "paper.json"
     assert main(["profile", "--simulate", "--cluster", "clusters/paper-hpipe.yaml", "--model", "random:llama-7b",

@@ -139,6 +139,24 @@ def test_sweeps_keep_a_slowdown_out_of_the_medians():
     assert _median_time(run, torch.device("cpu"), 3) > 0.03
 
 
+def test_a_short_point_is_timed_at_the_rate_it_sustains_back_to_back():
+    """A device under a CPU quota runs a short call at full speed while its period's budget lasts,
+    then waits out the period: here one call in three. A busy stage runs calls back to back, so the
+    grid must read their mean (4 ms), not the fast calls' median (1 ms)."""
+    import torch
+
+    from profiler.device import swept_medians
+
+    calls = [0]
+
+    def run():
+        calls[0] += 1
+        time.sleep(0.010 if calls[0] % 3 == 0 else 0.001)
+
+    medians = swept_medians(lambda sweep: iter([("p", run)]), 3, torch.device("cpu"), min_total_s=0.09, max_runs=60)
+    assert 0.003 < medians["p"] < 0.0055, medians
+
+
 def test_the_calls_that_grow_the_heap_are_not_timed():
     """A point's first calls on a CPU run slower than the rest (heap growth, page faults): none is timed."""
     import torch

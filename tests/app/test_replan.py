@@ -1,0 +1,21 @@
+"""Re-planning around a daemon that is gone, from the saved profile."""
+
+import random
+
+from hpipe.app.replan import replanner
+from planner.costs import Workload
+from planner.serving import Mix
+from planner.strategies import plan
+from tests.planner.synthetic import make_profile
+
+
+def test_a_throughput_plan_is_re_planned_on_the_survivors_for_its_own_mix():
+    profile = make_profile(random.Random(2), n=3, layers=4)
+    the_plan = plan(profile, Workload(256, 1, 512), strategy="throughput", mix=Mix(256, 64))
+    stages = list(the_plan.chosen.stages)
+    gone = stages[0].daemon
+    alive = [d.name for d in profile.daemons if d.name != gone]
+    survivors = replanner(the_plan, profile)(alive, stages)
+    assert {s.daemon for s in survivors} <= set(alive)
+    assert survivors[0].unit_start == 0 and survivors[-1].unit_end == profile.model.num_units
+    assert all(a.unit_end == b.unit_start for a, b in zip(survivors, survivors[1:]))
