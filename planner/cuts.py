@@ -83,8 +83,7 @@ def best_cuts(cost: CostModel, work: Workload, allowed: list[int] | None = None)
     if not devices:
         raise InfeasibleError("no devices to plan for")
     table = stage_table(cost, work)
-    comm = np.array([[cost.comm_time(i, j, work.seq_len, work.batch) if i != j else 0.0
-                      for j in range(len(cost.daemons))] for i in range(len(cost.daemons))])
+    comm = comm_matrix(cost, work.seq_len, work.batch)
     u = cost.num_units
     result = min_max_cuts(table, comm, devices, u, speed=lambda m: table[m, 0, u] if np.isfinite(
         table[m, 0, u]) else cost.stage_time(m, 0, u, work.seq_len, 0, work.batch))
@@ -96,6 +95,12 @@ def best_cuts(cost: CostModel, work: Workload, allowed: list[int] | None = None)
             f"need about {need / 2**30:.2f} GiB in all, the devices offer {have / 2**30:.2f} GiB, and no split into "
             "contiguous unit ranges fits every device")
     return result
+
+
+def comm_matrix(cost: CostModel, tokens: int, batch: int) -> np.ndarray:
+    """``[src, dst]``: seconds to send ``tokens`` x ``batch`` activations between devices (0 to itself)."""
+    n = len(cost.daemons)
+    return np.array([[cost.comm_time(i, j, tokens, batch) if i != j else 0.0 for j in range(n)] for i in range(n)])
 
 
 def min_max_cuts(table: np.ndarray, comm: np.ndarray, devices: list[int], u: int, speed=None) -> Cuts:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.costs import CostModel, Workload
-from planner.cuts import Cuts, count_matrices, min_max_cuts, stage_table
+from planner.cuts import Cuts, comm_matrix, count_matrices, min_max_cuts, stage_table
 
 
 @dataclass(frozen=True)
@@ -75,18 +75,16 @@ def serving_table(cost: CostModel, work: Workload, mix: Mix) -> np.ndarray:
     return table
 
 
-def serving_cuts(cost: CostModel, work: Workload, mix: Mix) -> Cuts:
-    """The contiguous split (devices chosen and ordered) whose busiest daemon does the least per request."""
-    n = len(cost.daemons)
-    comm = np.array([[cost.comm_time(i, j, mix.prompt + mix.output, 1) if i != j else 0.0 for j in range(n)]
-                     for i in range(n)])
-    return min_max_cuts(serving_table(cost, work, mix), comm, list(range(n)), cost.num_units)
+def serving_cuts(cost: CostModel, table: np.ndarray, mix: Mix) -> Cuts:
+    """The contiguous split (devices chosen and ordered) whose busiest daemon does the least per
+    request, from the mix's :func:`serving_table`."""
+    comm = comm_matrix(cost, mix.prompt + mix.output, 1)
+    return min_max_cuts(table, comm, list(range(len(cost.daemons))), cost.num_units)
 
 
-def daemon_loads(cost: CostModel, work: Workload, mix: Mix, bounds, devices) -> dict[str, float]:
-    """Seconds of one mean request on each daemon of a split (its stages summed): the busiest
-    bounds serving throughput."""
-    table = serving_table(cost, work, mix)
+def daemon_loads(cost: CostModel, table: np.ndarray, bounds, devices) -> dict[str, float]:
+    """Seconds of one mean request on each daemon of a split (its stages summed), from the mix's
+    :func:`serving_table`: the busiest bounds serving throughput."""
     loads: dict[str, float] = {}
     for j, (a, b) in enumerate(zip(bounds, bounds[1:])):
         name = cost.daemons[devices[j]].name

@@ -28,7 +28,7 @@ from hpipe.core.units import even_cuts
 from planner.costs import CostModel, Workload
 from planner.cuts import InfeasibleError, best_cuts
 from planner.refine import refine
-from planner.serving import Mix, daemon_loads, serving_cuts
+from planner.serving import Mix, daemon_loads, serving_cuts, serving_table
 from planner.simulator import Timeline, simulate
 from planner.slicing import GRANULARITY, CostStage, slicing_table
 
@@ -219,11 +219,12 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
     results["terapipe"] = _best(cost, work, *even, [1], lambda m: _uniforms(L)) if even_ok else None
     meta: dict = {}
     if mix is not None:
-        split = serving_cuts(cost, work, mix)
+        per_request = serving_table(cost, work, mix)
+        split = serving_cuts(cost, per_request, mix)
         results["throughput"] = _best(cost, work, split.bounds, split.daemons, mbs,
                                       hpipe_slicings(split.bounds, split.daemons))
         meta["serving"] = {"mix": asdict(mix), "daemon_request_s": {
-            name: daemon_loads(cost, work, mix, c.bounds, c.daemons)
+            name: daemon_loads(cost, per_request, c.bounds, c.daemons)
             for name, c in (("hpipe", best_h), ("throughput", results["throughput"]))}}
 
     scheduled = results["throughput"] if strategy == "throughput" else best_h

@@ -37,7 +37,7 @@ def test_the_serving_split_equals_brute_force(seed):
     cost = CostModel(make_profile(rng, n=rng.randint(1, 4), layers=rng.randint(1, 3)))
     work = Workload(512, 1, 1024)
     mix = Mix(prompt=rng.choice([64, 300, 512]), output=rng.choice([0, 16, 200]), decode_batch=rng.choice([1, 8]))
-    split = serving_cuts(cost, work, mix)
+    split = serving_cuts(cost, serving_table(cost, work, mix), mix)
     assert split.bounds[0] == 0 and split.bounds[-1] == cost.num_units
     assert math.isclose(split.bottleneck, brute_force(cost, work, mix), rel_tol=1e-9)
 
@@ -64,15 +64,16 @@ def test_decode_heavy_serving_moves_layers_off_the_device_that_is_fast_only_at_p
                     for d, slowness in zip(base.daemons, (1, 4)))
     profile = Profile(base.model, base.source, base.dtype, daemons, base.links)
     cost, work = CostModel(profile), Workload(1024)
-    prefill = serving_cuts(cost, work, Mix(prompt=1024, output=0))
-    decode = serving_cuts(cost, work, Mix(prompt=64, output=256, decode_batch=1))
+    prefill_mix, decode_mix = Mix(prompt=1024, output=0), Mix(prompt=64, output=256, decode_batch=1)
+    prefill = serving_cuts(cost, serving_table(cost, work, prefill_mix), prefill_mix)
+    decode = serving_cuts(cost, serving_table(cost, work, decode_mix), decode_mix)
 
     def share0(split):
         return sum(b - a for j, (a, b) in enumerate(zip(split.bounds, split.bounds[1:])) if split.daemons[j] == 0)
 
     assert share0(prefill) > 0.6 * cost.num_units
     assert abs(share0(decode) - cost.num_units / 2) <= 2
-    loads = daemon_loads(cost, work, Mix(prompt=64, output=256, decode_batch=1), decode.bounds, decode.daemons)
+    loads = daemon_loads(cost, serving_table(cost, work, decode_mix), decode.bounds, decode.daemons)
     assert max(loads.values()) == pytest.approx(decode.bottleneck, rel=0.05)
 
 
