@@ -5,9 +5,10 @@
 
 The bound: a sum over one tensor as large as the model's weights (what one pass over them costs
 in memory traffic alone, on the same threads). Then, in interleaved rounds: one sequence's decode
-step of the whole model (after a ``--prompt``-token prefill), and a decode micro-batch of each
-``--batches`` size split in ``--stages`` even stages, timed per stage. Medians over the rounds;
-the spread is the rounds' range.
+step of the whole model (after a ``--prompt``-token prefill) through the C++ decode kernel
+(:mod:`hpipe.model.cpu_kernel`) and eagerly, and a decode micro-batch of each ``--batches`` size
+split in ``--stages`` even stages, timed per stage (through the kernel where it is built). Medians
+over the rounds; the spread is the rounds' range.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 import torch
 
 from hpipe.core.units import even_cuts, ranges_from_cuts
-from hpipe.model import StageModel
+from hpipe.model import StageModel, cpu_kernel
 from hpipe.model.kvpool import Entry
 from hpipe.model.sources import resolve_model
 
@@ -96,14 +97,20 @@ def main() -> None:
         position[b] += 1
         return per_stage
 
-    rounds = {"stream_s": [], "one_step_s": [], **{f"batch{b}": [] for b in batches}}
+    kernel = cpu_kernel.available()
+    rounds = {"stream_s": [], "one_step_s": [], "one_step_eager_s": [], **{f"batch{b}": [] for b in batches}}
     for _ in range(args.rounds):
         rounds["stream_s"].append(timed(lambda: stream.sum(), 10))
+        cpu_kernel.enable(False)
+        rounds["one_step_eager_s"].append(timed(one_step, args.steps))
+        cpu_kernel.enable(True)
         rounds["one_step_s"].append(timed(one_step, args.steps))
         for b in batches:
             steps = [batch_step(b) for _ in range(args.steps)]
             rounds[f"batch{b}"].append([statistics.median(s[j] for s in steps) for j in range(len(stages))])
     out = {"model": args.model, "weight_bytes": weight_bytes, "threads": args.threads, "prompt": args.prompt,
+           "kernel": kernel, "one_step_eager_s": statistics.median(rounds["one_step_eager_s"]),
+           "one_step_eager_range_s": [min(rounds["one_step_eager_s"]), max(rounds["one_step_eager_s"])],
            "stream_s": statistics.median(rounds["stream_s"]), "stream_range_s": [min(rounds["stream_s"]),
                                                                                    max(rounds["stream_s"])],
            "one_step_s": statistics.median(rounds["one_step_s"]),
@@ -112,15 +119,23 @@ def main() -> None:
            "batch_step_s": {b: [statistics.median(r[j] for r in rounds[f"batch{b}"]) for j in range(len(stages))]
                             for b in batches}}
     out["one_step_over_stream"] = out["one_step_s"] / out["stream_s"]
+    out["one_step_eager_over_stream"] = out["one_step_eager_s"] / out["stream_s"]
+    # each round's own ratio (the step and the stream timed side by side), for the spread
+    ratios = [s / b for s, b in zip(rounds["one_step_s"], rounds["stream_s"])]
+    out["one_step_over_stream_range"] = [min(ratios), max(ratios)]
     if args.json:
         print(json.dumps(out))
         return
     print(f"{args.model}: {weight_bytes / 1e6:.0f} MB of weights, {args.threads} threads")
     print(f"stream the weights once: {out['stream_s'] * 1e3:.1f} ms "
           f"({out['stream_range_s'][0] * 1e3:.1f}-{out['stream_range_s'][1] * 1e3:.1f})")
-    print(f"one sequence's decode step (whole model, after {args.prompt} tokens): {out['one_step_s'] * 1e3:.1f} ms "
-          f"({out['one_step_range_s'][0] * 1e3:.1f}-{out['one_step_range_s'][1] * 1e3:.1f}); "
-          f"{out['one_step_over_stream']:.2f}x the stream")
+    path = "the C++ kernel" if kernel else "eager: the kernel is not built (python -m hpipe.model.kernels)"
+    print(f"one sequence's decode step (whole model, after {args.prompt} tokens), {path}: "
+          f"{out['one_step_s'] * 1e3:.1f} ms ({out['one_step_range_s'][0] * 1e3:.1f}-"
+          f"{out['one_step_range_s'][1] * 1e3:.1f}); {out['one_step_over_stream']:.2f}x the stream "
+          f"(rounds {out['one_step_over_stream_range'][0]:.2f}-{out['one_step_over_stream_range'][1]:.2f})")
+    print(f"  eager: {out['one_step_eager_s'] * 1e3:.1f} ms ({out['one_step_eager_range_s'][0] * 1e3:.1f}-"
+          f"{out['one_step_eager_range_s'][1] * 1e3:.1f}); {out['one_step_eager_over_stream']:.2f}x the stream")
     print("decode micro-batch per stage, ms (" + ", ".join(out["stages"]) + "), and per sequence in all:")
     for b, per in out["batch_step_s"].items():
         print(f"  {b:>3} sequences: " + " / ".join(f"{t * 1e3:6.1f}" for t in per)

@@ -17,7 +17,7 @@ from torch import nn
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import InputError
 from hpipe.core.units import UnitRange
-from hpipe.model import packed
+from hpipe.model import cpu_kernel, packed
 from hpipe.model.kvcache import StageCache
 from hpipe.model.kvpool import BatchKV, Entry, KVPool
 from hpipe.model.layers import Attention, FeedForward, build_unit, checkpoint_names, fused_rows
@@ -50,6 +50,7 @@ class StageModel(nn.Module):
             "inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim, cfg.max_position_embeddings), persistent=False
         )
         self.inv_freq = self.inv_freq.to(self.device)
+        self._kernel: cpu_kernel.StageKernel | None = None  # built on its first decode micro-batch
 
     # --- construction -------------------------------------------------------------------
     @classmethod
@@ -189,6 +190,8 @@ class StageModel(nn.Module):
             x = x.to(self.device, self.dtype)
         positions = torch.cat([torch.arange(e.start, e.start + e.length) for e in entries]).to(self.device)
         cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
+        if cpu_kernel.applies(self.device, self.dtype) and cpu_kernel.fits(entries, pool):
+            return self._decode_kernel(x, cos, sin, entries, pool)
         kv = BatchKV(entries, pool, self.device) if pool is not None else None
         x = x[None]
         for u, block in self.blocks.items():
@@ -202,6 +205,20 @@ class StageModel(nn.Module):
             else:
                 x = block(x)
         return x[0]
+
+    def _decode_kernel(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, entries: list[Entry],
+                       pool: KVPool) -> torch.Tensor | None:
+        """:meth:`forward_batch` of a decode micro-batch through the C++ kernel (:mod:`cpu_kernel`)."""
+        if self._kernel is None:
+            self._kernel = cpu_kernel.StageKernel(
+                [b for b in self.blocks.values() if isinstance(b, (Attention, FeedForward))], self.cfg)
+        if self.units.has_embed:
+            x = self.blocks["0"](x)
+        x = self._kernel(x, cos[:, 0], sin[:, 0], entries, pool)
+        if not self.units.has_head:
+            return x
+        rows = logit_rows(entries)
+        return None if rows is None else self.blocks[str(self.units.end - 1)](x[rows] if len(rows) < len(x) else x)
 
     def parameter_count(self) -> int:
         """Parameters of the stage's units, packed weights included."""

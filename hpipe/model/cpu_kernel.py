@@ -1,0 +1,159 @@
+"""A stage's float32 decode micro-batch on the CPU in one C++ call (``kernels/decode.cpp``).
+
+Design note. A decode step reads every weight once for a handful of rows, so its floor is the
+time to stream the weights from memory. The eager path (:meth:`StageModel.forward_batch`) makes
+about twenty-five PyTorch calls per layer from Python; on a 2-core Xeon, SmolLM2's step took
+38-43 ms against 23 ms to stream its weights, and the calls other than the projections took
+11-13 ms of it. The kernel runs the same projections (MKL-packed where the stage packs) and the
+same per-row attention products from C++, with norms, the rotary embedding and the KV writes as
+plain loops.
+
+It is built ahead of use, not on first use: compiling takes half a minute, which a daemon's first
+decode micro-batch must not wait for. ``python -m hpipe.model.kernels`` (run by
+``scripts/setup.sh``) builds it into the cache (``$HPIPE_CACHE_DIR/kernels``, one directory per
+source, PyTorch and Python version); :func:`available` loads it from there. Where it is not built
+(no compiler), or ``HPIPE_CPU_KERNEL=off``, stages run the eager path, which gives the same
+results up to float rounding (tests/model/test_cpu_kernel.py).
+
+It takes micro-batches whose entries are all one live decode token over consecutive KV blocks
+(the allocator keeps sequences consecutive unless the pool is under pressure); others, and every
+prefill, run the eager path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hpipe.core.config import ModelConfig
+from hpipe.core.paths import cache_root
+from hpipe.model import packed
+from hpipe.model.kvpool import Entry, KVPool
+from hpipe.model.layers import Attention, FeedForward
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
+ENV = "HPIPE_CPU_KERNEL"  # "off" disables it
+_lock = threading.Lock()
+_enabled = True
+
+
+def _name() -> str:
+    """The library's name: it changes with the source, PyTorch and Python."""
+    key = f"{SOURCE.read_bytes().hex()}:{torch.__version__}:{sys.version_info[:2]}"
+    return "hpipe_decode_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def build_dir() -> Path:
+    return cache_root() / "kernels" / _name()
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel into the cache (a no-op when it is up to date) and load it."""
+    from torch.utils.cpp_extension import load
+
+    path = build_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    with _lock:
+        load(name=_name(), sources=[str(SOURCE)], build_directory=str(path), extra_cflags=["-O3"],
+             is_python_module=False, verbose=verbose)
+    available.cache_clear()
+    return path / f"{_name()}.so"
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether the kernel is built here and loaded into this process (loading it on first ask)."""
+    if hasattr(torch.ops.hpipe, "decode_units"):
+        return True
+    library = build_dir() / f"{_name()}.so"
+    if not library.exists():
+        log.info("the CPU decode kernel is not built (python -m hpipe.model.kernels); decode runs eagerly")
+        return False
+    torch.ops.load_library(str(library))
+    return True
+
+
+def enable(flag: bool) -> None:
+    """Use the kernel where it fits (the default) or never (to compare against the eager path)."""
+    global _enabled
+    _enabled = flag
+
+
+def applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a stage on ``device`` in ``dtype`` runs its decode micro-batches through the kernel."""
+    return (_enabled and os.environ.get(ENV, "").lower() != "off" and device.type == "cpu"
+            and dtype == torch.float32 and available())
+
+
+def fits(entries: list[Entry], pool: KVPool | None) -> bool:
+    """Whether the kernel takes this micro-batch: every entry one live token whose positions so far
+    lie in consecutive pool slots."""
+    return pool is not None and bool(entries) and all(
+        e.length == 1 and e.kv is not None and e.kv.run(e.start + 1) is not None for e in entries)
+
+
+class StageKernel:
+    """The attention and MLP units of a stage (``blocks``, in order), their tensors listed once in
+    the order the kernel reads them."""
+
+    def __init__(self, blocks: list[nn.Module], cfg: ModelConfig):
+        self.cfg, self.kinds, self.windows, self.layers = cfg, [], [], []
+        self._weights: list[list[torch.Tensor]] = []
+        for block in blocks:
+            if isinstance(block, Attention):
+                self.kinds.append(0)
+                self.windows.append(block.window or 0)
+                self.layers.append(block.layer)
+                self._weights.append([block.input_layernorm.weight, *_linear(block.qkv_proj),
+                                      *_linear(block.o_proj)])
+            elif isinstance(block, FeedForward):
+                self.kinds.append(1)
+                self._weights.append([block.post_attention_layernorm.weight, *_linear(block.gate_up_proj),
+                                      *_linear(block.down_proj)])
+            else:
+                raise TypeError(f"the decode kernel runs attention and MLP units, not {type(block).__name__}")
+        self._pool: KVPool | None = None
+        self._params: list[torch.Tensor] = []
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, entries: list[Entry],
+                 pool: KVPool) -> torch.Tensor:
+        """The residual stream ``x [rows, hidden]`` (float32, one row per entry) through the units;
+        each row's key and value are written into its sequence's slot of ``pool``."""
+        if pool is not self._pool:  # a daemon has one pool per stage; single-process caches one each
+            self._params, self._pool = self._with_pool(pool), pool
+        bases = [e.kv.run(e.start + 1)[0] for e in entries]
+        cfg = self.cfg
+        return torch.ops.hpipe.decode_units(x.contiguous(), cos, ssin, [e.start for e in entries], bases,
+                                            self.kinds, self._params, self.windows, cfg.num_heads,
+                                            cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+
+    def _with_pool(self, pool: KVPool) -> list[torch.Tensor]:
+        params, layers = [], iter(self.layers)
+        for kind, weights in zip(self.kinds, self._weights):
+            params.extend(weights)
+            if kind == 0:
+                layer = next(layers)
+                params.extend((pool.k[layer], pool.v[layer]))
+        return params
+
+
+_NONE = torch.empty(0)
+
+
+def _linear(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight, its packed shape stand-in or an empty tensor, bias or an empty tensor)."""
+    bias = linear.bias if linear.bias is not None else _NONE
+    if isinstance(linear, packed.PackedLinear):
+        return linear.packed, linear._shape, bias
+    return linear.weight, _NONE, bias
+

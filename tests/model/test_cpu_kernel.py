@@ -1,0 +1,116 @@
+"""The C++ decode kernel equals the eager micro-batch forward: every model family, packed and plain
+projections, stages that start with an MLP or end with attention, sequences of different lengths,
+one sliding past its window; and it takes only the micro-batches it can run."""
+
+import pytest
+import torch
+
+from hpipe.core.units import UnitRange, ranges_from_cuts
+from hpipe.model import StageModel, cpu_kernel
+from hpipe.model.kvpool import Entry, KVPool
+from hpipe.model.sources import resolve_model
+from tests.helpers import FAMILIES, max_rel_diff
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    try:
+        cpu_kernel.build()  # setup.sh built it: this only checks it is up to date
+    except (OSError, RuntimeError) as err:
+        pytest.skip(f"the CPU decode kernel cannot be built here: {err}")
+    assert cpu_kernel.available()
+    yield
+    cpu_kernel.enable(True)
+
+
+def _prefill(stages, pools, seqs, prompts):
+    x = torch.cat(prompts)
+    for j, stage in enumerate(stages):
+        entries = []
+        for row, p in zip(seqs, prompts):
+            if row[j] is not None:
+                row[j].grow(len(p))
+            entries.append(Entry(0, len(p), row[j], "last"))
+        x = stage.forward_batch(x, entries, pools[j])
+    return x.argmax(-1)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_kernel_equals_eager_decode(family, pack, tiny_dirs, kernel):
+    if pack and not torch.backends.mkl.is_available():
+        pytest.skip("no MKL packed GEMM in this build")
+    source = resolve_model(str(tiny_dirs[family]))
+    cfg, store = source.config, source.weights()
+    # [embed, attn] / [mlp, attn, mlp] / [attn, mlp, head]
+    stages = [StageModel.from_checkpoint(store, cfg, r, pack=pack) for r in ranges_from_cuts([2, 5], cfg.num_layers)]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (9, 4, 13, 1)]
+    max_len = 30  # past mistral-sliding's window of 8
+    runs = {}
+    for kind in ("eager", "kernel"):
+        cpu_kernel.enable(kind == "kernel")
+        pools = [s.new_pool(40) for s in stages]
+        seqs = [[p.sequence(max_len) for p in pools] for _ in prompts]
+        tokens = _prefill(stages, pools, seqs, prompts)
+        positions = [len(p) for p in prompts]
+        logits = []
+        for _ in range(max_len - max(positions)):
+            x = tokens
+            for j, stage in enumerate(stages):
+                entries = []
+                for row, pos in zip(seqs, positions):
+                    row[j].grow(pos + 1)
+                    entries.append(Entry(pos, 1, row[j], "last"))
+                assert cpu_kernel.fits(entries, pools[j])
+                x = stage.forward_batch(x, entries, pools[j])
+            logits.append(x)
+            tokens = x.argmax(-1)
+            positions = [p + 1 for p in positions]
+        runs[kind] = torch.stack(logits)
+        assert all((s._kernel is not None) == (kind == "kernel") for s in stages)
+    assert max_rel_diff(runs["kernel"], runs["eager"]) <= 1e-5, family
+
+
+def test_kernel_takes_only_live_consecutive_decode_tokens(kernel):
+    pool = KVPool([0], 4, 2, 8, torch.float32, "cpu", block_size=4)
+    seq = pool.sequence(8)
+    seq.grow(5)
+    assert cpu_kernel.fits([Entry(4, 1, seq)], pool)
+    assert not cpu_kernel.fits([Entry(3, 2, seq)], pool)  # a prefill chunk
+    assert not cpu_kernel.fits([Entry(4, 1, seq), Entry(0, 1, None)], pool)  # a failed sequence's row
+    assert not cpu_kernel.fits([Entry(4, 1, seq)], None)  # a stage without attention
+    assert not cpu_kernel.fits([], pool)
+    seq.release()
+    fillers = [pool.sequence(4) for _ in range(4)]
+    for f in fillers:
+        f.grow(4)
+    fillers[1].release()
+    fillers[3].release()
+    scattered = pool.sequence(4)  # takes block 1, then grows past its declared length into block 3
+    scattered.grow(4)
+    scattered.max_len = 8
+    scattered.grow(5)
+    assert scattered.run(5) is None and not cpu_kernel.fits([Entry(4, 1, scattered)], pool)
+
+
+def test_switched_off_by_the_environment(kernel, monkeypatch):
+    assert cpu_kernel.applies(torch.device("cpu"), torch.float32)
+    assert not cpu_kernel.applies(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setenv(cpu_kernel.ENV, "off")
+    assert not cpu_kernel.applies(torch.device("cpu"), torch.float32)
+
+
+def test_smollm2_decode_step_through_the_kernel(smollm2, kernel):
+    """The real model, one sequence after a 40-token prompt: the kernel's logits are the eager ones."""
+    cfg = smollm2.config
+    stage = StageModel.from_checkpoint(smollm2.weights(), cfg, UnitRange.full(cfg.num_layers))
+    ids = torch.randint(0, cfg.vocab_size, (1, 41), generator=torch.Generator().manual_seed(5))
+    out = {}
+    for on in (False, True):
+        cpu_kernel.enable(on)
+        cache = stage.new_cache(1, 48)
+        stage(ids[:, :40], 0, cache, logits=False)
+        out[on] = stage(ids[:, 40:], 40, cache)[0, -1]
+    assert stage._kernel is not None
+    assert (out[True] - out[False]).abs().max() <= 1e-4 * out[False].abs().max()
