@@ -8,8 +8,8 @@ receiver's acknowledgement of the last, for a raw socket (``sendall`` of a buffe
 a preallocated one: the ceiling) and for hpipe's transport (a frame header, then the tensor's
 bytes read into a fresh tensor, as a daemon receives an activation), alternating, ``--rounds``
 times. Worker: a thread multiplying matrices for ``--compute-s`` seconds, alone, then while
-another thread of the same process keeps sending ``--mb`` MB activations; its rate with sending
-over its rate alone.
+another thread of the same process keeps sending ``--mb`` MB activations, ``--rounds`` times
+alternating; its rate with sending over its rate alone in each round, and their median.
 """
 
 from __future__ import annotations
@@ -135,28 +135,31 @@ def main() -> None:
     raw_proc.terminate()
 
     sink_proc, sink_port = _start(_sink)
-    alone = worker_rate(args.compute_s, None)
     conn = connect("127.0.0.1", sink_port, None, 0)
-    stop, sent = threading.Event(), [0]
+    alone, busy, send_rates = [], [], []
+    for _ in range(args.rounds):  # alone and while sending, alternating: the VM's speed drifts
+        alone.append(worker_rate(args.compute_s, None))
+        stop, sent = threading.Event(), [0]
 
-    def keep_sending():
-        while not stop.is_set():
-            conn.send(pb.Frame(activation=pb.Activation(stage=1, payload_bytes=nbytes)), tensor)
-            sent[0] += nbytes
+        def keep_sending(stop=stop, sent=sent):
+            while not stop.is_set():
+                conn.send(pb.Frame(activation=pb.Activation(stage=1, payload_bytes=nbytes)), tensor)
+                sent[0] += nbytes
 
-    sender = threading.Thread(target=keep_sending, daemon=True)
-    t0 = time.perf_counter()
-    sender.start()
-    busy = worker_rate(args.compute_s, stop)
-    stop.set()
-    sender.join()
-    send_rate = sent[0] / (time.perf_counter() - t0)
+        sender = threading.Thread(target=keep_sending, daemon=True)
+        t0 = time.perf_counter()
+        sender.start()
+        busy.append(worker_rate(args.compute_s, stop))
+        stop.set()
+        sender.join()
+        send_rates.append(sent[0] / (time.perf_counter() - t0))
     conn.close()
     sink_proc.terminate()
+    worker_ratios = [b / a for a, b in zip(alone, busy)]
     out = {"mb": args.mb, "raw_MBps": [r / 1e6 for r in rates["raw"]], "hpipe_MBps": [r / 1e6 for r in rates["hpipe"]],
            "ratio": statistics.median(h / r for h, r in zip(rates["hpipe"], rates["raw"])),
-           "worker_alone_per_s": alone, "worker_sending_per_s": busy, "worker_ratio": busy / alone,
-           "sending_MBps_meanwhile": send_rate / 1e6}
+           "worker_alone_per_s": alone, "worker_sending_per_s": busy, "worker_ratios": worker_ratios,
+           "worker_ratio": statistics.median(worker_ratios), "sending_MBps_meanwhile": [r / 1e6 for r in send_rates]}
     if args.json:
         print(json.dumps(out))
         return
@@ -164,9 +167,10 @@ def main() -> None:
     print("  raw socket  MB/s: " + ", ".join(f"{r:.0f}" for r in out["raw_MBps"]))
     print("  hpipe       MB/s: " + ", ".join(f"{r:.0f}" for r in out["hpipe_MBps"]))
     print(f"  hpipe / raw (median of rounds): {out['ratio']:.2f}")
-    print(f"worker matmuls/s alone {alone:.1f}, while this process sends {send_rate / 1e6:.0f} MB/s: {busy:.1f} "
-          f"({busy / alone:.2f}x)")
-
+    print(f"worker matmuls/s, alone against while this process sends ({args.rounds} rounds, alternating):")
+    for a, b, r in zip(alone, busy, send_rates):
+        print(f"  {a:.1f} against {b:.1f} while sending {r / 1e6:.0f} MB/s ({b / a:.2f}x)")
+    print(f"  median {out['worker_ratio']:.2f}x (rounds {min(worker_ratios):.2f}-{max(worker_ratios):.2f})")
 
 if __name__ == "__main__":
     main()
