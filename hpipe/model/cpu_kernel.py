@@ -103,48 +103,35 @@ def fits(entries: list[Entry], pool: KVPool | None) -> bool:
 
 
 class StageKernel:
-    """The attention and MLP units of a stage (``blocks``, in order), their tensors listed once in
-    the order the kernel reads them."""
+    """The attention and MLP units of a stage (``blocks``, in order), their weights listed once in
+    the order the kernel reads them (the KV pool's tensors are passed per call: a stage's single-
+    process caches each have a pool of their own, which this must not keep alive)."""
 
     def __init__(self, blocks: list[nn.Module], cfg: ModelConfig):
         self.cfg, self.kinds, self.windows, self.layers = cfg, [], [], []
-        self._weights: list[list[torch.Tensor]] = []
+        self._params: list[torch.Tensor] = []  # each unit's tensors in turn, in the kernel's order
         for block in blocks:
             if isinstance(block, Attention):
                 self.kinds.append(0)
                 self.windows.append(block.window or 0)
                 self.layers.append(block.layer)
-                self._weights.append([block.input_layernorm.weight, *_linear(block.qkv_proj),
-                                      *_linear(block.o_proj)])
+                self._params += [block.input_layernorm.weight, *_linear(block.qkv_proj), *_linear(block.o_proj)]
             elif isinstance(block, FeedForward):
                 self.kinds.append(1)
-                self._weights.append([block.post_attention_layernorm.weight, *_linear(block.gate_up_proj),
-                                      *_linear(block.down_proj)])
+                self._params += [block.post_attention_layernorm.weight, *_linear(block.gate_up_proj),
+                                 *_linear(block.down_proj)]
             else:
                 raise TypeError(f"the decode kernel runs attention and MLP units, not {type(block).__name__}")
-        self._pool: KVPool | None = None
-        self._params: list[torch.Tensor] = []
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, entries: list[Entry],
                  pool: KVPool) -> torch.Tensor:
         """The residual stream ``x [rows, hidden]`` (float32, one row per entry) through the units;
         each row's key and value are written into its sequence's slot of ``pool``."""
-        if pool is not self._pool:  # a daemon has one pool per stage; single-process caches one each
-            self._params, self._pool = self._with_pool(pool), pool
-        bases = [e.kv.run(e.start + 1)[0] for e in entries]
         cfg = self.cfg
-        return torch.ops.hpipe.decode_units(x.contiguous(), cos, ssin, [e.start for e in entries], bases,
-                                            self.kinds, self._params, self.windows, cfg.num_heads,
-                                            cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
-
-    def _with_pool(self, pool: KVPool) -> list[torch.Tensor]:
-        params, layers = [], iter(self.layers)
-        for kind, weights in zip(self.kinds, self._weights):
-            params.extend(weights)
-            if kind == 0:
-                layer = next(layers)
-                params.extend((pool.k[layer], pool.v[layer]))
-        return params
+        return torch.ops.hpipe.decode_units(
+            x.contiguous(), cos, ssin, [e.start for e in entries], [e.kv.run(e.start + 1)[0] for e in entries],
+            self.kinds, self._params, [pool.k[i] for i in self.layers], [pool.v[i] for i in self.layers],
+            self.windows, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
 
 
 _NONE = torch.empty(0)

@@ -19,7 +19,7 @@ using at::Tensor;
 namespace {
 
 // per unit, in the order the Python side packs them (cpu_kernel.unit_tensors)
-enum AttnParam { A_NORM, A_QKV, A_QKV_SHAPE, A_QKV_BIAS, A_O, A_O_SHAPE, A_O_BIAS, A_K, A_V, A_COUNT };
+enum AttnParam { A_NORM, A_QKV, A_QKV_SHAPE, A_QKV_BIAS, A_O, A_O_SHAPE, A_O_BIAS, A_COUNT };
 enum MlpParam { M_NORM, M_GATE_UP, M_GATE_UP_SHAPE, M_GATE_UP_BIAS, M_DOWN, M_DOWN_SHAPE, M_DOWN_BIAS, M_COUNT };
 
 std::optional<Tensor> maybe(const Tensor& t) {
@@ -40,6 +40,8 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& shape, const Tenso
 // Hugging Face's LlamaRMSNorm in float32: x * rsqrt(mean(x^2) + eps) * weight, row by row
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   const int64_t rows = x.size(0), d = x.size(1);
+  TORCH_CHECK(weight.numel() == d && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "a norm's weight is float32 [hidden]");
   Tensor out = at::empty_like(x);
   const float* w = weight.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
@@ -76,20 +78,19 @@ struct Rows {
   std::vector<int64_t> base;      // the pool slot of its sequence's position 0 (its blocks are consecutive)
 };
 
-Tensor attention_unit(const Tensor& x, const std::vector<Tensor>& p, const Tensor& cos, const Tensor& ssin,
-                      const Rows& rows, int64_t window, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      double eps) {
+Tensor attention_unit(const Tensor& x, const std::vector<Tensor>& p, const Tensor& k_pool, const Tensor& v_pool,
+                      const Tensor& cos, const Tensor& ssin, const Rows& rows, int64_t window, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, double eps) {
   const int64_t n = x.size(0), group = heads / kv_heads;
   Tensor qkv = linear(rms_norm(x, p[A_NORM], eps), p[A_QKV], p[A_QKV_SHAPE], p[A_QKV_BIAS])
                    .view({n, heads + 2 * kv_heads, head_dim});
   rotate(qkv, cos, ssin, heads + kv_heads);
-  const Tensor& k_pool = p[A_K];
-  const Tensor& v_pool = p[A_V];
   const int64_t slots = k_pool.size(1);
   Tensor out = at::empty({n, heads, head_dim}, x.options());
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   for (int64_t r = 0; r < n; ++r) {
     const int64_t pos = rows.position[r], slot = rows.base[r] + pos;
+    TORCH_CHECK(pos >= 0 && rows.base[r] >= 0 && slot < slots, "a row's KV slot lies outside the pool");
     const float* row = qkv.data_ptr<float>() + r * (heads + 2 * kv_heads) * head_dim;
     for (int64_t h = 0; h < kv_heads; ++h) {  // this token's key and value into its slot
       std::memcpy(k_pool.data_ptr<float>() + (h * slots + slot) * head_dim, row + (heads + h) * head_dim,
@@ -119,17 +120,23 @@ Tensor mlp_unit(const Tensor& x, const std::vector<Tensor>& p, double eps) {
 // The residual stream x [rows, hidden] through a stage's attention and MLP units in order:
 // kinds[i] is 0 for an attention unit, 1 for an MLP unit; params holds each unit's tensors in
 // turn (A_COUNT or M_COUNT of them; an empty tensor for a bias or packed shape it lacks);
-// windows holds each attention unit's sliding window (0: none). cos and ssin [rows, head_dim]
-// are the rows' rotary factors; positions and bases as in Rows.
+// k_pools, v_pools and windows hold each attention unit's KV pool tensors [kv_heads, slots,
+// head_dim] and sliding window (0: none). cos and ssin [rows, head_dim] are the rows' rotary
+// factors; positions and bases as in Rows.
 Tensor decode_units(Tensor x, const Tensor& cos, const Tensor& ssin, at::IntArrayRef positions,
-                    at::IntArrayRef bases, at::IntArrayRef kinds, at::TensorList params, at::IntArrayRef windows,
-                    int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
+                    at::IntArrayRef bases, at::IntArrayRef kinds, at::TensorList params, at::TensorList k_pools,
+                    at::TensorList v_pools, at::IntArrayRef windows, int64_t heads, int64_t kv_heads,
+                    int64_t head_dim, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "decode_units takes a contiguous float32 CPU residual stream [rows, hidden]");
   TORCH_CHECK(static_cast<int64_t>(positions.size()) == x.size(0) && positions.size() == bases.size(),
               "one position and one base slot per row");
+  TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
   Rows rows{positions.vec(), bases.vec()};
   Tensor c = cos.contiguous(), s = ssin.contiguous();
+  TORCH_CHECK(c.dim() == 2 && c.size(0) == x.size(0) && c.size(1) == head_dim && s.sizes() == c.sizes() &&
+                  c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat,
+              "cos and ssin are float32 [rows, head_dim]");
   size_t at_param = 0, at_window = 0;
   for (int64_t kind : kinds) {
     const size_t count = kind == 0 ? static_cast<size_t>(A_COUNT) : static_cast<size_t>(M_COUNT);
@@ -137,8 +144,15 @@ Tensor decode_units(Tensor x, const Tensor& cos, const Tensor& ssin, at::IntArra
     std::vector<Tensor> p(params.begin() + at_param, params.begin() + at_param + count);
     at_param += count;
     if (kind == 0) {
-      TORCH_CHECK(at_window < windows.size(), "one window per attention unit");
-      x = attention_unit(x, p, c, s, rows, windows[at_window++], heads, kv_heads, head_dim, eps);
+      TORCH_CHECK(at_window < windows.size() && at_window < k_pools.size() && at_window < v_pools.size(),
+                  "one window and one K and V pool per attention unit");
+      for (const Tensor* pool : {&k_pools[at_window], &v_pools[at_window]})
+        TORCH_CHECK(pool->is_contiguous() && pool->scalar_type() == at::kFloat && pool->dim() == 3 &&
+                        pool->size(0) == kv_heads && pool->size(2) == head_dim,
+                    "a KV pool tensor is contiguous float32 [kv_heads, slots, head_dim]");
+      x = attention_unit(x, p, k_pools[at_window], v_pools[at_window], c, s, rows, windows[at_window], heads,
+                         kv_heads, head_dim, eps);
+      ++at_window;
     } else {
       x = mlp_unit(x, p, eps);
     }
@@ -152,6 +166,6 @@ Tensor decode_units(Tensor x, const Tensor& cos, const Tensor& ssin, at::IntArra
 // one kernel for every dispatch key: the packed weights are MKL-DNN tensors, the rest plain CPU ones
 TORCH_LIBRARY(hpipe, m) {
   m.def("decode_units(Tensor x, Tensor cos, Tensor ssin, int[] positions, int[] bases, int[] kinds, "
-        "Tensor[] params, int[] windows, int heads, int kv_heads, int head_dim, float eps) -> Tensor",
+        "Tensor[] params, Tensor[] k_pools, Tensor[] v_pools, int[] windows, int heads, int kv_heads, int head_dim, float eps) -> Tensor",
         &decode_units);
 }
