@@ -7,8 +7,8 @@ The bound: a sum over one tensor as large as the model's weights (what one pass 
 in memory traffic alone, on the same threads). Then, in interleaved rounds: one sequence's decode
 step of the whole model (after a ``--prompt``-token prefill) through the C++ decode kernel
 (:mod:`hpipe.model.cpu_kernel`) and eagerly, and a decode micro-batch of each ``--batches`` size
-split in ``--stages`` even stages, timed per stage (through the kernel where it is built). Medians
-over the rounds; the spread is the rounds' range.
+split in ``--stages`` even stages, timed per stage, through the kernel (where it is built) and
+eagerly. Medians over the rounds; the spread is the rounds' range.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main() -> None:
 
     # decode micro-batches: each stage its own pool holding max(batches) sequences of the prompt
     most = max(batches)
-    length = args.prompt + args.rounds * (args.steps + 1) + 2
+    length = args.prompt + 2 * args.rounds * (args.steps + 1) + 2  # each round: kernel, then eager
     pools = [s.new_pool(most * (-(-length // 16)) + 1) for s in stages]
     seqs = [[p.sequence(length) if p else None for _ in range(most)] for p in pools]
     for j, (stage, pool) in enumerate(zip(stages, pools)):
@@ -98,7 +98,8 @@ def main() -> None:
         return per_stage
 
     kernel = cpu_kernel.available()
-    rounds = {"stream_s": [], "one_step_s": [], "one_step_eager_s": [], **{f"batch{b}": [] for b in batches}}
+    rounds = {"stream_s": [], "one_step_s": [], "one_step_eager_s": [], **{f"batch{b}": [] for b in batches},
+              **{f"eager{b}": [] for b in batches}}
     for _ in range(args.rounds):
         rounds["stream_s"].append(timed(lambda: stream.sum(), 10))
         cpu_kernel.enable(False)
@@ -106,8 +107,11 @@ def main() -> None:
         cpu_kernel.enable(True)
         rounds["one_step_s"].append(timed(one_step, args.steps))
         for b in batches:
-            steps = [batch_step(b) for _ in range(args.steps)]
-            rounds[f"batch{b}"].append([statistics.median(s[j] for s in steps) for j in range(len(stages))])
+            for key, on in ((f"batch{b}", True), (f"eager{b}", False)):
+                cpu_kernel.enable(on)
+                steps = [batch_step(b) for _ in range(args.steps)]
+                rounds[key].append([statistics.median(s[j] for s in steps) for j in range(len(stages))])
+        cpu_kernel.enable(True)
     out = {"model": args.model, "weight_bytes": weight_bytes, "threads": args.threads, "prompt": args.prompt,
            "kernel": kernel, "one_step_eager_s": statistics.median(rounds["one_step_eager_s"]),
            "one_step_eager_range_s": [min(rounds["one_step_eager_s"]), max(rounds["one_step_eager_s"])],
@@ -117,7 +121,9 @@ def main() -> None:
            "one_step_range_s": [min(rounds["one_step_s"]), max(rounds["one_step_s"])],
            "stages": [str(s.units) for s in stages],
            "batch_step_s": {b: [statistics.median(r[j] for r in rounds[f"batch{b}"]) for j in range(len(stages))]
-                            for b in batches}}
+                            for b in batches},
+           "batch_step_eager_s": {b: [statistics.median(r[j] for r in rounds[f"eager{b}"])
+                                      for j in range(len(stages))] for b in batches}}
     out["one_step_over_stream"] = out["one_step_s"] / out["stream_s"]
     out["one_step_eager_over_stream"] = out["one_step_eager_s"] / out["stream_s"]
     # each round's own ratio (the step and the stream timed side by side), for the spread
@@ -136,11 +142,13 @@ def main() -> None:
           f"(rounds {out['one_step_over_stream_range'][0]:.2f}-{out['one_step_over_stream_range'][1]:.2f})")
     print(f"  eager: {out['one_step_eager_s'] * 1e3:.1f} ms ({out['one_step_eager_range_s'][0] * 1e3:.1f}-"
           f"{out['one_step_eager_range_s'][1] * 1e3:.1f}); {out['one_step_eager_over_stream']:.2f}x the stream")
-    print("decode micro-batch per stage, ms (" + ", ".join(out["stages"]) + "), and per sequence in all:")
+    print("decode micro-batch per stage, ms (" + ", ".join(out["stages"]) + "), and per sequence in all;"
+          " eager in the same rounds:")
     for b, per in out["batch_step_s"].items():
+        eager = out["batch_step_eager_s"][b]
         print(f"  {b:>3} sequences: " + " / ".join(f"{t * 1e3:6.1f}" for t in per)
-              + f"   total {sum(per) * 1e3:6.1f} ms, {sum(per) * 1e3 / b:5.2f} ms per sequence")
-
+              + f"   total {sum(per) * 1e3:6.1f} ms, {sum(per) * 1e3 / b:5.2f} ms per sequence"
+              + f"   (eager {sum(eager) * 1e3:6.1f} ms: {sum(per) / sum(eager):.2f}x)")
 
 if __name__ == "__main__":
     main()

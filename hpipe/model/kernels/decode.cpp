@@ -6,6 +6,7 @@
 // row; norms, the rotary embedding and the KV writes are plain loops. What it saves is Python:
 // an eager decode step of SmolLM2 spends about a third of its time between kernels.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -85,28 +86,35 @@ Tensor attention_unit(const Tensor& x, const std::vector<Tensor>& p, const Tenso
   Tensor qkv = linear(rms_norm(x, p[A_NORM], eps), p[A_QKV], p[A_QKV_SHAPE], p[A_QKV_BIAS])
                    .view({n, heads + 2 * kv_heads, head_dim});
   rotate(qkv, cos, ssin, heads + kv_heads);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  qkv.narrow(1, 0, heads).mul_(scale);  // the queries scaled once, not each row's scores
   const int64_t slots = k_pool.size(1);
   Tensor out = at::empty({n, heads, head_dim}, x.options());
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  for (int64_t r = 0; r < n; ++r) {
+  for (int64_t r = 0; r < n; ++r) {  // every row's key and value into its slot, before any row reads
     const int64_t pos = rows.position[r], slot = rows.base[r] + pos;
     TORCH_CHECK(pos >= 0 && rows.base[r] >= 0 && slot < slots, "a row's KV slot lies outside the pool");
     const float* row = qkv.data_ptr<float>() + r * (heads + 2 * kv_heads) * head_dim;
-    for (int64_t h = 0; h < kv_heads; ++h) {  // this token's key and value into its slot
+    for (int64_t h = 0; h < kv_heads; ++h) {
       std::memcpy(k_pool.data_ptr<float>() + (h * slots + slot) * head_dim, row + (heads + h) * head_dim,
                   head_dim * sizeof(float));
       std::memcpy(v_pool.data_ptr<float>() + (h * slots + slot) * head_dim,
                   row + (heads + kv_heads + h) * head_dim, head_dim * sizeof(float));
     }
-    const int64_t first = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
-    const int64_t len = pos + 1 - first;
-    Tensor keys = k_pool.narrow(1, rows.base[r] + first, len);
-    Tensor values = v_pool.narrow(1, rows.base[r] + first, len);
-    Tensor q = qkv.select(0, r).narrow(0, 0, heads).view({kv_heads, group, head_dim});
-    Tensor scores = at::bmm(q, keys.transpose(1, 2)).mul_(scale);
-    Tensor into = out.select(0, r).view({kv_heads, group, head_dim});
-    at::bmm_out(into, at::_softmax(scores, -1, false), values);
   }
+  // each row over its own prefix; rows spread over the intra-op threads (reading keys is memory-bound)
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t pos = rows.position[r];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
+      const int64_t len = pos + 1 - first;
+      Tensor keys = k_pool.narrow(1, rows.base[r] + first, len);
+      Tensor values = v_pool.narrow(1, rows.base[r] + first, len);
+      Tensor q = qkv.select(0, r).narrow(0, 0, heads).view({kv_heads, group, head_dim});
+      Tensor scores = at::bmm(q, keys.transpose(1, 2));
+      Tensor into = out.select(0, r).view({kv_heads, group, head_dim});
+      at::bmm_out(into, at::_softmax(scores, -1, false), values);
+    }
+  });
   return x + linear(out.view({n, heads * head_dim}), p[A_O], p[A_O_SHAPE], p[A_O_BIAS]);
 }
 
