@@ -79,7 +79,11 @@ def available() -> bool:
     if not library.exists():
         log.info("the CPU decode kernel is not built (python -m hpipe.model.kernels); decode runs eagerly")
         return False
-    torch.ops.load_library(str(library))
+    try:
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as err:  # a broken build: decode eagerly rather than fail
+        log.warning("the CPU decode kernel at %s does not load (%s); decode runs eagerly", library, err)
+        return False
     return True
 
 

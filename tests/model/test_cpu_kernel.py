@@ -114,3 +114,15 @@ def test_smollm2_decode_step_through_the_kernel(smollm2, kernel):
         out[on] = stage(ids[:, 40:], 40, cache)[0, -1]
     assert stage._kernel is not None
     assert (out[True] - out[False]).abs().max() <= 1e-4 * out[False].abs().max()
+
+
+def test_a_library_that_does_not_load_means_eager(tmp_path, monkeypatch):
+    """A corrupt build in the cache is reported and skipped, not raised into a forward."""
+    monkeypatch.setattr(cpu_kernel, "build_dir", lambda: tmp_path)
+    monkeypatch.setattr(cpu_kernel.torch.ops, "hpipe", type("NoOps", (), {})())
+    (tmp_path / f"{cpu_kernel._name()}.so").write_bytes(b"not a shared library")
+    cpu_kernel.available.cache_clear()
+    try:
+        assert not cpu_kernel.available()
+    finally:
+        cpu_kernel.available.cache_clear()
