@@ -63,6 +63,10 @@ def build(verbose: bool = False) -> Path:
 
     path = build_dir()
     path.mkdir(parents=True, exist_ok=True)
+    # PyTorch runs `ninja` from PATH: the one pip installed beside this Python, if no other
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + bin_dir
     with _lock:
         load(name=_name(), sources=[str(SOURCE)], build_directory=str(path), extra_cflags=["-O3"],
              is_python_module=False, verbose=verbose)
