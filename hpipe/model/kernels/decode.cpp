@@ -3,7 +3,8 @@
 //
 // The arithmetic is the eager path's (hpipe/model/layers.py): the projections are the same
 // MKL-packed or plain linear calls, attention is the same two batched products and softmax per
-// row; norms, the rotary embedding and the KV writes are plain loops. What it saves is Python:
+// row (the queries scaled before, not the scores after); norms, the rotary embedding and the KV
+// writes are plain loops. What it saves is Python:
 // an eager decode step of SmolLM2 spends about a third of its time between kernels.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,7 +20,7 @@ using at::Tensor;
 
 namespace {
 
-// per unit, in the order the Python side packs them (cpu_kernel.unit_tensors)
+// per unit, in the order the Python side lists them (cpu_kernel.StageKernel)
 enum AttnParam { A_NORM, A_QKV, A_QKV_SHAPE, A_QKV_BIAS, A_O, A_O_SHAPE, A_O_BIAS, A_COUNT };
 enum MlpParam { M_NORM, M_GATE_UP, M_GATE_UP_SHAPE, M_GATE_UP_BIAS, M_DOWN, M_DOWN_SHAPE, M_DOWN_BIAS, M_COUNT };
 
