@@ -19,6 +19,7 @@ import torch
 
 from hpipe.core.cluster import DaemonOptions
 from hpipe.core.errors import HpipeError
+from hpipe.model import cpu_kernel
 from profiler import service as profiler_service
 from runtime.daemon import bind_warning, build_server
 from runtime.emulate import WORKER_THREAD_NAME, name_this_thread
@@ -44,8 +45,8 @@ def serve(options: DaemonOptions) -> int:
         log.warning("%s", warning)
     server, stage, port = build(options)
     server.start()
-    log.warning("hpipe daemon %s serving %s on %s:%d (pid-safe stop: SIGTERM)", options.name, options.device,
-                options.host, port)
+    log.warning("hpipe daemon %s serving %s on %s:%d (pid-safe stop: SIGTERM)%s", options.name, options.device,
+                options.host, port, _decode_path(options.device))
     stopped = threading.Event()
 
     def on_signal(signum, frame):
@@ -58,6 +59,17 @@ def serve(options: DaemonOptions) -> int:
     stage.shutdown()
     server.stop(grace=3).wait()
     return 0
+
+
+def _decode_path(device: str) -> str:
+    """How a CPU daemon's float32 decode micro-batches will run (loading the kernel now, if built)."""
+    if not device.startswith("cpu"):
+        return ""
+    if cpu_kernel.switched_off():
+        return f"; float32 decode eagerly ({cpu_kernel.ENV}=off)"
+    if cpu_kernel.available():
+        return "; float32 decode through the C++ kernel"
+    return "; float32 decode eagerly (the C++ kernel is not built here: python -m hpipe.model.kernels)"
 
 
 def systemd_unit(options) -> str:

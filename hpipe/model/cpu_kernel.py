@@ -97,10 +97,14 @@ def enable(flag: bool) -> None:
     _enabled = flag
 
 
+def switched_off() -> bool:
+    """Whether ``HPIPE_CPU_KERNEL=off`` or :func:`enable` (False) turned the kernel off."""
+    return not _enabled or os.environ.get(ENV, "").lower() == "off"
+
+
 def applies(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a stage on ``device`` in ``dtype`` runs its decode micro-batches through the kernel."""
-    return (_enabled and os.environ.get(ENV, "").lower() != "off" and device.type == "cpu"
-            and dtype == torch.float32 and available())
+    return not switched_off() and device.type == "cpu" and dtype == torch.float32 and available()
 
 
 def fits(entries: list[Entry], pool: KVPool | None) -> bool:

@@ -127,3 +127,12 @@ def test_a_library_that_does_not_load_means_eager(tmp_path, monkeypatch):
         assert not cpu_kernel.available()
     finally:
         cpu_kernel.available.cache_clear()
+
+
+def test_a_cpu_daemon_says_how_it_decodes(kernel, monkeypatch):
+    from hpipe.app.daemon import _decode_path
+
+    assert _decode_path("cuda:0") == ""
+    assert "through the C++ kernel" in _decode_path("cpu")
+    monkeypatch.setenv(cpu_kernel.ENV, "off")
+    assert f"{cpu_kernel.ENV}=off" in _decode_path("cpu")
