@@ -150,5 +150,6 @@ def main() -> None:
               + f"   total {sum(per) * 1e3:6.1f} ms, {sum(per) * 1e3 / b:5.2f} ms per sequence"
               + f"   (eager {sum(eager) * 1e3:6.1f} ms: {sum(per) / sum(eager):.2f}x)")
 
+
 if __name__ == "__main__":
     main()
