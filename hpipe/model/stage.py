@@ -198,10 +198,7 @@ class StageModel(nn.Module):
             if isinstance(block, Attention):
                 x = block(x, cos, sin, kv)
             elif self.units.has_head and int(u) == self.units.end - 1:
-                rows = logit_rows(entries)
-                if rows is None:
-                    return None
-                return block(x[0, rows] if len(rows) < tokens else x[0])
+                return self._logits(x[0], entries)
             else:
                 x = block(x)
         return x[0]
@@ -215,10 +212,14 @@ class StageModel(nn.Module):
         if self.units.has_embed:
             x = self.blocks["0"](x)
         x = self._kernel(x, cos[:, 0], sin[:, 0], entries, pool)
-        if not self.units.has_head:
-            return x
+        return self._logits(x, entries) if self.units.has_head else x
+
+    def _logits(self, x: torch.Tensor, entries: list[Entry]) -> torch.Tensor | None:
+        """The head over the rows of the residual stream ``x [tokens, hidden]`` the entries ask logits of."""
         rows = logit_rows(entries)
-        return None if rows is None else self.blocks[str(self.units.end - 1)](x[rows] if len(rows) < len(x) else x)
+        if rows is None:
+            return None
+        return self.blocks[str(self.units.end - 1)](x[rows] if len(rows) < len(x) else x)
 
     def parameter_count(self) -> int:
         """Parameters of the stage's units, packed weights included."""
