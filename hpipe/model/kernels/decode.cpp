@@ -2,15 +2,17 @@
 // own sequence. Python reaches it as torch.ops.hpipe.decode_units (hpipe/model/cpu_kernel.py).
 //
 // The arithmetic is the eager path's (hpipe/model/layers.py): the projections are the same
-// MKL-packed or plain linear calls, attention is the same two batched products and softmax per
-// row (the queries scaled before, not the scores after); norms, the rotary embedding and the KV
-// writes are plain loops. What it saves is Python:
-// an eager decode step of SmolLM2 spends about a third of its time between kernels.
+// MKL-packed or plain linear calls, and attention the same two products and softmax per row (the
+// queries scaled before, not the scores after), as AVX-512 loops that read each key and value once
+// where the CPU has it (attend_row), else as MKL's batched products; norms, the rotary embedding
+// and the KV writes are plain loops. What it saves is Python (an eager decode step of SmolLM2
+// spends about a third of its time between kernels) and, in attention, MKL's copies of the keys.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -75,6 +77,105 @@ void rotate(Tensor& qkv, const Tensor& cos, const Tensor& ssin, int64_t heads) {
   }
 }
 
+// One row's attention in two passes over each KV head's keys and values, each read once from
+// memory with AVX-512: MKL's batched product copies a row's keys before multiplying them, which for
+// one query row costs more than the product (SmolLM2, 16 rows over 1,200 positions, one thread: the
+// stage's attention took 146 ms through MKL, about 92 here against 85 ms to stream the keys and
+// values once). The sums run in another order than MKL's: the same up to float rounding.
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HPIPE_AVX512 __attribute__((target("avx512f")))
+
+// scores[g][j] = q[g] . keys[j] for the group's queries [group, dim] and the len keys [len, dim]
+HPIPE_AVX512 void key_scores(const float* q, const float* keys, int64_t len, int64_t group, int64_t dim,
+                             float* scores) {
+  if (dim == 64 && group <= 4) {  // the common shape: the queries in registers, each key loaded once
+    __m512 qr[4][4];
+    for (int64_t g = 0; g < group; ++g)
+      for (int c = 0; c < 4; ++c) qr[g][c] = _mm512_loadu_ps(q + g * 64 + c * 16);
+    for (int64_t j = 0; j < len; ++j) {
+      const float* k = keys + j * 64;
+      const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
+                   k3 = _mm512_loadu_ps(k + 48);
+      for (int64_t g = 0; g < group; ++g) {
+        const __m512 a = _mm512_fmadd_ps(qr[g][1], k1, _mm512_mul_ps(qr[g][0], k0));
+        const __m512 b = _mm512_fmadd_ps(qr[g][3], k3, _mm512_mul_ps(qr[g][2], k2));
+        scores[g * len + j] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+      }
+    }
+    return;
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    const float* k = keys + j * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * dim;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(k));
+      for (int64_t i = 16; i < dim; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), _mm512_loadu_ps(k + i), acc);
+      scores[g * len + j] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+// out[g] = sum over j of probs[g][j] * values[j], for values [len, dim]
+HPIPE_AVX512 void weighted_values(const float* probs, const float* values, int64_t len, int64_t group, int64_t dim,
+                                  float* out) {
+  if (dim == 64 && group <= 4) {  // the common shape: every sum in registers
+    __m512 acc[4][4];
+    for (auto& row : acc)
+      for (auto& a : row) a = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; ++j) {
+      const float* v = values + j * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(v + 16 * 64), _MM_HINT_T0);
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                   v3 = _mm512_loadu_ps(v + 48);
+      for (int64_t g = 0; g < group; ++g) {
+        const __m512 p = _mm512_set1_ps(probs[g * len + j]);
+        acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
+        acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+        acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
+        acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * 64 + c * 16, acc[g][c]);
+    return;
+  }
+  std::fill(out, out + group * dim, 0.f);
+  for (int64_t j = 0; j < len; ++j) {
+    const float* v = values + j * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * len + j]);
+      float* o = out + g * dim;
+      for (int64_t i = 0; i < dim; i += 16)
+        _mm512_storeu_ps(o + i, _mm512_fmadd_ps(p, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
+    }
+  }
+}
+
+bool vector_attention(int64_t head_dim) {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  return avx512 && head_dim % 16 == 0;
+}
+
+// queries q [kv_heads * group, dim] over the len positions from keys and values [kv_heads, slots,
+// dim] (already offset to the row's first position), into out [kv_heads * group, dim]
+void attend_row(const float* q, const float* keys, const float* values, int64_t slots, int64_t len,
+                int64_t kv_heads, int64_t group, int64_t dim, float* out, const at::TensorOptions& options) {
+  Tensor scores = at::empty({kv_heads, group, len}, options);
+  for (int64_t h = 0; h < kv_heads; ++h)
+    key_scores(q + h * group * dim, keys + h * slots * dim, len, group, dim, scores.data_ptr<float>() + h * group * len);
+  const Tensor probs = at::_softmax(scores, -1, false);
+  for (int64_t h = 0; h < kv_heads; ++h)
+    weighted_values(probs.data_ptr<float>() + h * group * len, values + h * slots * dim, len, group, dim,
+                    out + h * group * dim);
+}
+#else
+bool vector_attention(int64_t) { return false; }
+void attend_row(const float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*,
+                const at::TensorOptions&) {}
+#endif
+
 struct Rows {
   std::vector<int64_t> position;  // each row's position in its sequence
   std::vector<int64_t> base;      // the pool slot of its sequence's position 0 (its blocks are consecutive)
@@ -103,11 +204,19 @@ Tensor attention_unit(const Tensor& x, const std::vector<Tensor>& p, const Tenso
     }
   }
   // each row over its own prefix; rows spread over the intra-op threads (reading keys is memory-bound)
+  const bool vector = vector_attention(head_dim);
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t pos = rows.position[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
       const int64_t len = pos + 1 - first;
+      if (vector) {
+        const int64_t at = (rows.base[r] + first) * head_dim;
+        attend_row(qkv.data_ptr<float>() + r * (heads + 2 * kv_heads) * head_dim, k_pool.data_ptr<float>() + at,
+                   v_pool.data_ptr<float>() + at, slots, len, kv_heads, group, head_dim,
+                   out.data_ptr<float>() + r * heads * head_dim, x.options());
+        continue;
+      }
       Tensor keys = k_pool.narrow(1, rows.base[r] + first, len);
       Tensor values = v_pool.narrow(1, rows.base[r] + first, len);
       Tensor q = qkv.select(0, r).narrow(0, 0, heads).view({kv_heads, group, head_dim});
