@@ -1,5 +1,7 @@
 """Packed linears compute what nn.Linear does; float32 CPU stages use them and count the same weights."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,3 +60,24 @@ def test_stages_pack_only_on_cpus_where_it_pays(monkeypatch, vendor, packs):
     stage = StageModel.random(cfg, UnitRange.full(cfg.num_layers), dtype=torch.float32)
     assert any(isinstance(m, packed.PackedLinear) for m in stage.modules()) == packs
     assert packed.applies(torch.device("cpu"), torch.float32) == packs
+
+
+def test_a_stage_packs_its_lm_head_unless_it_is_also_its_embedding():
+    """A last stage's head is packed and gives the plain head's logits; a stage holding the tied
+    embedding too keeps the one shared tensor."""
+    cfg = model_shape("random:tiny")[1]
+    cuts = UnitRange(cfg.num_units - 3, cfg.num_units, cfg.num_layers)
+    plain = StageModel.random(cfg, cuts, pack=False)
+    last = StageModel.random(cfg, cuts, pack=True)
+    assert isinstance(last.blocks[str(cfg.num_units - 1)].lm_head, packed.PackedLinear)
+    x = torch.randn(1, 6, cfg.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(last(x, 0, last.new_cache(1, 8)), plain(x, 0, plain.new_cache(1, 8)),
+                                   rtol=1e-5, atol=1e-5)
+    untied = StageModel.random(cfg, UnitRange.full(cfg.num_layers), pack=True)
+    assert isinstance(untied.blocks[str(cfg.num_units - 1)].lm_head, packed.PackedLinear)
+    tied = dataclasses.replace(cfg, tie_word_embeddings=True)
+    whole = StageModel.random(tied, UnitRange.full(tied.num_layers), pack=True)
+    head = whole.blocks[str(tied.num_units - 1)]
+    assert isinstance(head.lm_head, nn.Linear)
+    assert head.lm_head.weight is whole.blocks["0"].embed_tokens.weight
