@@ -45,6 +45,7 @@ SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
 ENV = "HPIPE_CPU_KERNEL"  # "off" disables it
 _lock = threading.Lock()
 _enabled = True
+_vector = True  # attention through the AVX-512 loops where the CPU has them
 
 
 def _name() -> str:
@@ -97,6 +98,13 @@ def enable(flag: bool) -> None:
     _enabled = flag
 
 
+def vector_attention(flag: bool) -> None:
+    """Attention through the kernel's AVX-512 loops where the CPU has them (the default), or through
+    MKL's batched products as on other CPUs (to compare both)."""
+    global _vector
+    _vector = flag
+
+
 def switched_off() -> bool:
     """Whether ``HPIPE_CPU_KERNEL=off`` or :func:`enable` (False) turned the kernel off."""
     return not _enabled or os.environ.get(ENV, "").lower() == "off"
@@ -143,7 +151,7 @@ class StageKernel:
         return torch.ops.hpipe.decode_units(
             x.contiguous(), cos, ssin, [e.start for e in entries], [e.kv.run(e.start + 1)[0] for e in entries],
             self.kinds, self._params, [pool.k[i] for i in self.layers], [pool.v[i] for i in self.layers],
-            self.windows, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+            self.windows, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, _vector)
 
 
 _NONE = torch.empty(0)

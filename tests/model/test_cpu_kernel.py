@@ -2,13 +2,15 @@
 projections, stages that start with an MLP or end with attention, sequences of different lengths,
 one sliding past its window; and it takes only the micro-batches it can run."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from hpipe.core.units import UnitRange, ranges_from_cuts
 from hpipe.model import StageModel, cpu_kernel
 from hpipe.model.kvpool import Entry, KVPool
-from hpipe.model.sources import resolve_model
+from hpipe.model.sources import model_shape, resolve_model
 from tests.helpers import FAMILIES, max_rel_diff
 
 
@@ -22,6 +24,7 @@ def kernel():
     assert cpu_kernel.available()
     yield
     cpu_kernel.enable(True)
+    cpu_kernel.vector_attention(True)
 
 
 def _prefill(stages, pools, seqs, prompts):
@@ -36,11 +39,13 @@ def _prefill(stages, pools, seqs, prompts):
     return x.argmax(-1)
 
 
+@pytest.mark.parametrize("vector", [True, False])
 @pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_kernel_equals_eager_decode(family, pack, tiny_dirs, kernel):
+def test_kernel_equals_eager_decode(family, pack, vector, tiny_dirs, kernel):
     if pack and not torch.backends.mkl.is_available():
         pytest.skip("no MKL packed GEMM in this build")
+    cpu_kernel.vector_attention(vector)
     source = resolve_model(str(tiny_dirs[family]))
     cfg, store = source.config, source.weights()
     # [embed, attn] / [mlp, attn, mlp] / [attn, mlp, head]
@@ -73,6 +78,39 @@ def test_kernel_equals_eager_decode(family, pack, tiny_dirs, kernel):
     assert max_rel_diff(runs["kernel"], runs["eager"]) <= 1e-5, family
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [
+    (9, 3, 64),   # SmolLM2's shape: the loops' queries and sums in registers
+    (8, 1, 64),   # a group of 8 queries per KV head: the general loops
+    (4, 2, 16),   # a head of 16: the general loops
+    (4, 2, 24),   # a head the loops do not take: MKL's products
+])
+def test_kernel_attention_equals_eager_for_every_head_shape(heads, kv_heads, head_dim, kernel):
+    """Six sequences of 1-70 positions decoding through one attention unit: the kernel's output is
+    the eager path's, whichever form its attention takes for the head shape."""
+    cpu_kernel.vector_attention(True)
+    cfg = dataclasses.replace(model_shape("random:tiny")[1], num_heads=heads, num_kv_heads=kv_heads,
+                              head_dim=head_dim)
+    stage = StageModel.random(cfg, UnitRange(1, 2, cfg.num_layers))  # the first attention unit alone
+    gen = torch.Generator().manual_seed(7)
+    lengths = [1, 5, 17, 33, 64, 70]
+    out = {}
+    for on in (False, True):
+        cpu_kernel.enable(on)
+        pool = stage.new_pool(6 * 6)
+        seqs = [pool.sequence(80) for _ in lengths]
+        gen.manual_seed(7)
+        prompt = torch.randn(sum(lengths), cfg.hidden_size, generator=gen)
+        for s, n in zip(seqs, lengths):
+            s.grow(n + 1)
+        stage.forward_batch(prompt, [Entry(0, n, s) for s, n in zip(seqs, lengths)], pool)
+        x = torch.randn(len(lengths), cfg.hidden_size, generator=gen)
+        entries = [Entry(n, 1, s) for s, n in zip(seqs, lengths)]
+        assert cpu_kernel.fits(entries, pool)
+        out[on] = stage.forward_batch(x, entries, pool)
+    assert stage._kernel is not None
+    assert max_rel_diff(out[True], out[False]) <= 1e-5
+
+
 def test_kernel_takes_only_live_consecutive_decode_tokens(kernel):
     pool = KVPool([0], 4, 2, 8, torch.float32, "cpu", block_size=4)
     seq = pool.sequence(8)
@@ -102,8 +140,10 @@ def test_switched_off_by_the_environment(kernel, monkeypatch):
     assert not cpu_kernel.applies(torch.device("cpu"), torch.float32)
 
 
-def test_smollm2_decode_step_through_the_kernel(smollm2, kernel):
+@pytest.mark.parametrize("vector", [True, False])
+def test_smollm2_decode_step_through_the_kernel(smollm2, kernel, vector):
     """The real model, one sequence after a 40-token prompt: the kernel's logits are the eager ones."""
+    cpu_kernel.vector_attention(vector)
     cfg = smollm2.config
     stage = StageModel.from_checkpoint(smollm2.weights(), cfg, UnitRange.full(cfg.num_layers))
     ids = torch.randint(0, cfg.vocab_size, (1, 41), generator=torch.Generator().manual_seed(5))

@@ -183,7 +183,7 @@ struct Rows {
 
 Tensor attention_unit(const Tensor& x, const std::vector<Tensor>& p, const Tensor& k_pool, const Tensor& v_pool,
                       const Tensor& cos, const Tensor& ssin, const Rows& rows, int64_t window, int64_t heads,
-                      int64_t kv_heads, int64_t head_dim, double eps) {
+                      int64_t kv_heads, int64_t head_dim, double eps, bool vector) {
   const int64_t n = x.size(0), group = heads / kv_heads;
   Tensor qkv = linear(rms_norm(x, p[A_NORM], eps), p[A_QKV], p[A_QKV_SHAPE], p[A_QKV_BIAS])
                    .view({n, heads + 2 * kv_heads, head_dim});
@@ -204,7 +204,6 @@ Tensor attention_unit(const Tensor& x, const std::vector<Tensor>& p, const Tenso
     }
   }
   // each row over its own prefix; rows spread over the intra-op threads (reading keys is memory-bound)
-  const bool vector = vector_attention(head_dim);
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t pos = rows.position[r];
@@ -240,17 +239,19 @@ Tensor mlp_unit(const Tensor& x, const std::vector<Tensor>& p, double eps) {
 // turn (A_COUNT or M_COUNT of them; an empty tensor for a bias or packed shape it lacks);
 // k_pools, v_pools and windows hold each attention unit's KV pool tensors [kv_heads, slots,
 // head_dim] and sliding window (0: none). cos and ssin [rows, head_dim] are the rows' rotary
-// factors; positions and bases as in Rows.
+// factors; positions and bases as in Rows. vector: attention through the AVX-512 loops where the
+// CPU and the head size allow them (false: MKL's products, to compare).
 Tensor decode_units(Tensor x, const Tensor& cos, const Tensor& ssin, at::IntArrayRef positions,
                     at::IntArrayRef bases, at::IntArrayRef kinds, at::TensorList params, at::TensorList k_pools,
                     at::TensorList v_pools, at::IntArrayRef windows, int64_t heads, int64_t kv_heads,
-                    int64_t head_dim, double eps) {
+                    int64_t head_dim, double eps, bool vector) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "decode_units takes a contiguous float32 CPU residual stream [rows, hidden]");
   TORCH_CHECK(static_cast<int64_t>(positions.size()) == x.size(0) && positions.size() == bases.size(),
               "one position and one base slot per row");
   TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
   Rows rows{positions.vec(), bases.vec()};
+  vector = vector && vector_attention(head_dim);
   Tensor c = cos.contiguous(), s = ssin.contiguous();
   TORCH_CHECK(c.dim() == 2 && c.size(0) == x.size(0) && c.size(1) == head_dim && s.sizes() == c.sizes() &&
                   c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat,
@@ -269,7 +270,7 @@ Tensor decode_units(Tensor x, const Tensor& cos, const Tensor& ssin, at::IntArra
                         pool->size(0) == kv_heads && pool->size(2) == head_dim,
                     "a KV pool tensor is contiguous float32 [kv_heads, slots, head_dim]");
       x = attention_unit(x, p, k_pools[at_window], v_pools[at_window], c, s, rows, windows[at_window], heads,
-                         kv_heads, head_dim, eps);
+                         kv_heads, head_dim, eps, vector);
       ++at_window;
     } else {
       x = mlp_unit(x, p, eps);
@@ -284,6 +285,7 @@ Tensor decode_units(Tensor x, const Tensor& cos, const Tensor& ssin, at::IntArra
 // one kernel for every dispatch key: the packed weights are MKL-DNN tensors, the rest plain CPU ones
 TORCH_LIBRARY(hpipe, m) {
   m.def("decode_units(Tensor x, Tensor cos, Tensor ssin, int[] positions, int[] bases, int[] kinds, "
-        "Tensor[] params, Tensor[] k_pools, Tensor[] v_pools, int[] windows, int heads, int kv_heads, int head_dim, float eps) -> Tensor",
+        "Tensor[] params, Tensor[] k_pools, Tensor[] v_pools, int[] windows, int heads, int kv_heads, int head_dim, float eps, "
+        "bool vector) -> Tensor",
         &decode_units);
 }
