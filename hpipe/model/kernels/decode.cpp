@@ -80,8 +80,8 @@ void rotate(Tensor& qkv, const Tensor& cos, const Tensor& ssin, int64_t heads) {
 // One row's attention in two passes over each KV head's keys and values, each read once from
 // memory with AVX-512: MKL's batched product copies a row's keys before multiplying them, which for
 // one query row costs more than the product (SmolLM2, 16 rows over 1,200 positions, one thread: all
-// 30 layers' attention took 146 ms through MKL, about 92 here against 85 ms to stream the keys and
-// values once). The sums run in another order than MKL's: the same up to float rounding.
+// 30 layers' attention took 146 ms through MKL, about 92 here against 87-93 ms to stream the keys
+// and values once). The sums run in another order than MKL's: the same up to float rounding.
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define HPIPE_AVX512 __attribute__((target("avx512f")))
