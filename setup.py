@@ -10,14 +10,14 @@ HERE = Path(__file__).resolve().parent
 
 
 class BuildPyWithWireCode(build_py):
-    """Also generate runtime/proto_gen into the build: an installed hpipe has no proto to generate from."""
+    """Also generate runtime/wire/proto_gen into the build: an installed hpipe has no proto to generate from."""
 
     def run(self):
         super().run()
-        spec = importlib.util.spec_from_file_location("protogen", HERE / "runtime" / "protogen.py")
+        spec = importlib.util.spec_from_file_location("protogen", HERE / "runtime" / "wire" / "protogen.py")
         protogen = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(protogen)
-        protogen.generate(HERE / "proto" / "stage.proto", Path(self.build_lib) / "runtime" / "proto_gen")
+        protogen.generate(HERE / "proto" / "stage.proto", Path(self.build_lib) / "runtime" / "wire" / "proto_gen")
 
 
 setup(cmdclass={"build_py": BuildPyWithWireCode})

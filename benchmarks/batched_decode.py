@@ -29,10 +29,10 @@ from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
 from hpipe.model.sources import resolve_model
 from hpipe.model.stage import DTYPES
-from runtime.coordinator import Pipeline, coordinate_on_one_thread
-from runtime.engine import Engine, Request
-from runtime.jobs import JobConfig, run_job
-from runtime.policies import POLICIES
+from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread
+from runtime.coordinator.engine import Engine, Request
+from hpipe.app.jobs import JobConfig, run_job
+from runtime.coordinator.policies import POLICIES
 
 INSTRUCTION = "Summarize this report."
 

@@ -24,8 +24,8 @@ from hpipe.core import workload
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
 from hpipe.model.stage import DTYPES
-from runtime.coordinator import Pipeline, coordinate_on_one_thread
-from runtime.policies import GLLM
+from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread
+from runtime.coordinator.policies import GLLM
 
 
 def main() -> None:

@@ -29,8 +29,8 @@ from hpipe.core.units import UnitRange
 from hpipe.model import StageModel
 from hpipe.model.sources import model_shape
 from hpipe.model.stage import parse_dtype
-from runtime import launcher
-from runtime.coordinator import Pipeline, cut_stages
+from runtime.cluster import launcher
+from runtime.coordinator.pipeline import Pipeline, cut_stages
 
 
 def free_port() -> int:

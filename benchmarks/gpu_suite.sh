@@ -27,7 +27,7 @@ BATCH=${BATCH:-6}
 SEQ=${SEQ:-2048}
 LONG_LENS=${LONG_LENS:-8192 16384 32768}
 hpipe() { "$PY" -m hpipe.app.cli "$@"; }
-$PY -m runtime.protogen >/dev/null || exit 1
+$PY -m runtime.wire.protogen >/dev/null || exit 1
 
 step_tests() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true

@@ -26,8 +26,8 @@ from hpipe.app.demo import INSTRUCTION
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
 from hpipe.model.sources import resolve_model
-from runtime.coordinator import Pipeline, coordinate_on_one_thread
-from runtime.jobs import JobConfig, run_job
+from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread
+from hpipe.app.jobs import JobConfig, run_job
 
 DEFAULT = JobConfig(instruction="").parallel
 

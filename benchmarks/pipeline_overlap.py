@@ -19,8 +19,8 @@ import torch
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.units import even_cuts
 from hpipe.model.sources import resolve_model
-from runtime import launcher
-from runtime.coordinator import Pipeline, RemoteRunner, cut_stages
+from runtime.cluster import launcher
+from runtime.coordinator.pipeline import Pipeline, RemoteRunner, cut_stages
 
 
 def main() -> int:

@@ -22,8 +22,8 @@ import sys
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.profile import Profile
 from planner.costs import CostModel
-from runtime.channels import DaemonClient, Security
-from runtime.wire import pb
+from runtime.wire.channels import DaemonClient, Security
+from runtime.wire.messages import pb
 
 
 def main() -> int:

@@ -26,12 +26,12 @@ import torch
 
 from hpipe.core.cluster import ClusterSpec
 from hpipe.model.sources import resolve_model
-from runtime import launcher
-from runtime.channels import DaemonClient
-from runtime.coordinator import Pipeline, coordinate_on_one_thread, cut_stages
-from runtime.engine import Engine, Request
-from runtime.policies import POLICIES
-from runtime.recovery import Redeploy
+from runtime.cluster import launcher
+from runtime.wire.channels import DaemonClient
+from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread, cut_stages
+from runtime.coordinator.engine import Engine, Request
+from runtime.coordinator.policies import POLICIES
+from runtime.coordinator.recovery import Redeploy
 
 MODEL = "smollm2-135m"
 

@@ -23,8 +23,8 @@ from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
 from hpipe.model.generate import LocalModel, generate_ids
 from hpipe.model.sources import resolve_model
-from runtime.coordinator import Pipeline
-from runtime.jobs import JobConfig, build_prompt, run_job
+from runtime.coordinator.pipeline import Pipeline
+from hpipe.app.jobs import JobConfig, build_prompt, run_job
 
 
 def documents(tokenizer, count: int, lo: int, hi: int, folder: Path) -> list[Path]:

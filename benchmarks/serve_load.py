@@ -37,9 +37,9 @@ from hpipe.core.plan import Plan
 from hpipe.core.workload import WorkItem
 from hpipe.model.sources import resolve_model
 from hpipe.model.stage import DTYPES
-from runtime.channels import DaemonClient, Security
-from runtime.coordinator import Pipeline, coordinate_on_one_thread
-from runtime.wire import pb
+from runtime.wire.channels import DaemonClient, Security
+from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread
+from runtime.wire.messages import pb
 
 
 def _free_port() -> int:

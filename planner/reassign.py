@@ -4,7 +4,7 @@ Design note. Re-planning on the survivors from scratch (the plan's strategy on
 ``Profile.without``) finds the best pipeline for them, but it moves every cut: each survivor
 reloads its units and every sequence in flight is prefilled again. Moving only the lost daemon's
 stages keeps every other stage where it is, with its weights and its KV caches; the moved stages
-are rebuilt from the replay log of the stage before each (``runtime.resume``). This picks, for
+are rebuilt from the replay log of the stage before each (``runtime.coordinator.resume``). This picks, for
 each lost stage, the survivor that keeps the busiest device's work smallest: a device computes
 all its stages, so its load is the sum of its stages' times for the workload's slice, and every
 device must hold what it is given. The application compares the busiest device's load with a

@@ -42,9 +42,9 @@ from profiler.reference import (
     time_reference,
     time_stage,
 )
-from runtime import hoststat
-from runtime.channels import DaemonClient, Security
-from runtime.wire import TO_WIRE, pb
+from runtime.daemon import hoststat
+from runtime.wire.channels import DaemonClient, Security
+from runtime.wire.messages import TO_WIRE, pb
 
 log = logging.getLogger(__name__)
 

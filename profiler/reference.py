@@ -21,8 +21,8 @@ from hpipe.core.config import ModelConfig
 from hpipe.core.errors import HpipeError
 from hpipe.core.profile import Profile
 from hpipe.model.stage import DTYPES
-from runtime.channels import DaemonClient, Security
-from runtime.wire import TO_WIRE, pb
+from runtime.wire.channels import DaemonClient, Security
+from runtime.wire.messages import TO_WIRE, pb
 
 log = logging.getLogger(__name__)
 

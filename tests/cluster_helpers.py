@@ -8,8 +8,8 @@ from pathlib import Path
 
 from hpipe.app.daemon import build
 from hpipe.core.cluster import ClusterSpec, DaemonOptions, DaemonSpec
-from runtime import launcher
-from runtime.channels import DaemonClient, Security
+from runtime.cluster import launcher
+from runtime.wire.channels import DaemonClient, Security
 
 
 def free_ports(n):

@@ -10,7 +10,7 @@ from hpipe.model import StageModel
 from hpipe.model.generate import LocalModel, decode_loop
 from hpipe.model.sampling import Sampler
 from hpipe.model.sources import resolve_model
-from runtime.coordinator import Pipeline, RemoteRunner, cut_stages
+from runtime.coordinator.pipeline import Pipeline, RemoteRunner, cut_stages
 from tests.cluster_helpers import RunningCluster, Served, cluster_of, write_cluster
 from tests.helpers import hf_model, max_rel_diff, run_split
 
@@ -109,7 +109,7 @@ def test_cuda_graph_decode_equals_eager_decode(tiny_dirs):
 
 def test_redeployment_does_not_hold_the_old_model():
     """Peak memory after a redeployment is that of the new stage, not old + new (a 7B-shaped model)."""
-    from runtime.wire import pb
+    from runtime.wire.messages import pb
 
     first, second = Served("g", device="cuda:0"), Served("h", device="cuda:0")
     pipe = Pipeline(cluster_of(first, second))

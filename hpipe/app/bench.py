@@ -26,9 +26,9 @@ from hpipe.core.profile import Profile
 from hpipe.model.stage import DTYPES
 from planner.costs import CostModel, Workload
 from planner.strategies import ideal_seconds, timeline
-from runtime import hoststat
-from runtime.coordinator import Pipeline, RemoteSequence
-from runtime.wire import pb
+from runtime.daemon import hoststat
+from runtime.coordinator.pipeline import Pipeline, RemoteSequence
+from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
 

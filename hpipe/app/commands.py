@@ -81,7 +81,7 @@ def load_plan(path: str):
 
 def coordinator(cluster):
     """A :class:`Pipeline` on ``cluster``, this process coordinating on one CPU thread."""
-    from runtime.coordinator import Pipeline, coordinate_on_one_thread
+    from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread
 
     coordinate_on_one_thread()
     return Pipeline(cluster)
@@ -141,7 +141,7 @@ def generate(args: argparse.Namespace) -> int:
 
 def _generate_on_cluster(args, cluster, source, dtype, tokenizer, prompt, sampling):
     from hpipe.core.units import even_cuts
-    from runtime.coordinator import cut_stages, generate_on_cluster
+    from runtime.coordinator.pipeline import cut_stages, generate_on_cluster
 
     cfg = source.config
     cuts = args.cuts if args.cuts is not None else even_cuts(cfg.num_units, min(len(cluster.daemons), cfg.num_units))
@@ -169,7 +169,7 @@ def daemon(args: argparse.Namespace) -> int:
 
 def cluster(args: argparse.Namespace) -> int:
     from hpipe.core.cluster import ClusterSpec
-    from runtime import launcher
+    from runtime.cluster import launcher
 
     spec = ClusterSpec.load(args.file)
     if args.action == "status":
@@ -273,7 +273,7 @@ def plan(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from hpipe.app.replan import replanner
     from hpipe.model.sources import resolve_model
-    from runtime.jobs import JobConfig, run_job
+    from hpipe.app.jobs import JobConfig, run_job
 
     the_plan = load_plan(args.plan)
     if args.strategy and args.strategy.replace("-", "_") not in the_plan.strategies:

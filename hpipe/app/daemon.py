@@ -1,8 +1,8 @@
 """``hpipe daemon``: one device served as a pipeline stage, with the profiler beside it.
 
-This is where the daemon is put together: the stage service (:mod:`runtime.daemon`), the
+This is where the daemon is put together: the stage service (:mod:`runtime.daemon.servicer`), the
 profiler's service (:mod:`profiler.service`), and the name an emulated device's CPU quota finds
-its worker thread by (:mod:`runtime.emulate`).
+its worker thread by (:mod:`runtime.cluster.emulate`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from hpipe.core.cluster import DaemonOptions
 from hpipe.core.errors import HpipeError
 from hpipe.model import cpu_kernel
 from profiler import service as profiler_service
-from runtime.daemon import bind_warning, build_server
-from runtime.emulate import WORKER_THREAD_NAME, name_this_thread
-from runtime.stage_server import StageServer
+from runtime.daemon.servicer import bind_warning, build_server
+from runtime.cluster.emulate import WORKER_THREAD_NAME, name_this_thread
+from runtime.daemon.stage_server import StageServer
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _decode_path(device: str) -> str:
 def systemd_unit(options) -> str:
     """A systemd service running ``hpipe daemon`` with ``options``, restarted when it fails (a
     bounded number of times, as ``hpipe cluster up``'s supervisor does for local daemons)."""
-    from runtime.launcher import MAX_RESTARTS, RESTART_WINDOW_S
+    from runtime.cluster.launcher import MAX_RESTARTS, RESTART_WINDOW_S
 
     command = " ".join(shlex.quote(str(a)) for a in [sys.executable, "-m", "hpipe", "daemon", *options.argv()])
     return f"""# hpipe daemon {options.name or options.address}: save as /etc/systemd/system/hpipe-daemon.service, then

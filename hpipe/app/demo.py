@@ -23,7 +23,7 @@ INSTRUCTION = "What was the direct cause of the outage described in this report?
 
 def default_cluster() -> Path:
     """The emulated heterogeneous cluster where this machine can emulate one (root), else plain local daemons."""
-    from runtime.emulate import unavailable
+    from runtime.cluster.emulate import unavailable
 
     why = unavailable()
     if why is None:
@@ -58,9 +58,9 @@ def run_demo(cluster_file: Path | None = None, instruction: str = INSTRUCTION, m
     from planner.costs import Workload
     from planner.strategies import plan as make_plan
     from profiler.measure import profile_cluster
-    from runtime import launcher
-    from runtime.coordinator import Pipeline, coordinate_on_one_thread
-    from runtime.jobs import JobConfig, build_prompt, run_job
+    from runtime.cluster import launcher
+    from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread
+    from hpipe.app.jobs import JobConfig, build_prompt, run_job
 
     cluster_file = cluster_file or default_cluster()
     source = resolve_model("smollm2-135m")

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API of ``hpipe serve`` (FastAPI): chat and text completions (streamed
 as server-sent events or not), the model list, health, and Prometheus metrics.
 
-Requests become :class:`runtime.engine.Request` s on the shared engine (:class:`Backend`); tokens
+Requests become :class:`runtime.coordinator.engine.Request` s on the shared engine (:class:`Backend`); tokens
 come back through an asyncio queue per request. Text is detokenized incrementally: a token that
 ends in the middle of a character is held back until the character is whole. Stop strings are
 matched on the text: the answer is cut before the match and the request ends at once, freeing its

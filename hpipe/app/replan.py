@@ -1,6 +1,6 @@
 """What a job does when a daemon does not come back: the lost stages moved, or a fresh plan.
 
-Called by :class:`runtime.recovery.Redeploy` with the daemons still answering, once the grace
+Called by :class:`runtime.coordinator.recovery.Redeploy` with the daemons still answering, once the grace
 period is over (``hpipe run --profile P.json``).
 """
 
@@ -19,7 +19,7 @@ MOVE_SLACK = 1.5
 
 
 def replanner(plan: Plan, profile: Profile):
-    """``replan(survivors, stages) -> stages`` (what runtime.recovery calls when a daemon does not
+    """``replan(survivors, stages) -> stages`` (what runtime.coordinator.recovery calls when a daemon does not
     come back), from the saved profile: the lost daemon's stages moved to the survivors, every other
     stage kept (planner.reassign), unless that is more than MOVE_SLACK times slower than the plan's
     strategy re-planned on the survivors, or does not fit; then the fresh plan."""

@@ -1,7 +1,7 @@
 """What ``hpipe serve`` runs behind its HTTP API: the deployed pipeline, one engine on a thread of
 its own, admission (a bounded queue, length limits), the tokenizer, and the metrics.
 
-The engine is the one ``hpipe run`` uses (:mod:`runtime.engine`), so the server batches many
+The engine is the one ``hpipe run`` uses (:mod:`runtime.coordinator.engine`), so the server batches many
 users' requests into the same micro-batches and a long document's prompt is prefilled in the
 plan's slices; its first token streams as soon as that prefill ends.
 """
@@ -19,12 +19,12 @@ from hpipe.core.plan import Plan
 from hpipe.model.generate import encode_chat
 from hpipe.model.sampling import SamplingParams
 from hpipe.model.stage import DTYPES
-from runtime.coordinator import Pipeline
-from runtime.engine import Engine, Request
-from runtime.jobs import plan_slicer
-from runtime.policies import POLICIES
-from runtime.recovery import Redeploy
-from runtime.wire import pb
+from runtime.coordinator.pipeline import Pipeline
+from runtime.coordinator.engine import Engine, Request
+from hpipe.app.jobs import plan_slicer
+from runtime.coordinator.policies import POLICIES
+from runtime.coordinator.recovery import Redeploy
+from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Backend:
         """Deploy the plan and start the engine's thread (returns once serving)."""
         self.pipe.deploy(self.plan.model_name, self.plan.chosen.stages, DTYPES[self.plan.dtype])
         # a stage that dies is waited for (the supervisor restarts it) and redeployed; requests
-        # in flight resume where the stages can go on from, and their streams go on (runtime.recovery)
+        # in flight resume where the stages can go on from, and their streams go on (runtime.coordinator.recovery)
         recover = Redeploy(self.pipe, self.plan.model_name, self.plan.chosen.stages, DTYPES[self.plan.dtype])
         self.engine = Engine(self.pipe.session(), POLICIES[self.policy](), depth=len(self.pipe.stages),
                              max_running=self.max_queue, recover=recover)

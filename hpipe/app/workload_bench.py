@@ -21,10 +21,10 @@ from hpipe.core.errors import HpipeError
 from hpipe.core.plan import Plan
 from hpipe.core.workload import WorkItem, prompt_ids
 from hpipe.model.stage import DTYPES
-from runtime.coordinator import Pipeline
-from runtime.engine import Engine, Request
-from runtime.jobs import plan_slicer
-from runtime.policies import POLICIES
+from runtime.coordinator.pipeline import Pipeline
+from runtime.coordinator.engine import Engine, Request
+from hpipe.app.jobs import plan_slicer
+from runtime.coordinator.policies import POLICIES
 
 log = logging.getLogger(__name__)
 

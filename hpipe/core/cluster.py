@@ -16,7 +16,7 @@ daemons:
     model_dirs: [/srv/models] # optional: where Load may read model files, beyond hpipe's cache
     tls_cert: a.pem           # optional, with tls_key
     tls_key: a.key
-    emulate: {...}            # optional, see runtime/emulate/
+    emulate: {...}            # optional, see runtime/cluster/emulate/
     spec: {...}               # optional published specs, for `hpipe profile --simulate`
 ```
 
@@ -42,7 +42,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-#: a daemon's default replay budget (runtime.replay_log)
+#: a daemon's default replay budget (runtime.daemon.replay_log)
 REPLAY_BUDGET = 512 << 20
 
 

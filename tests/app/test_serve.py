@@ -15,7 +15,7 @@ from hpipe.core.plan import Plan, Stage, StrategyPlan
 from hpipe.model.generate import LocalModel, decode_loop, encode_chat
 from hpipe.model.sampling import Sampler
 from hpipe.model.sources import resolve_model
-from runtime.coordinator import Pipeline
+from runtime.coordinator.pipeline import Pipeline
 from tests.cluster_helpers import Served, cluster_of
 
 KEY = "sk-test-key"
@@ -192,7 +192,7 @@ def test_queue_full_is_429_with_retry_after_and_down_stage_is_503(server):
 
 
 def _parked(engine):
-    from runtime.engine import Request
+    from runtime.coordinator.engine import Request
 
     return Request([1, 2, 3], 1)
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from hpipe.core.cluster import ClusterSpec, DaemonSpec
-from runtime.channels import DaemonClient, Security
-from runtime.coordinator import Pipeline, cut_stages
-from runtime.deployment import check_source
-from runtime.transport import LinkError, connect, read_payload
-from runtime.wire import MAX_MESSAGE_BYTES, pb, pb_grpc
+from runtime.wire.channels import DaemonClient, Security
+from runtime.coordinator.pipeline import Pipeline, cut_stages
+from runtime.daemon.deployment import check_source
+from runtime.wire.transport import LinkError, connect, read_payload
+from runtime.wire.messages import MAX_MESSAGE_BYTES, pb, pb_grpc
 from tests.cluster_helpers import Served
 
 
@@ -255,7 +255,7 @@ def _two_stage_pipeline(tiny_dirs, security, **kw):
 def _greedy(pipe, n=6):
     from hpipe.model.generate import decode_loop
     from hpipe.model.sampling import Sampler
-    from runtime.coordinator import RemoteRunner
+    from runtime.coordinator.pipeline import RemoteRunner
 
     with pipe.open(32) as seq:
         out, *_ = decode_loop(RemoteRunner(seq), list(range(1, 11)), max_new_tokens=n, sampler=Sampler(),
@@ -287,14 +287,14 @@ def test_tls(tiny_dirs, tmp_path):
 
 
 def test_bind_warning():
-    from runtime.daemon import bind_warning
+    from runtime.daemon.servicer import bind_warning
 
     assert bind_warning("127.0.0.1") is None and bind_warning("localhost") is None
     assert "trusted network" in bind_warning("0.0.0.0")
 
 
 def test_data_connections_are_capped(monkeypatch):
-    import runtime.transport as transport
+    import runtime.wire.transport as transport
 
     monkeypatch.setattr(transport, "MAX_CONNECTIONS", 2)
     d = Served()

@@ -13,7 +13,7 @@ import pytest
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError
 from profiler.measure import profile_cluster
-from runtime import emulate, launcher
+from runtime.cluster import emulate, launcher
 from tests.cluster_helpers import discard_state
 
 UNAVAILABLE = emulate.unavailable()

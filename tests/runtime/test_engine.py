@@ -10,10 +10,10 @@ import torch
 from hpipe.model.generate import LocalModel, decode_loop
 from hpipe.model.sampling import Sampler
 from hpipe.model.sources import resolve_model
-from runtime.coordinator import Pipeline, cut_stages
-from runtime.engine import Engine, Request
-from runtime.policies import POLICIES
-from runtime.wire import pb
+from runtime.coordinator.pipeline import Pipeline, cut_stages
+from runtime.coordinator.engine import Engine, Request
+from runtime.coordinator.policies import POLICIES
+from runtime.wire.messages import pb
 from tests.cluster_helpers import Served, cluster_of
 from tests.helpers import make_tiny_model
 
@@ -159,7 +159,7 @@ def test_a_running_request_that_waits_is_never_freed_by_a_stage_idle_timeout(tin
     """A request whose prompt is in waits its turn far longer than the daemons' idle timeout (with
     nothing in flight, so the session never polls them): the engine's keep-alives hold its
     sequence on every stage, and its tokens come out as if it never waited."""
-    from runtime import engine as engine_module
+    from runtime.coordinator import engine as engine_module
 
     pipe, source, path, daemons = tiny
     cfg = source.config

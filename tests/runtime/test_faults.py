@@ -12,9 +12,9 @@ import torch
 
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError
-from runtime import launcher
-from runtime.coordinator import Pipeline, StageFailure, cut_stages
-from runtime.wire import pb
+from runtime.cluster import launcher
+from runtime.coordinator.pipeline import Pipeline, StageFailure, cut_stages
+from runtime.wire.messages import pb
 from tests.cluster_helpers import RunningCluster, discard_state, write_cluster
 
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from runtime.hoststat import steal_seconds
+from runtime.daemon.hoststat import steal_seconds
 
 HZ = os.sysconf("SC_CLK_TCK")
 STAT = """cpu  2894300 0 346040 4989651 13983 0 48407 350 0 0

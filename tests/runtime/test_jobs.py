@@ -9,7 +9,7 @@ from hpipe.model.generate import LocalModel, generate_ids
 from planner.costs import Workload
 from planner.strategies import plan as make_plan
 from profiler.measure import profile_cluster
-from runtime.jobs import build_prompt
+from hpipe.app.jobs import build_prompt
 
 INSTRUCTION = "Summarize in one sentence."
 

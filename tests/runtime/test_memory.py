@@ -6,7 +6,7 @@ import psutil
 import pytest
 import torch
 
-from runtime import memory
+from runtime.daemon import memory
 
 CPU = torch.device("cpu")
 

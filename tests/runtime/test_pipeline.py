@@ -9,7 +9,7 @@ import torch
 from hpipe.app.cli import main
 from hpipe.model.generate import LocalModel, generate
 from hpipe.model.sampling import SamplingParams
-from runtime.coordinator import Pipeline, cut_stages, generate_on_cluster
+from runtime.coordinator.pipeline import Pipeline, cut_stages, generate_on_cluster
 
 PROMPTS = ["What is the capital of France?", "Name three colours of the rainbow."]
 MAX_NEW = 12
@@ -54,7 +54,7 @@ def test_cuts_and_slices_equal_single_process(cluster3, smollm2, reference, cuts
 
 def test_interleaved_stages_equal_single_process(cluster3, smollm2, reference):
     """Daemons holding two unit ranges each (s0 s1 s2 s0 s1): the same tokens, statistics per stage."""
-    from runtime.wire import pb
+    from runtime.wire.messages import pb
 
     pipe = Pipeline(cluster3.spec)
     try:
@@ -143,7 +143,7 @@ def _all_freed(pipe, within_s=5.0) -> bool:
     """Every daemon holds no sequence and no KV block (freed on its worker, once it gets there)."""
     import time
 
-    from runtime.wire import pb
+    from runtime.wire.messages import pb
 
     deadline = time.monotonic() + within_s
     while True:

@@ -1,7 +1,7 @@
 """How ``gllm`` forms decode micro-batches, on an engine stand-in (the policies only read its state)."""
 
-from runtime.policies import GLLM
-from runtime.request import Request
+from runtime.coordinator.policies import GLLM
+from runtime.coordinator.request import Request
 
 
 class Engine:

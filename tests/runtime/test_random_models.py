@@ -9,7 +9,7 @@ from hpipe.model import StageModel
 from hpipe.model.generate import LocalRunner, decode_loop
 from hpipe.model.sampling import Sampler
 from hpipe.model.sources import model_shape
-from runtime.coordinator import Pipeline, RemoteRunner, cut_stages
+from runtime.coordinator.pipeline import Pipeline, RemoteRunner, cut_stages
 from tests.cluster_helpers import Served, cluster_of
 
 PROMPT = [5, 17, 99, 3, 250, 7, 64, 11, 400, 2, 31, 8]

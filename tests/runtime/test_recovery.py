@@ -20,13 +20,13 @@ from hpipe.model.sampling import Sampler
 from planner.costs import Workload
 from planner.strategies import plan as make_plan
 from profiler.measure import profile_cluster
-from runtime import launcher
-from runtime.coordinator import Pipeline, cut_stages
-from runtime.engine import Engine, Request
-from runtime.jobs import build_prompt
-from runtime.policies import POLICIES
-from runtime.recovery import Redeploy
-from runtime.wire import pb
+from runtime.cluster import launcher
+from runtime.coordinator.pipeline import Pipeline, cut_stages
+from runtime.coordinator.engine import Engine, Request
+from hpipe.app.jobs import build_prompt
+from runtime.coordinator.policies import POLICIES
+from runtime.coordinator.recovery import Redeploy
+from runtime.wire.messages import pb
 from tests.cluster_helpers import RunningCluster, write_cluster
 
 MODEL = "smollm2-135m"

@@ -2,7 +2,7 @@
 
 import json
 
-from runtime.results import ResultsFile, answer_key
+from hpipe.app.results import ResultsFile, answer_key
 
 
 def test_a_torn_last_line_is_cut_off_and_the_next_line_is_whole(tmp_path):

@@ -13,14 +13,14 @@ import torch
 from hpipe.model.generate import LocalModel, decode_loop
 from hpipe.model.kvpool import KVPool
 from hpipe.model.sampling import Sampler
-from runtime.coordinator import Pipeline, cut_stages
-from runtime.engine import Engine, Request
-from runtime.policies import POLICIES
-from runtime.recovery import Redeploy
-from runtime.replay_log import ReplayLog
-from runtime.resume import Piece, replays, resume_point
-from runtime.sequences import Sequence
-from runtime.wire import pb
+from runtime.coordinator.pipeline import Pipeline, cut_stages
+from runtime.coordinator.engine import Engine, Request
+from runtime.coordinator.policies import POLICIES
+from runtime.coordinator.recovery import Redeploy
+from runtime.daemon.replay_log import ReplayLog
+from runtime.coordinator.resume import Piece, replays, resume_point
+from runtime.daemon.sequences import Sequence
+from runtime.wire.messages import pb
 from tests.cluster_helpers import Served, cluster_of
 
 MODEL = "smollm2-135m"

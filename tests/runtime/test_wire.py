@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from hpipe.core.errors import InputError
-from runtime.wire import bytes_to_tensor, tensor_bytes, tensor_from_proto, tensor_to_proto
+from runtime.wire.messages import bytes_to_tensor, tensor_bytes, tensor_from_proto, tensor_to_proto
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])

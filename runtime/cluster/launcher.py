@@ -4,7 +4,7 @@ Each daemon is a separate process (its own session, log file and pid file under 
 directory), so it can be killed, throttled or restarted on its own like a real device. A
 supervisor process, started by ``up`` and stopped first by ``down``, restarts a daemon that dies
 (a bounded number of times, logged in ``supervisor.log`` there); a coordinator whose pipeline broke
-then finds it serving again and redeploys (:mod:`runtime.recovery`).
+then finds it serving again and redeploys (:mod:`runtime.coordinator.recovery`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from hpipe.core.cluster import ClusterSpec, DaemonSpec
 from hpipe.core.errors import HpipeError
 from hpipe.core.paths import cache_root
-from runtime.channels import DaemonClient, Security
+from runtime.wire.channels import DaemonClient, Security
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _spawn(d: DaemonSpec, sdir: Path, emu) -> subprocess.Popen:
     """Start daemon ``d`` as a process of its own (log and pid file in ``sdir``)."""
-    from runtime import emulate
+    from runtime.cluster import emulate
 
     logf = open(sdir / f"{d.name}.log", "ab")
     prefix = emu.command_prefix(d) if emu else []
@@ -93,7 +93,7 @@ def _await_healthy(d: DaemonSpec, proc: subprocess.Popen, security: Security, sd
 
 
 def _emulation(cluster: ClusterSpec, sdir: Path):
-    from runtime import emulate
+    from runtime.cluster import emulate
 
     return emulate.Emulation(cluster, sdir) if emulate.needed(cluster) else None
 
@@ -101,7 +101,7 @@ def _emulation(cluster: ClusterSpec, sdir: Path):
 def up(cluster: ClusterSpec, timeout_s: float = 180.0, restart: bool = True) -> dict[str, str]:
     """Start every local daemon that is not already serving; wait until all are healthy. With
     ``restart``, a supervisor process (:func:`supervise`) then restarts any that dies."""
-    from runtime import emulate
+    from runtime.cluster import emulate
 
     remote = [d.name for d in cluster.daemons if not (d.is_local or emulate.in_emulated_net(d.host))]
     if remote:
@@ -242,7 +242,7 @@ def down(cluster: ClusterSpec, timeout_s: float = 15.0) -> dict[str, str]:
             status[name] = f"killed (pid {pid}, no exit after SIGTERM)"
         else:
             status[name] = f"stopped (pid {pid})"
-    from runtime.emulate import Emulation
+    from runtime.cluster.emulate import Emulation
 
     for item in Emulation(cluster, sdir).teardown():
         status[f"emulation {item}"] = "removed"
@@ -250,7 +250,7 @@ def down(cluster: ClusterSpec, timeout_s: float = 15.0) -> dict[str, str]:
 
 
 def status(cluster: ClusterSpec) -> list[dict]:
-    from runtime.wire import pb
+    from runtime.wire.messages import pb
 
     security = Security.of(cluster)
     rows = []

@@ -10,9 +10,9 @@ stuck stage surfaces as a :class:`StageFailure` naming it within ``POLL_S`` plus
 deadline, never as a hang. Sequences that a daemon failed (out of KV blocks, say) come back in
 the result's ``failed``: they fail alone.
 
-A session opened with ``resume_from`` (after a failure, :mod:`runtime.recovery`) first takes over
+A session opened with ``resume_from`` (after a failure, :mod:`runtime.coordinator.recovery`) first takes over
 the old session's sequences on every daemon (``Resume``) and keeps where each one stands on each
-stage in ``resumed``, for the engine to resume them (:mod:`runtime.resume`).
+stage in ``resumed``, for the engine to resume them (:mod:`runtime.coordinator.resume`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 
 from hpipe.core.cluster import split_address
 from hpipe.core.errors import HpipeError
-from runtime.transport import Connection, LinkError, client_context, connect, read_payload
-from runtime.wire import pb
+from runtime.wire.transport import Connection, LinkError, client_context, connect, read_payload
+from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
 

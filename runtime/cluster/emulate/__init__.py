@@ -9,12 +9,12 @@ A daemon's ``emulate`` settings in a cluster file:
 ```
 
 - ``cpus`` pins the daemon to those cores; ``cpu_quota`` caps its device worker at that fraction
-  of one core (:mod:`runtime.emulate.cpu`, root).
+  of one core (:mod:`runtime.cluster.emulate.cpu`, root).
 - A daemon whose address lies in 198.18.0.0/24 (RFC 2544's benchmarking range: hosts this machine
   creates itself) runs in its own network namespace; ``rate`` and ``delay_ms`` shape its uplink
-  (:mod:`runtime.emulate.net`, root). The coordinator reaches the namespaces through a bridge.
+  (:mod:`runtime.cluster.emulate.net`, root). The coordinator reaches the namespaces through a bridge.
 - ``gpu_share`` (a CUDA daemon; percent) makes it a CUDA MPS client limited to that share of the
-  GPU (:mod:`runtime.emulate.mps`, no root).
+  GPU (:mod:`runtime.cluster.emulate.mps`, no root).
 
 Everything created is recorded in the cluster's state folder and removed by ``cluster down``.
 """
@@ -28,11 +28,11 @@ from pathlib import Path
 
 from hpipe.core.cluster import ClusterSpec, DaemonSpec
 from hpipe.core.errors import HpipeError
-from runtime.emulate import cpu, mps, net
-from runtime.emulate.cpu import QUOTA_PERIOD_US, WORKER_THREAD_NAME, name_this_thread
-from runtime.emulate.mps import uses_mps
-from runtime.emulate.net import BRIDGE_IP, EMULATED_NET, in_emulated_net
-from runtime.emulate.state import State
+from runtime.cluster.emulate import cpu, mps, net
+from runtime.cluster.emulate.cpu import QUOTA_PERIOD_US, WORKER_THREAD_NAME, name_this_thread
+from runtime.cluster.emulate.mps import uses_mps
+from runtime.cluster.emulate.net import BRIDGE_IP, EMULATED_NET, in_emulated_net
+from runtime.cluster.emulate.state import State
 
 KEYS = {"cpus", "cpu_quota", "rate", "delay_ms", "gpu_share"}
 __all__ = ["QUOTA_PERIOD_US", "WORKER_THREAD_NAME", "Emulation", "in_emulated_net", "name_this_thread", "needed",

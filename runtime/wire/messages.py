@@ -13,16 +13,16 @@ import torch
 
 from hpipe.core.errors import InputError
 from hpipe.core.plan import Stage
-from runtime.protogen import ensure as _ensure_generated
+from runtime.wire.protogen import ensure as _ensure_generated
 
 _ensure_generated()
-from runtime.proto_gen import stage_pb2 as pb  # noqa: E402
-from runtime.proto_gen import stage_pb2_grpc as pb_grpc  # noqa: E402,F401
+from runtime.wire.proto_gen import stage_pb2 as pb  # noqa: E402
+from runtime.wire.proto_gen import stage_pb2_grpc as pb_grpc  # noqa: E402,F401
 
 TO_WIRE = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16, torch.int64: pb.INT64}
 FROM_WIRE = {v: k for k, v in TO_WIRE.items()}
 
-#: the control plane's largest message (activations travel on the data plane, runtime/transport.py):
+#: the control plane's largest message (activations travel on the data plane, runtime/wire/transport.py):
 #: a link probe of up to 32 MiB, with room. gRPC reads a message whole before the token check, so
 #: this also bounds what an unauthenticated caller can make a daemon hold.
 MAX_MESSAGE_BYTES = 64 << 20

@@ -3,7 +3,7 @@
 Design note. After a daemon dies and comes back empty (or a redeployment drops a survivor's
 cache), the coordinator's new session adopts every sequence the surviving daemons hold, and each
 daemon reports, per held stage, how many positions are in the sequence's KV cache (``computed``)
-and how many of the stage's outputs are in its replay log (``logged``; :mod:`runtime.replay_log`).
+and how many of the stage's outputs are in its replay log (``logged``; :mod:`runtime.daemon.replay_log`).
 From these the coordinator picks the largest position ``P`` it can resume every stage at:
 
 - a stage that holds at least ``P`` positions keeps them (positions past ``P`` were computed by

@@ -26,8 +26,8 @@ from typing import Callable
 import torch
 
 from hpipe.core.errors import HpipeError
-from runtime.backoff import TokenBackoff
-from runtime.wire import pb
+from runtime.wire.backoff import TokenBackoff
+from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class DataServer:
             error = "" if hmac.compare_digest(hello.token.encode(), expected) else "missing or wrong token"
             host = peer.rsplit(":", 1)[0]
             if error:
-                self._backoff.refused(host)  # guessing gets slow (runtime.backoff)
+                self._backoff.refused(host)  # guessing gets slow (runtime.wire.backoff)
             else:
                 self._backoff.accepted(host)
                 with self._count_lock:

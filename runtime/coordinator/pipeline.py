@@ -2,7 +2,7 @@
 
 :class:`Pipeline` loads each daemon's stages (one ``Load`` with the whole pipeline and the stages
 it holds, and every daemon's data port, so each can reach the next) and keeps a gRPC client per
-daemon for status. Micro-batches go through a :class:`runtime.session.Session`. For callers that
+daemon for status. Micro-batches go through a :class:`runtime.coordinator.session.Session`. For callers that
 think in one sequence at a time, :class:`RemoteSequence` is one sequence (or a batch of rows of
 equal length, each a sequence of its own) on a session, and :class:`RemoteRunner` adapts it to the
 single-sequence generation loop: prefill sends every slice as a micro-batch of its own, without
@@ -23,9 +23,9 @@ import torch
 from hpipe.core.cluster import ClusterSpec, DaemonSpec, decode_lane
 from hpipe.core.errors import InputError
 from hpipe.core.plan import PlanError, Stage, stages_from_cuts
-from runtime.channels import DaemonClient, Security
-from runtime.session import Session, StageFailure
-from runtime.wire import dtype_to_wire, pb, stage_to_wire
+from runtime.wire.channels import DaemonClient, Security
+from runtime.coordinator.session import Session, StageFailure
+from runtime.wire.messages import dtype_to_wire, pb, stage_to_wire
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hpipe.core.cluster import ClusterSpec, DaemonSpec
 from hpipe.core.errors import HpipeError
-from runtime.emulate.state import State
+from runtime.cluster.emulate.state import State
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from hpipe.core.cluster import ClusterSpec, DaemonSpec
-from runtime.emulate.state import State
+from runtime.cluster.emulate.state import State
 
 log = logging.getLogger(__name__)
 

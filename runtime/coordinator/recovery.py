@@ -1,11 +1,11 @@
 """Bringing a broken pipeline back: wait for its daemons, redeploy, and let the engine go on.
 
-When a stage dies the session fails (:class:`runtime.session.StageFailure`). The engine then asks
+When a stage dies the session fails (:class:`runtime.coordinator.session.StageFailure`). The engine then asks
 its :class:`Redeploy` for a new session: it waits up to ``grace_s`` for every daemon of the
 pipeline to answer again (``hpipe cluster up``'s supervisor restarts a local daemon that crashed;
 systemd one on another machine), then deploys the same stages. Daemons that kept their weights keep
 them: a deployment that differs only around them re-points their successors and reloads nothing
-(:meth:`runtime.stage_server.StageServer.load`). If a daemon stays away and a ``replan`` is given,
+(:meth:`runtime.daemon.stage_server.StageServer.load`). If a daemon stays away and a ``replan`` is given,
 it is asked for stages on the daemons that answer (the application decides from the saved
 profile: the lost daemon's stages moved to survivors, every other stage kept, or a fresh plan;
 ``hpipe.app.replan``), and those are deployed instead. A survivor that takes over a
@@ -14,10 +14,10 @@ stage loads only that stage's units, beside the ones it holds, and keeps its seq
 The new session takes over the old one's sequences on the daemons that kept them, and the engine
 resumes each running request where every stage can go on from: the restarted daemon's stages
 rebuild their KV caches from the activations the stage before them logged (a replay, planned by
-:mod:`runtime.resume`), and no other stage computes those positions again. A request that cannot
+:mod:`runtime.coordinator.resume`), and no other stage computes those positions again. A request that cannot
 be resumed (no log reaches far enough, or a fresh plan moved every cut) starts again from its token
 ids: it prefills its prompt and the tokens it has generated, and goes on decoding. Either way its
-answer is the one it would have had (:meth:`runtime.engine.Engine._recover`).
+answer is the one it would have had (:meth:`runtime.coordinator.engine.Engine._recover`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 
 from hpipe.core.errors import HpipeError
 from hpipe.core.plan import Stage
-from runtime.channels import DaemonClient
-from runtime.session import Session, StageFailure
+from runtime.wire.channels import DaemonClient
+from runtime.coordinator.session import Session, StageFailure
 
 log = logging.getLogger(__name__)
 

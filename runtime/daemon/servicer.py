@@ -21,13 +21,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from hpipe.core.cluster import DaemonOptions
 from hpipe.core.errors import HpipeError, InputError, ModelSourceError, StatusError, UnsupportedModelError
 from hpipe.model.stage import parse_dtype
-from runtime import hoststat
-from runtime.backoff import TokenBackoff, grpc_host
-from runtime.channels import TOKEN_HEADER, Security
-from runtime.deployment import Deployment
-from runtime.stage_server import StageServer
-from runtime.transport import client_context, server_context
-from runtime.wire import CHANNEL_OPTIONS, dtype_from_wire, pb, pb_grpc, stage_from_wire, stage_to_wire
+from runtime.daemon import hoststat
+from runtime.wire.backoff import TokenBackoff, grpc_host
+from runtime.wire.channels import TOKEN_HEADER, Security
+from runtime.daemon.deployment import Deployment
+from runtime.daemon.stage_server import StageServer
+from runtime.wire.transport import client_context, server_context
+from runtime.wire.messages import CHANNEL_OPTIONS, dtype_from_wire, pb, pb_grpc, stage_from_wire, stage_to_wire
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
         backoff = backoff or TokenBackoff()
 
         def deny(request, context):
-            backoff.refused(grpc_host(context.peer()))  # guessing gets slow (runtime.backoff)
+            backoff.refused(grpc_host(context.peer()))  # guessing gets slow (runtime.wire.backoff)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)

@@ -2,7 +2,7 @@
 
 Its prefix is what gets prefilled: the prompt, and after a preemption or a recovery that starts it
 again, the tokens it has generated too; ``laid_out`` says how much of the prefix has been sent into
-the pipeline, and ``slices`` how its prefill is cut (the plan's slicing, :mod:`runtime.engine`).
+the pipeline, and ``slices`` how its prefill is cut (the plan's slicing, :mod:`runtime.coordinator.engine`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Design note. The engine keeps up to ``depth`` micro-batches in flight (one per stage of the
 pipeline, an interleaved chain counting all its stages), so every stage has work. Each micro-batch
-is formed by a policy (:mod:`runtime.policies`) from the requests: a decode token of requests whose
+is formed by a policy (:mod:`runtime.coordinator.policies`) from the requests: a decode token of requests whose
 last token has been sampled, and prefill chunks of requests still reading their prompt, cut at
 the plan's slices. A request's next decode token is scheduled only after its previous one is
 sampled (token-safe); its prompt's chunks may be in flight together, which is HPipe's pipelined
@@ -32,10 +32,10 @@ from typing import Callable
 import torch
 
 from hpipe.model.sampling import sample
-from runtime.request import Request
-from runtime.resume import replays, resume_point
-from runtime.session import Session, StageFailure
-from runtime.wire import pb
+from runtime.coordinator.request import Request
+from runtime.coordinator.resume import replays, resume_point
+from runtime.coordinator.session import Session, StageFailure
+from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Engine:
                  recover: Callable[[str, int], Session] | None = None):
         self.session, self.policy, self.depth, self.max_running = session, policy, max(1, depth), max_running
         #: when the pipeline breaks: (error, the broken session's id) -> a new session on a working
-        #: pipeline that took over its sequences where it could, or StageFailure (runtime.recovery)
+        #: pipeline that took over its sequences where it could, or StageFailure (runtime.coordinator.recovery)
         self.recover = recover
         self.recoveries = 0
         self.resumes: list[dict] = []  # per recovery: requests resumed, positions kept and replayed, restarted
@@ -178,7 +178,7 @@ class Engine:
 
     def _recover(self, error: str) -> None:
         """Go on on the session ``recover`` gives (or raise its StageFailure). Every running request
-        resumes where every stage can go on from (:mod:`runtime.resume`): stages that lost its
+        resumes where every stage can go on from (:mod:`runtime.coordinator.resume`): stages that lost its
         cache are rebuilt by replays, sent before anything else; a request that cannot be resumed
         starts again from its token ids, prefilling its prompt and the tokens it has."""
         old = self.session

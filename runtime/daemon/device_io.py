@@ -112,7 +112,7 @@ class DeviceIO:
             self._down = torch.cuda.Stream(device)
 
     def upload_tensor(self, host: torch.Tensor) -> Pending:
-        """Start moving ``host`` (pinned, on a GPU daemon: see :func:`runtime.transport.read_payload`)
+        """Start moving ``host`` (pinned, on a GPU daemon: see :func:`runtime.wire.transport.read_payload`)
         to the device."""
         if not self.cuda:
             return Pending(host)

@@ -1,7 +1,7 @@
-"""Generate the Python gRPC code from ``proto/stage.proto`` into ``runtime/proto_gen/``.
+"""Generate the Python gRPC code from ``proto/stage.proto`` into ``runtime/wire/proto_gen/``.
 
 The proto is the single source of the wire format; the generated code is never committed or
-edited. In a source checkout it is generated at set-up (``python -m runtime.protogen``), and
+edited. In a source checkout it is generated at set-up (``python -m runtime.wire.protogen``), and
 :func:`ensure` regenerates it on import when it is missing or older than the proto. A wheel is
 built with it (``setup.py`` calls :func:`generate` into the build), so an installed hpipe needs
 neither the proto nor ``grpc_tools`` at run time.
@@ -15,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROTO = ROOT / "proto" / "stage.proto"
 OUT = Path(__file__).resolve().parent / "proto_gen"
 
@@ -37,7 +37,7 @@ def generate(proto: Path = PROTO, out: Path = OUT) -> None:
     grpc_file = out / "stage_pb2_grpc.py"
     grpc_file.write_text(re.sub(r"^import stage_pb2 as", "from . import stage_pb2 as", grpc_file.read_text(),
                                 flags=re.M))
-    (out / "__init__.py").write_text('"""Generated from proto/stage.proto by runtime/protogen.py. Do not edit."""\n')
+    (out / "__init__.py").write_text('"""Generated from proto/stage.proto by runtime/wire/protogen.py. Do not edit."""\n')
     shutil.copyfile(proto, out / proto.name)  # the source it came from, beside it
     (out / "SOURCE_SHA256").write_text(_digest(proto))
 

@@ -3,7 +3,7 @@
 Design note. For every open sequence and every held stage that has a successor, the daemon keeps
 the stage's output rows, position by position, in one growing host buffer (doubling, capped at
 the sequence's max length). When a daemon dies and comes back empty, the coordinator sends a
-replay (:mod:`runtime.resume`): the stage before the lost one sends these rows again, and the new
+replay (:mod:`runtime.coordinator.resume`): the stage before the lost one sends these rows again, and the new
 owner computes its KV cache from them, without any stage before it computing anything again.
 
 The logs of all sequences together stay within ``budget`` bytes. A sequence whose log would pass
@@ -20,7 +20,7 @@ import threading
 import torch
 
 from hpipe.core.cluster import REPLAY_BUDGET as DEFAULT_BUDGET
-from runtime.wire import pb
+from runtime.wire.messages import pb
 
 
 class _Log:

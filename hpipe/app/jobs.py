@@ -3,10 +3,10 @@
 Each document becomes one prompt (document, blank line, instruction; in the chat template with
 ``--chat``: small models answer a question asked after the text far better than one asked before
 it), sliced by the plan's schedule for its length. Up to ``parallel`` documents run at once on one
-engine (:mod:`runtime.engine`): their prefill chunks and decode tokens share micro-batches, so one
+engine (:mod:`runtime.coordinator.engine`): their prefill chunks and decode tokens share micro-batches, so one
 pass over each stage's weights serves every document in flight. Results are appended to a JSONL
 file, one whole line per document as it finishes, a failed one with its error
-(:mod:`runtime.results`); documents already answered with the same text and settings are skipped,
+(:mod:`hpipe.app.results`); documents already answered with the same text and settings are skipped,
 so an interrupted job resumes where it stopped.
 """
 
@@ -26,11 +26,11 @@ from hpipe.core.errors import HpipeError, InputError
 from hpipe.core.plan import Plan, Stage
 from hpipe.model.generate import encode_prompt
 from hpipe.model.stage import DTYPES
-from runtime.coordinator import Pipeline
-from runtime.engine import Engine, Request
-from runtime.policies import POLICIES
-from runtime.recovery import GRACE_S, Redeploy
-from runtime.results import ResultsFile, answer_key
+from runtime.coordinator.pipeline import Pipeline
+from runtime.coordinator.engine import Engine, Request
+from runtime.coordinator.policies import POLICIES
+from runtime.coordinator.recovery import GRACE_S, Redeploy
+from hpipe.app.results import ResultsFile, answer_key
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,9 @@ class JobConfig:
     truncate: str = "none"  # none | head (keep the start) | tail (keep the end)
     parallel: int = 16      # documents in flight at once
     strategy: str | None = None
-    policy: str = "gllm"     # how micro-batches are formed (runtime.policies)
+    policy: str = "gllm"     # how micro-batches are formed (runtime.coordinator.policies)
     ignore_eos: bool = False  # decode max_new_tokens whatever the model says (for benchmarks)
-    grace_s: float = GRACE_S  # how long a broken pipeline waits for its daemons (runtime.recovery)
+    grace_s: float = GRACE_S  # how long a broken pipeline waits for its daemons (runtime.coordinator.recovery)
 
 
 def read_document(name: str) -> str:
@@ -95,7 +95,7 @@ def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: P
     """Analyse ``documents``; returns a summary. Raises nothing per document: each failure is
     recorded in the results file with its error, and in the summary. A stage that dies is waited
     for and redeployed, or (``replan(survivors, stages)`` given, :mod:`hpipe.app.replan`) planned around, and the documents in
-    flight go on (:mod:`runtime.recovery`); the summary's ``recoveries`` says what happened."""
+    flight go on (:mod:`runtime.coordinator.recovery`); the summary's ``recoveries`` says what happened."""
     tokenizer = source.tokenizer()
     eos = frozenset(() if job.ignore_eos else source.eos_token_ids())
     strategy = job.strategy or plan.strategy

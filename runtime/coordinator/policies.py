@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 
-from runtime.engine import Engine, Planned, Request
+from runtime.coordinator.engine import Engine, Planned, Request
 
 
 def _prefill(engine: Engine, budget: int, planned: list[Planned], shortest_first: bool) -> None:

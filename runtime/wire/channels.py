@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 
 from hpipe.core.errors import HpipeError
-from runtime.wire import CHANNEL_OPTIONS, pb, pb_grpc
+from runtime.wire.messages import CHANNEL_OPTIONS, pb, pb_grpc
 
 TOKEN_HEADER = "authorization"
 

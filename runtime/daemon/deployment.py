@@ -40,7 +40,7 @@ from hpipe.model.graphs import DecodeGraphs
 from hpipe.model.kvpool import BLOCK_SIZE, KVPool
 from hpipe.model.layers import build_unit
 from hpipe.model.sources import BUILTIN_MODELS, resolve_model
-from runtime import memory
+from runtime.daemon import memory
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ its shape), and the failure travels with the micro-batch's data to the coordinat
 An entry that starts before the position its sequence reached rewinds it there (its later KV
 blocks and replay log are dropped). A replay micro-batch (``MicroBatch.replay``) is laid out only
 on the held stages it rebuilds; a daemon holding the stage just before them sends it from its
-replay log (:mod:`runtime.resume` plans replays).
+replay log (:mod:`runtime.coordinator.resume` plans replays).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections import deque
 
 from hpipe.core.errors import HpipeError
 from hpipe.model.kvpool import PoolExhausted
-from runtime.sequences import Sequence
-from runtime.wire import pb
+from runtime.daemon.sequences import Sequence
+from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
 

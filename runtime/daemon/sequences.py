@@ -33,7 +33,7 @@ class Sequence:
     kv: dict[int, SeqKV]          # held stage index -> its blocks there
     planned: dict[int, int]       # held stage index -> positions laid out so far
     computed: dict[int, int] = field(default_factory=dict)  # held stage index -> positions in its KV cache
-    logs: dict | None = field(default_factory=dict)  # held stage index -> its replay log (runtime.replay_log)
+    logs: dict | None = field(default_factory=dict)  # held stage index -> its replay log (runtime.daemon.replay_log)
     last_active: float = field(default_factory=time.monotonic)
     error: str = ""
     code: str = ""

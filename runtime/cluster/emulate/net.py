@@ -10,7 +10,7 @@ import subprocess
 
 from hpipe.core.cluster import ClusterSpec, DaemonSpec
 from hpipe.core.errors import HpipeError
-from runtime.emulate.state import State, run
+from runtime.cluster.emulate.state import State, run
 
 log = logging.getLogger(__name__)
 

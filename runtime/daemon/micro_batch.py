@@ -17,7 +17,7 @@ import torch
 from hpipe.core.errors import HpipeError
 from hpipe.model.graphs import DecodeGraphs
 from hpipe.model.kvpool import Entry
-from runtime.wire import pb
+from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Design note. One daemon drives one device, so all model work runs on one worker thread, in the
 order micro-batches arrive. A coordinator opens one data connection to every daemon of its
 pipeline (a *session*) and sends each micro-batch's layout on it, in order; the daemon lays the
-micro-batch out at once (:mod:`runtime.layout`): it opens the sequences it names and grows their
+micro-batch out at once (:mod:`runtime.daemon.layout`): it opens the sequences it names and grows their
 KV blocks, refusing (and failing) only the sequences it cannot hold. Activations arrive on
 connections from the previous stage's daemon (the coordinator's, for the first stage); a
 connection's thread reads each payload straight into the tensor the worker will compute on, and
@@ -14,10 +14,10 @@ last stage, the sampled rows' logits to the coordinator's session. Failures trav
 data: each stage adds the sequences it failed to the activation's list.
 
 Recovery. The sender keeps what each held stage sent downstream in a replay log per sequence
-(:mod:`runtime.replay_log`, within ``replay_budget`` bytes). When a daemon of the pipeline is
+(:mod:`runtime.daemon.replay_log`, within ``replay_budget`` bytes). When a daemon of the pipeline is
 restarted, the coordinator's new session adopts the sequences here (:meth:`StageServer.resume`)
 and sends replays: this daemon sends the logged rows again to the restarted stage after one of
-its own, which rebuilds its KV cache from them (:mod:`runtime.resume`).
+its own, which rebuilds its KV cache from them (:mod:`runtime.coordinator.resume`).
 """
 
 from __future__ import annotations
@@ -32,17 +32,17 @@ import torch
 
 from hpipe.core.errors import StatusError
 from hpipe.model.kvpool import BLOCK_SIZE
-from runtime import deployment, memory
-from runtime.deployment import Deployment, LoadedStage
-from runtime.device_io import DeviceIO, Pending
-from runtime.layout import Layout, Layouts
-from runtime.replay_log import DEFAULT_BUDGET, ReplayLog
-from runtime.sequences import SequenceTable
-from runtime.session_stats import SessionStats
-from runtime.transport import Connection, DataServer, LinkError, connect, read_payload, skip_payload
-from runtime.wire import pb
-from runtime.work import compute_micro_batch
-from runtime.worker import Worker
+from runtime.daemon import deployment, memory
+from runtime.daemon.deployment import Deployment, LoadedStage
+from runtime.daemon.device_io import DeviceIO, Pending
+from runtime.daemon.layout import Layout, Layouts
+from runtime.daemon.replay_log import DEFAULT_BUDGET, ReplayLog
+from runtime.daemon.sequences import SequenceTable
+from runtime.daemon.session_stats import SessionStats
+from runtime.wire.transport import Connection, DataServer, LinkError, connect, read_payload, skip_payload
+from runtime.wire.messages import pb
+from runtime.daemon.micro_batch import compute_micro_batch
+from runtime.daemon.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class StageServer:
     def _extend(self, dep: Deployment) -> None:
         """Load the stages ``dep`` adds (a lost daemon's, moved here) beside the held ones, with
         pools of as many blocks; every open sequence gets an empty cache on them, which replays
-        fill (:mod:`runtime.resume`). Nothing held is dropped or reloaded."""
+        fill (:mod:`runtime.coordinator.resume`). Nothing held is dropped or reloaded."""
         new = tuple(i for i in dep.held if i not in self.stages)
         blocks = min((s.pool.num_blocks for s in self.stages.values() if s.pool is not None), default=None)
         in_use = self.weight_bytes + sum(s.pool.nbytes for s in self.stages.values() if s.pool is not None)

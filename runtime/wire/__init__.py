@@ -1,0 +1,1 @@
+"""What daemons and coordinators share: the generated messages, framing, transport and channels."""
