@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from dataclasses import fields
 from typing import Sequence
@@ -262,7 +263,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def console() -> None:
     """The ``hpipe`` command as a process. Interrupted, it leaves at once: what a job finished is
-    on disk already, and a slow interpreter teardown can abort in gRPC's or torch's C++ threads."""
+    on disk already, and a slow interpreter teardown can abort in gRPC's or torch's C++ threads.
+
+    SIGINT always interrupts: a process started in the background of a non-interactive shell (a
+    script's ``hpipe run ... &``, a CI runner) inherits SIGINT *ignored*, and Python then never
+    installs its KeyboardInterrupt handler, so a ``kill -INT`` (or a Ctrl-C forwarded by a
+    wrapper) was silently lost and the job ran to its end."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     code = main()
     if code == 130:
         sys.stdout.flush()

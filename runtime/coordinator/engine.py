@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import threading
 import time
 from dataclasses import dataclass
@@ -156,9 +155,9 @@ class Engine:
     def _preempt(self, r: Request) -> None:
         """Free ``r``'s blocks; it recomputes its prompt and tokens when it runs again."""
         if r.laid_out:
-            self.session.close_sequences([r.id])
-        r.id = random.getrandbits(63)
-        r._restart(r.prompt + r.tokens)
+            self.session.close_sequences([r.seq_id])
+        r.new_sequence()
+        r.restart(r.prompt + r.tokens)
         r.preemptions += 1
         self.preemptions += 1
         self.running.remove(r)
@@ -190,17 +189,17 @@ class Engine:
             for r in sorted(self.running, key=lambda r: r.admitted):
                 r.in_flight = 0
                 prefix = r.prompt + r.tokens
-                where = session.resumed.get(r.id, {})
+                where = session.resumed.get(r.seq_id, {})
                 p, runs = resume_point(where, stages, len(prefix) - 1)
-                r._restart(prefix)
+                r.restart(prefix)
                 r.resumed_at.append(p)
                 if p:
                     r.laid_out = p  # the next entry starts here, rewinding any stage that went further
-                    wanted[r.id] = runs
+                    wanted[r.seq_id] = runs
                     kept += p
                 else:
                     log.info("request %d starts again: its stages hold (computed, logged) %s", r.id, where)
-                    r.id = random.getrandbits(63)
+                    r.new_sequence()
                     restarted.append(r)
             for r in reversed(restarted):
                 self.running.remove(r)
@@ -212,11 +211,11 @@ class Engine:
             batches = replays(wanted)
             broken = None
             try:
-                by_id = {r.id: r for r in self.running}
+                by_seq = {r.seq_id: r for r in self.running}
                 for batch in batches:
                     entries = [pb.Entry(sequence_id=i, start=a, length=n, logits=pb.NO_LOGITS,
-                                        max_len=by_id[i].max_len if a == 0 else 0) for i, a, n in batch.entries]
-                    tokens = torch.tensor([t for i, a, n in batch.entries for t in by_id[i].prefix[a:a + n]],
+                                        max_len=by_seq[i].max_len if a == 0 else 0) for i, a, n in batch.entries]
+                    tokens = torch.tensor([t for i, a, n in batch.entries for t in by_seq[i].prefix[a:a + n]],
                                           dtype=torch.long)
                     session.submit(entries, tokens, pb.Replay(first=batch.first, last=batch.last))
                 pools = session.pipe.pools()
@@ -246,7 +245,7 @@ class Engine:
             if time.monotonic() - self._checked > KEEPALIVE_S:
                 # results may flow for hours without the session polling the daemons: name every
                 # running request to them now and then, so no stage's idle timeout frees one that waits
-                self.session.check([r.id for r in self.running])
+                self.session.check([r.seq_id for r in self.running])
                 self._checked = time.monotonic()
             while len(self._in_flight) < self.depth and self._send_one():
                 pass
@@ -273,7 +272,7 @@ class Engine:
                 else:
                     tokens.append(r.tokens[-1])
                     decode += 1
-                entries.append(pb.Entry(sequence_id=r.id, start=start, length=p.length,
+                entries.append(pb.Entry(sequence_id=r.seq_id, start=start, length=p.length,
                                         logits=pb.LAST_LOGITS if p.sampled else pb.NO_LOGITS,
                                         max_len=r.max_len if start == 0 else 0))
                 r.laid_out += p.length
@@ -284,7 +283,7 @@ class Engine:
         return True
 
     def _collect(self) -> None:
-        watch = [r.id for r in self.running]
+        watch = [r.seq_id for r in self.running]
         result = self.session.wait_any(list(self._in_flight), watch)
         now = time.monotonic()
         with self._lock:
@@ -295,7 +294,7 @@ class Engine:
             for p in sent.planned:
                 r = p.request
                 r.in_flight -= 1
-                failed = result.failed.get(r.id)
+                failed = result.failed.get(r.seq_id)
                 if p.sampled:
                     if failed is None and not r.finished and r in self.running:
                         rows.append(row)
@@ -356,7 +355,7 @@ class Engine:
         elif r in self.waiting:
             self.waiting.remove(r)
         if r.laid_out:
-            self.session.close_sequences([r.id])
+            self.session.close_sequences([r.seq_id])
         r.done.set()
         if r.on_done is not None:
             r.on_done(r)

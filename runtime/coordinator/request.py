@@ -31,7 +31,8 @@ class Request:
     logprobs: int | None = None                # keep each token's log-probability and this many alternatives
     arrival_s: float = field(default_factory=time.monotonic)
     # state
-    id: int = field(default_factory=lambda: random.getrandbits(63))
+    id: int = field(default_factory=lambda: random.getrandbits(63))  # the request's, for its whole life
+    seq_id: int = field(default_factory=lambda: random.getrandbits(63))  # its sequence on the daemons now
     prefix: list[int] = field(default_factory=list)   # what is prefilled: the prompt, and after a
     slices: list[int] = field(default_factory=list)   # preemption the tokens generated too
     laid_out: int = 0                          # positions sent into the pipeline
@@ -53,14 +54,19 @@ class Request:
         if not self.prompt or self.max_new_tokens < 1:
             raise ValueError("a request needs a prompt and at least one new token")
         self.sampler = Sampler(self.params, self.prompt)
-        self._restart(list(self.prompt))
+        self.restart(list(self.prompt))
 
-    def _restart(self, prefix: list[int]) -> None:
+    def restart(self, prefix: list[int]) -> None:
+        """Prefill ``prefix`` from position 0 again (after a preemption or a recovery)."""
         self.prefix, self.laid_out = prefix, 0
         self.slices = self.slicer(len(prefix)) if self.slicer else [len(prefix)]
         if sum(self.slices) != len(prefix) or min(self.slices) < 1:
             raise ValueError(f"slices {self.slices} do not cover the {len(prefix)} tokens to prefill")
         self._ends = [sum(self.slices[:i + 1]) for i in range(len(self.slices))]
+
+    def new_sequence(self) -> None:
+        """Go on in a new sequence on the daemons (its old one was closed or lost)."""
+        self.seq_id = random.getrandbits(63)
 
     @property
     def max_len(self) -> int:

@@ -19,10 +19,13 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 from hpipe.core.errors import HpipeError
 from hpipe.model.kvpool import PoolExhausted
-from runtime.daemon.sequences import Sequence
+from runtime.daemon.outbox import Outbox
+from runtime.daemon.replay_log import ReplayLog
+from runtime.daemon.sequences import Sequence, SequenceTable
 from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
@@ -56,15 +59,20 @@ class Layout:
 
 
 class Layouts:
-    def __init__(self, server):
-        self.server = server
+    """The layouts of every session on this daemon. ``stages`` gives the held stages (they change
+    with each deployment); ``stopping`` is set when the daemon shuts down."""
+
+    def __init__(self, stages: Callable[[], dict], sequences: SequenceTable, replay_log: ReplayLog,
+                 outbox: Outbox, stopping: threading.Event):
+        self.stages, self.sequences, self.replay_log = stages, sequences, replay_log
+        self.outbox, self.stopping = outbox, stopping
         self._by_key: dict[tuple[int, int], Layout] = {}
         self._ended: deque[int] = deque(maxlen=256)  # sessions ended lately: their late data is skipped
         self._arrived = threading.Condition()
 
     def add(self, session: int, mb: pb.MicroBatch) -> None:
         """Lay out ``mb`` (the session's next micro-batch) on every held stage it runs on."""
-        held = stages = self.server.stages
+        held = stages = self.stages()
         source = None
         if mb.HasField("replay"):
             first, last = mb.replay.first, mb.replay.last
@@ -93,11 +101,11 @@ class Layouts:
                 self._by_key[session, mb.id] = layout
                 self._arrived.notify_all()
         if source is not None:
-            self.server.replay(layout, source)
+            self.outbox.replay(held[source], layout)
 
     def _lay_out(self, layout: Layout, session: int, e: pb.Entry, held: dict, stages: dict) -> None:
         """Open (on every ``held`` stage) or find ``e``'s sequence, and lay ``e`` out on ``stages``."""
-        table = self.server.sequences
+        table = self.sequences
         seq = table.find(e.sequence_id)
         cfg = next(iter(held.values())).model.cfg
         if seq is None:
@@ -129,7 +137,7 @@ class Layouts:
                             f"position {e.start}; the sequence continues at {seq.planned[i]}")
                 return
             if e.start < seq.planned[i]:
-                self.server.rewind(seq, i, e.start)
+                self._rewind(seq, i, e.start)
             end = e.start + e.length
             if end > seq.max_len:
                 layout.fail(e.sequence_id, "OUT_OF_RANGE", f"positions up to {end} exceed sequence {e.sequence_id}'s "
@@ -145,6 +153,14 @@ class Layouts:
             seq.planned[i] = end
         seq.last_active = time.monotonic()
 
+    def _rewind(self, seq: Sequence, stage: int, position: int) -> None:
+        """Drop ``seq``'s positions from ``position`` on held ``stage`` (its KV blocks past them, its log)."""
+        seq.planned[stage] = position
+        seq.computed[stage] = min(seq.computed.get(stage, 0), position)
+        if stage in seq.kv:
+            seq.kv[stage].truncate(position)
+        self.replay_log.truncate(seq, stage, position)
+
     def wait(self, session: int, mb_id: int, timeout_s: float = LAYOUT_WAIT_S) -> Layout | None:
         deadline = time.monotonic() + timeout_s
         with self._arrived:
@@ -152,7 +168,7 @@ class Layouts:
                 if session in self._ended:
                     return None
                 left = deadline - time.monotonic()
-                if left <= 0 or self.server._stopping.is_set():
+                if left <= 0 or self.stopping.is_set():
                     return None
                 self._arrived.wait(min(left, 1.0))
             return self._by_key[session, mb_id]
@@ -175,10 +191,3 @@ class Layouts:
     def ended(self, session: int) -> bool:
         with self._arrived:
             return session in self._ended
-
-    def fail_sequences(self, seq_ids: list[int], session: int, code: str, message: str) -> None:
-        """Fail these sequences if they still belong to ``session`` (not adopted by a new one)."""
-        for i in set(seq_ids):
-            seq = self.server.sequences.find(i)
-            if seq is not None and seq.session == session:
-                seq.fail(code, message)

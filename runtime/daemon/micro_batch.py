@@ -16,7 +16,12 @@ import torch
 
 from hpipe.core.errors import HpipeError
 from hpipe.model.graphs import DecodeGraphs
-from hpipe.model.kvpool import Entry
+from hpipe.model.kvpool import Entry as KVEntry
+from runtime.daemon.device_io import DeviceIO
+from runtime.daemon.layout import Layout, Layouts
+from runtime.daemon.outbox import Outbox
+from runtime.daemon.sequences import SequenceTable
+from runtime.daemon.session_stats import SessionStats
 from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
@@ -24,59 +29,74 @@ log = logging.getLogger(__name__)
 LOGITS = {pb.NO_LOGITS: "none", pb.LAST_LOGITS: "last", pb.ALL_LOGITS: "all"}
 
 
-def compute_micro_batch(server, stage, layout, x, failed: list, received: float) -> None:
-    failures = {f.sequence_id: f for f in failed}
-    for seq_id, f in layout.failures.items():
-        failures.setdefault(seq_id, f)
-    entries, live_seqs = [], []
-    for e in layout.entries:
-        seq = server.sequences.find(e.sequence_id)
-        if seq is not None and seq.session != layout.session:
-            seq = None  # taken over by a recovering coordinator's new session
-        if seq is not None and seq.error:
-            failures.setdefault(e.sequence_id, pb.Failure(sequence_id=e.sequence_id, code=seq.code or "ABORTED",
-                                                          message=seq.error))
-        live = seq is not None and e.sequence_id not in failures
-        if live and e.start > seq.computed.get(stage.index, 0):
-            # its earlier positions were never computed here (data of a session this stage joined
-            # late, or after a failed entry): attention would read slots nobody wrote
-            failures[e.sequence_id] = pb.Failure(sequence_id=e.sequence_id, code="ABORTED", message=(
-                f"stage {stage.index}: positions {seq.computed.get(stage.index, 0)}-{e.start} of sequence "
-                f"{e.sequence_id} were never computed here"))
-            live = False
-        if live:
-            live_seqs.append((seq, e.start + e.length))
-        entries.append(Entry(e.start, e.length, seq.kv.get(stage.index) if live else None, LOGITS[e.logits]))
-    model = stage.model
-    out = None
-    timer = server.io.timer()
-    timer.start()
-    if x is not None:
-        try:
-            out = _forward(stage, x.on_device(), entries)
-            for seq, end in live_seqs:
-                seq.computed[stage.index] = end
-        except HpipeError as err:
-            _fail_all(server, layout, failures, "INVALID_ARGUMENT", f"stage {stage.index}: {err}")
-        except Exception as err:  # noqa: BLE001 - a bug must fail the micro-batch's sequences, not the worker
-            log.exception("stage %d: computing micro-batch %d failed", stage.index, layout.id)
-            _fail_all(server, layout, failures, "INTERNAL", f"stage {stage.index}: internal error: {err!r}")
-    timer.stop()
-    if model.units.has_head:
-        rows = sum(e.length if e.logits == "all" else 1 for e in entries if e.logits != "none")
-        if out is None or out.shape[0] != rows:
-            out = torch.zeros(rows, model.cfg.vocab_size, device=model.device)
-        out = out.float()
-    elif out is None:
-        out = torch.zeros(layout.tokens, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
-    act = pb.Activation(session=layout.session, micro_batch=layout.id, stage=stage.index + 1,
-                        failed=list(failures.values()))
-    server.send(stage, act, server.io.download(out), layout)
-    server.stats.add_span(layout.session, stage.index, layout.id, layout.tokens, received, timer)
-    server.layouts.done(layout, stage.index)
+class MicroBatches:
+    """Computes micro-batches on the worker thread; what it reads and where results go are its
+    collaborators: the daemon's sequences, device I/O, outbox, statistics and layouts."""
+
+    def __init__(self, sequences: SequenceTable, io: DeviceIO, outbox: Outbox, stats: SessionStats,
+                 layouts: Layouts):
+        self.sequences, self.io, self.outbox, self.stats, self.layouts = sequences, io, outbox, stats, layouts
+
+    def __call__(self, stage, layout: Layout, x, failed: list, received: float) -> None:
+        failures = {f.sequence_id: f for f in failed}
+        for seq_id, f in layout.failures.items():
+            failures.setdefault(seq_id, f)
+        entries, live_seqs = [], []
+        for e in layout.entries:
+            seq = self.sequences.find(e.sequence_id)
+            if seq is not None and seq.session != layout.session:
+                seq = None  # taken over by a recovering coordinator's new session
+            if seq is not None and seq.error:
+                failures.setdefault(e.sequence_id, pb.Failure(sequence_id=e.sequence_id, code=seq.code or "ABORTED",
+                                                              message=seq.error))
+            live = seq is not None and e.sequence_id not in failures
+            if live and e.start > seq.computed.get(stage.index, 0):
+                # its earlier positions were never computed here (data of a session this stage joined
+                # late, or after a failed entry): attention would read slots nobody wrote
+                failures[e.sequence_id] = pb.Failure(sequence_id=e.sequence_id, code="ABORTED", message=(
+                    f"stage {stage.index}: positions {seq.computed.get(stage.index, 0)}-{e.start} of sequence "
+                    f"{e.sequence_id} were never computed here"))
+                live = False
+            if live:
+                live_seqs.append((seq, e.start + e.length))
+            entries.append(KVEntry(e.start, e.length, seq.kv.get(stage.index) if live else None, LOGITS[e.logits]))
+        model = stage.model
+        out = None
+        timer = self.io.timer()
+        timer.start()
+        if x is not None:
+            try:
+                out = _forward(stage, x.on_device(), entries)
+                for seq, end in live_seqs:
+                    seq.computed[stage.index] = end
+            except HpipeError as err:
+                self._fail_all(layout, failures, "INVALID_ARGUMENT", f"stage {stage.index}: {err}")
+            except Exception as err:  # noqa: BLE001 - a bug must fail the micro-batch's sequences, not the worker
+                log.exception("stage %d: computing micro-batch %d failed", stage.index, layout.id)
+                self._fail_all(layout, failures, "INTERNAL", f"stage {stage.index}: internal error: {err!r}")
+        timer.stop()
+        if model.units.has_head:
+            rows = sum(e.length if e.logits == "all" else 1 for e in entries if e.logits != "none")
+            if out is None or out.shape[0] != rows:
+                out = torch.zeros(rows, model.cfg.vocab_size, device=model.device)
+            out = out.float()
+        elif out is None:
+            out = torch.zeros(layout.tokens, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
+        act = pb.Activation(session=layout.session, micro_batch=layout.id, stage=stage.index + 1,
+                            failed=list(failures.values()))
+        self.outbox.send(stage, act, self.io.download(out), layout)
+        self.stats.add_span(layout.session, stage.index, layout.id, layout.tokens, received, timer)
+        self.layouts.done(layout, stage.index)
+
+    def _fail_all(self, layout: Layout, failures: dict, code: str, message: str) -> None:
+        for e in layout.entries:
+            failures.setdefault(e.sequence_id, pb.Failure(sequence_id=e.sequence_id, code=code, message=message))
+            seq = self.sequences.find(e.sequence_id)
+            if seq is not None:
+                seq.fail(code, message)
 
 
-def _forward(stage, x: torch.Tensor, entries: list[Entry]) -> torch.Tensor | None:
+def _forward(stage, x: torch.Tensor, entries: list[KVEntry]) -> torch.Tensor | None:
     """The stage's output for the micro-batch: all-decode ones as a static step where the stage has
     one (a CUDA graph per batch bucket); if capturing or running it fails, the stage stops using
     static steps and the micro-batch runs the general path."""
@@ -87,12 +107,3 @@ def _forward(stage, x: torch.Tensor, entries: list[Entry]) -> torch.Tensor | Non
             log.warning("stage %d: static decode step failed (%s); running eagerly from now on", stage.index, err)
             stage.graphs = None
     return stage.model.forward_batch(x, entries, stage.pool)
-
-
-def _fail_all(server, layout, failures: dict, code: str, message: str) -> None:
-    for e in layout.entries:
-        failures.setdefault(e.sequence_id, pb.Failure(sequence_id=e.sequence_id, code=code, message=message))
-        seq = server.sequences.find(e.sequence_id)
-        if seq is not None:
-            seq.fail(code, message)
-

@@ -104,6 +104,13 @@ class SequenceTable:
             seq.closed = True
         return seq
 
+    def fail(self, seq_ids, session: int, code: str, message: str) -> None:
+        """Fail these sequences if they still belong to ``session`` (not adopted by a new one)."""
+        for i in set(seq_ids):
+            seq = self.find(i)
+            if seq is not None and seq.session == session:
+                seq.fail(code, message)
+
     def idle(self) -> list[int]:
         now = time.monotonic()
         with self.lock:

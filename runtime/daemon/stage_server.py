@@ -8,12 +8,16 @@ KV blocks, refusing (and failing) only the sequences it cannot hold. Activations
 connections from the previous stage's daemon (the coordinator's, for the first stage); a
 connection's thread reads each payload straight into the tensor the worker will compute on, and
 waits for the layout if the data came first. The worker computes the micro-batch: projections
-and MLPs once over all its tokens, attention per entry against its sequence's blocks. A sender
-thread forwards the output to the next stage's daemon over one persistent connection, or, from the
-last stage, the sampled rows' logits to the coordinator's session. Failures travel with the
-data: each stage adds the sequences it failed to the activation's list.
+and MLPs once over all its tokens, attention per entry against its sequence's blocks
+(:mod:`runtime.daemon.micro_batch`). The outbox's thread (:mod:`runtime.daemon.outbox`) forwards
+the output to the next stage's daemon over one persistent connection, or, from the last stage, the
+sampled rows' logits to the coordinator's session. Failures travel with the data: each stage adds
+the sequences it failed to the activation's list.
 
-Recovery. The sender keeps what each held stage sent downstream in a replay log per sequence
+The server is composed of those parts, each given the collaborators it uses (the sequence
+table, the replay log, the outbox, the layouts); none of them holds the server.
+
+Recovery. The outbox keeps what each held stage sent downstream in a replay log per sequence
 (:mod:`runtime.daemon.replay_log`, within ``replay_budget`` bytes). When a daemon of the pipeline is
 restarted, the coordinator's new session adopts the sequences here (:meth:`StageServer.resume`)
 and sends replays: this daemon sends the logged rows again to the restarted stage after one of
@@ -23,7 +27,6 @@ its own, which rebuilds its KV cache from them (:mod:`runtime.coordinator.resume
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from typing import Callable
@@ -34,19 +37,18 @@ from hpipe.core.errors import StatusError
 from hpipe.model.kvpool import BLOCK_SIZE
 from runtime.daemon import deployment, memory
 from runtime.daemon.deployment import Deployment, LoadedStage
-from runtime.daemon.device_io import DeviceIO, Pending
-from runtime.daemon.layout import Layout, Layouts
+from runtime.daemon.device_io import DeviceIO
+from runtime.daemon.layout import Layouts
+from runtime.daemon.micro_batch import MicroBatches
+from runtime.daemon.outbox import Outbox
 from runtime.daemon.replay_log import DEFAULT_BUDGET, ReplayLog
 from runtime.daemon.sequences import SequenceTable
 from runtime.daemon.session_stats import SessionStats
-from runtime.wire.transport import Connection, DataServer, LinkError, connect, read_payload, skip_payload
-from runtime.wire.messages import pb
-from runtime.daemon.micro_batch import compute_micro_batch
 from runtime.daemon.worker import Worker
+from runtime.wire.messages import pb
+from runtime.wire.transport import Connection, DataServer, LinkError, read_payload, skip_payload
 
 log = logging.getLogger(__name__)
-
-_STOP = object()
 
 
 class StageServer:
@@ -68,20 +70,16 @@ class StageServer:
         self._baseline_memory = 0
         self.sequences = SequenceTable()
         self.replay_log = ReplayLog(replay_budget)
-        self.layouts = Layouts(self)
         self.stats = SessionStats()
-        self._token, self._tls_client = token, tls_client
-        self._sessions: dict[int, Connection] = {}
-        self._links: dict[tuple[str, int], Connection] = {}
         self._lock = threading.RLock()
-        self.worker = Worker(lambda *item: compute_micro_batch(self, *item), on_worker_start)
-        self._outbox: queue.Queue = queue.Queue()
         self._stopping = threading.Event()
+        self.outbox = Outbox(self.sequences, self.replay_log, self.stats, token, tls_client)
+        self.layouts = Layouts(lambda: self.stages, self.sequences, self.replay_log, self.outbox, self._stopping)
+        self.worker = Worker(MicroBatches(self.sequences, self.io, self.outbox, self.stats, self.layouts),
+                             on_worker_start)
         self.data = DataServer(host, token, self._serve_connection, tls_server)
-        self._threads = [threading.Thread(target=f, name=n, daemon=True)
-                         for f, n in ((self._send_loop, "stage-sender"), (self._reap_loop, "stage-reaper"))]
-        for t in self._threads:
-            t.start()
+        self._reaper = threading.Thread(target=self._reap_loop, name="stage-reaper", daemon=True)
+        self._reaper.start()
 
     def host_cpu_seconds(self) -> float:
         """CPU seconds this process has used outside the device worker (connections, sender, RPC)
@@ -156,12 +154,6 @@ class StageServer:
             self._free(seq_id)
         self.stages, self.deployment, self.weight_bytes = {}, None, 0
 
-    def require_stages(self) -> dict[int, LoadedStage]:
-        stages = self.stages
-        if not stages:
-            raise StatusError("FAILED_PRECONDITION", "no model is loaded on this daemon (deploy a plan first)")
-        return stages
-
     def _held(self) -> str:
         return ", ".join(str(s.units) for s in self.stages.values())
 
@@ -179,8 +171,7 @@ class StageServer:
         (session != 0) carries layouts, closes and first-stage inputs, and results go back on it;
         when it closes, the session's sequences are freed."""
         if session:
-            with self._lock:
-                self._sessions[session] = conn
+            self.outbox.attach(session, conn)
         try:
             while not self._stopping.is_set():
                 frame = conn.read_frame()
@@ -199,9 +190,7 @@ class StageServer:
                 log.debug("data connection %s ended: %s", conn.peer, e)
         finally:
             if session:
-                with self._lock:
-                    if self._sessions.get(session) is conn:
-                        del self._sessions[session]
+                self.outbox.detach(session, conn)
                 self.end_session(session)
 
     def _receive(self, conn: Connection, act: pb.Activation) -> None:
@@ -232,66 +221,7 @@ class StageServer:
         self.stats.add_recv(act.session, act.stage, time.perf_counter() - t0)
         self.worker.put((stage, layout, x, list(act.failed), received))
 
-    def send(self, stage: LoadedStage, act: pb.Activation, payload, layout: Layout) -> None:
-        """Queue ``stage``'s output of ``layout`` (a tensor or a :class:`Pending` one) for the sender
-        thread, which logs it for replays and passes it on (unless ``layout`` is a replay ending here)."""
-        self._outbox.put((stage, act, payload, layout))
-
-    def replay(self, layout: Layout, source: int) -> None:
-        """Send the next stage its input for the replay ``layout`` from held stage ``source``'s log."""
-        stage = self.stages[source]
-        act = pb.Activation(session=layout.session, micro_batch=layout.id, stage=source + 1)
-        self._outbox.put((stage, act, None, layout))
-
-    def _link(self, where: tuple[str, int]) -> Connection:
-        conn = self._links.get(where)
-        if conn is None or conn.closed:
-            conn = self._links[where] = connect(*where, self._token, 0, self._tls_client)
-        return conn
-
-    def _send_loop(self) -> None:
-        while True:
-            item = self._outbox.get()
-            if item is _STOP:
-                return
-            stage, act, payload, layout = item
-            seq_ids = [e.sequence_id for e in layout.entries]
-            t0 = time.perf_counter()
-            if payload is None:
-                tensor = self.replay_log.replay_input(self.sequences, stage, act, layout)
-            else:
-                tensor = payload.on_host() if isinstance(payload, Pending) else payload
-                if stage.successor is not None:
-                    self.replay_log.record(self.sequences, stage.index, layout, tensor,
-                                           {f.sequence_id for f in act.failed})
-                if not layout.forwards(stage.index):
-                    continue
-            act.payload_bytes = tensor.numel() * tensor.element_size()
-            try:
-                if stage.successor is None:
-                    with self._lock:
-                        conn = self._sessions.get(act.session)
-                    if conn is None:
-                        continue  # the coordinator is gone: nobody to answer
-                    sent = conn.send(pb.Frame(activation=act), tensor)
-                else:
-                    sent = self._link(stage.successor).send(pb.Frame(activation=act), tensor)
-            except LinkError as e:
-                where = "the coordinator" if stage.successor is None else f"stage {stage.index + 1}"
-                self.layouts.fail_sequences(seq_ids, act.session, "UNAVAILABLE",
-                                            f"stage {stage.index} could not send to {where}: {e}")
-                continue
-            self.stats.add_send(act.session, stage.index, time.perf_counter() - t0, sent)
-
     # --- sequences ----------------------------------------------------------------------------
-    def rewind(self, seq, stage: int, position: int) -> None:
-        """Drop ``seq``'s positions from ``position`` on held ``stage`` (its KV blocks past them, its log)."""
-        seq.planned[stage] = position
-        seq.computed[stage] = min(seq.computed.get(stage, 0), position)
-        if stage in seq.kv:
-            seq.kv[stage].truncate(position)
-        self.replay_log.truncate(seq, stage, position)
-
     def resume(self, old: int, new: int) -> list[tuple[int, int, int, int]]:
         """Session ``new`` takes over ``old``'s sequences (their errors cleared: the coordinator
         resumes each from where every stage stands); (sequence, stage, computed, logged) of each.
@@ -366,7 +296,5 @@ class StageServer:
         for seq_id in self.sequences.ids():
             self.close(seq_id)
         self.worker.stop()
-        self._outbox.put(_STOP)
-        for conn in [*self._links.values(), *self._sessions.values()]:
-            conn.close()
+        self.outbox.close()
 

@@ -178,13 +178,19 @@ def test_ctrl_c_then_run_again_loses_and_repeats_nothing(cluster3, plan_file, tm
         p.write_text(f"Report {i}. " + "The cat sat on the mat. " * (4 + i))
         docs.append(str(p))
     out = tmp_path / "results.jsonl"
+    # --ignore-eos and 48 tokens a document, one at a time: after the first answer the job has
+    # minutes of work left, so the interrupt always lands on work still running
     args = ["run", "--plan", str(path), "--cluster", str(cluster3.path), "--instruction", INSTRUCTION,
-            "--max-new-tokens", "24", "--parallel", "1", "-o", str(out)]
-    job = subprocess.Popen([sys.executable, "-m", "hpipe"] + args + docs, stderr=subprocess.PIPE, text=True)
+            "--max-new-tokens", "48", "--ignore-eos", "--parallel", "1", "-o", str(out)]
+    # started as a script's background job is (SIGINT inherited ignored): Python then installs no
+    # KeyboardInterrupt handler unless hpipe does, and the interrupt used to be lost
+    job = subprocess.Popen([sys.executable, "-m", "hpipe"] + args + docs, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_text().count("\n") >= 1):
         assert job.poll() is None and time.monotonic() < deadline, job.stderr.read() if job.poll() else "slow"
         time.sleep(0.05)
+    assert job.poll() is None
     job.send_signal(signal.SIGINT)
     t0 = time.monotonic()
     code = job.wait(timeout=30)

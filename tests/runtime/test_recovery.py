@@ -100,14 +100,14 @@ def test_a_killed_daemon_is_restarted_and_every_request_ends_as_without_failure(
         assert resumed["resumed"] == 9 and resumed["restarted"] == 0, resumed
         assert resumed["replayed_positions"] == resumed["kept_positions"] >= len(long_prompt) // 2, resumed
         held = engine.session.resumed  # sequence -> stage -> (computed, logged), as the survivors reported
-        assert all(set(held[r.id]) == {0, 2} for r in decoding + [long])
+        assert all(set(held[r.seq_id]) == {0, 2} for r in decoding + [long])
         lacked = [0, 0, 0]
         for r in decoding + [long]:
             p = r.resumed_at[0]
             final = len(r.prompt) + len(r.tokens) - 1  # the last token is never fed back
-            lacked = [lacked[0] + final - p, lacked[1] + final - p, lacked[2] + final - min(held[r.id][2][0], p)]
+            lacked = [lacked[0] + final - p, lacked[1] + final - p, lacked[2] + final - min(held[r.seq_id][2][0], p)]
             # at most the decode token in flight at the kill is computed again (its logits were lost)
-            assert held[r.id][0][0] - p <= 1
+            assert held[r.seq_id][0][0] - p <= 1
         per_stage = [sum(span[1] for span in st["spans"]) for st in engine.session.close()]
         assert per_stage == [lacked[0], lacked[1] + resumed["replayed_positions"], lacked[2]], (per_stage, lacked)
         model = LocalModel(smollm2)
