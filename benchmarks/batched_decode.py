@@ -25,13 +25,13 @@ import time
 from importlib.resources import files
 from pathlib import Path
 
+from hpipe.app.jobs import JobConfig, run_job
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
 from hpipe.model.sources import resolve_model
-from hpipe.model.stage import DTYPES
-from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread
+from runtime.coordinator.deploy import deploy
 from runtime.coordinator.engine import Engine, Request
-from hpipe.app.jobs import JobConfig, run_job
+from runtime.coordinator.pipeline import coordinate_on_one_thread
 from runtime.coordinator.policies import POLICIES
 
 INSTRUCTION = "Summarize this report."
@@ -54,11 +54,11 @@ def documents(tokenizer, n: int, folder: Path) -> list[str]:
     return out
 
 
-def job(plan, pipe, source, docs, folder: Path, policy: str, parallel: int, new: int, tag: str) -> tuple[float, dict]:
+def job(plan, cluster, source, docs, folder: Path, policy: str, parallel: int, new: int, tag: str) -> tuple[float, dict]:
     out = folder / f"{tag}.jsonl"
     out.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    summary = run_job(plan, pipe, source, docs, out, JobConfig(instruction=INSTRUCTION, max_new_tokens=new,
+    summary = run_job(plan, cluster, source, docs, out, JobConfig(instruction=INSTRUCTION, max_new_tokens=new,
                                                                parallel=parallel, policy=policy, ignore_eos=True))
     elapsed = time.perf_counter() - t0
     if summary["failed"]:
@@ -95,28 +95,25 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="hpipe-batched-"))
     docs = documents(source.tokenizer(), args.documents, folder)
     coordinate_on_one_thread()  # as hpipe run and hpipe serve do
-    pipe = Pipeline(ClusterSpec.load(args.cluster))
+    cluster = ClusterSpec.load(args.cluster)
     times = {"gllm": [], "single": []}
     decode = {1: [], args.documents: []}
     reference = None
-    try:
-        for r in range(args.rounds):
-            modes = [("gllm", args.documents), ("single", 2)]
-            for mode, parallel in (modes if r % 2 == 0 else modes[::-1]):
-                elapsed, answers = job(plan, pipe, source, docs, folder, mode, parallel, args.new_tokens, mode)
-                reference = reference or answers
-                same = sum(answers[d] == reference[d] for d in docs)
-                print(f"round {r + 1} {mode:<8} --parallel {parallel:<3} job {elapsed:7.1f} s; same answers "
-                      f"{same}/{len(docs)}", file=sys.stderr, flush=True)
-                times[mode].append(elapsed)
-            pipe.deploy(plan.model_name, plan.chosen.stages, DTYPES[plan.dtype])
+    for r in range(args.rounds):
+        modes = [("gllm", args.documents), ("single", 2)]
+        for mode, parallel in (modes if r % 2 == 0 else modes[::-1]):
+            elapsed, answers = job(plan, cluster, source, docs, folder, mode, parallel, args.new_tokens, mode)
+            reference = reference or answers
+            same = sum(answers[d] == reference[d] for d in docs)
+            print(f"round {r + 1} {mode:<8} --parallel {parallel:<3} job {elapsed:7.1f} s; same answers "
+                  f"{same}/{len(docs)}", file=sys.stderr, flush=True)
+            times[mode].append(elapsed)
+        with deploy(plan, cluster) as deployed:
             for n in (decode if r % 2 == 0 else list(decode)[::-1]):
-                rate = decode_rate(pipe, n, args.decode_only_tokens, plan.model.vocab_size)
+                rate = decode_rate(deployed.pipe, n, args.decode_only_tokens, plan.model.vocab_size)
                 decode[n].append(rate)
-                print(f"round {r + 1} decode of {n:>3} sequences together: {rate:7.1f} tokens/s", file=sys.stderr,
-                      flush=True)
-    finally:
-        pipe.close()
+                print(f"round {r + 1} decode of {n:>3} sequences together: {rate:7.1f} tokens/s",
+                      file=sys.stderr, flush=True)
     out = {"documents": args.documents, "new_tokens": args.new_tokens, "job_s": times,
            "job_ratio": statistics.median(b / s for b, s in zip(times["gllm"], times["single"])),
            "decode_tokens_per_s": {str(k): v for k, v in decode.items()},

@@ -23,8 +23,8 @@ from hpipe.app.workload_bench import run_once
 from hpipe.core import workload
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
-from hpipe.model.stage import DTYPES
-from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread
+from runtime.coordinator.deploy import deploy
+from runtime.coordinator.pipeline import coordinate_on_one_thread
 from runtime.coordinator.policies import GLLM
 
 
@@ -39,11 +39,10 @@ def main() -> None:
     plan = Plan.from_json(Path(args.plan).read_text())
     items = workload.generate(args.requests, args.seed)
     coordinate_on_one_thread()  # as hpipe run and hpipe serve do
-    pipe = Pipeline(ClusterSpec.load(args.cluster))
     variants = ["lanes", "stages"]
     runs: dict[str, list[dict]] = {v: [] for v in variants}
-    try:
-        pipe.deploy(plan.model_name, plan.chosen.stages, DTYPES[plan.dtype])
+    with deploy(plan, ClusterSpec.load(args.cluster)) as deployed:
+        pipe = deployed.pipe
         lanes = pipe.lanes
         print(f"{len(pipe.stages)} stages on {len(pipe.daemons)} daemons, {lanes} decode lane(s)",
               file=sys.stderr)
@@ -54,8 +53,6 @@ def main() -> None:
                 print(f"round {r + 1} spread over {v:<8} {run['total_tokens_per_s']:7.1f} tokens/s, "
                       f"{run['micro_batches']} micro-batches, busy "
                       + " ".join(f"{d} {b:.2f}" for d, b in run["daemon_busy"].items()), file=sys.stderr, flush=True)
-    finally:
-        pipe.close()
     med = {v: statistics.median(run["total_tokens_per_s"] for run in rs) for v, rs in runs.items()}
     same = all(a["outputs"] == b["outputs"] for a, b in zip(runs["lanes"], runs["stages"]))
     print(json.dumps({"lanes": lanes, "tokens_per_s": med, "lanes_over_stages":

@@ -76,7 +76,7 @@ def through_daemon(args, cfg, ids, dtype, graphs: bool = True, decode_only: bool
     try:
         pipe = Pipeline(cluster)
         t0 = time.perf_counter()
-        pipe.deploy(args.model, cut_stages(pipe.cluster, [], cfg.num_units), dtype)
+        pipe.load(args.model, cut_stages(pipe.cluster, [], cfg.num_units), dtype)
         out["deploy_s"] = time.perf_counter() - t0
         b, n = ids.shape
 

@@ -23,11 +23,11 @@ from pathlib import Path
 from run_equivalence import documents
 
 from hpipe.app.demo import INSTRUCTION
+from hpipe.app.jobs import JobConfig, run_job
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
 from hpipe.model.sources import resolve_model
-from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread
-from hpipe.app.jobs import JobConfig, run_job
+from runtime.coordinator.pipeline import coordinate_on_one_thread
 
 DEFAULT = JobConfig(instruction="").parallel
 
@@ -50,27 +50,24 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="hpipe-parallel-"))
     docs = [str(d) for d in documents(source.tokenizer(), args.documents, 1000, 3000, work)]
     coordinate_on_one_thread()  # as hpipe run and hpipe serve do
-    pipe = Pipeline(ClusterSpec.load(args.cluster))
+    cluster = ClusterSpec.load(args.cluster)
     times: dict[int, list[float]] = {v: [] for v in values}
     tokens: dict[int, int] = {}
     answers: list[dict[str, list[int]]] = []  # one per job: document -> answer token ids
     failed = {}
-    try:
-        for r in range(args.rounds):
-            for v in (values if r % 2 == 0 else values[::-1]):
-                out = work / f"p{v}-r{r}.jsonl"
-                t0 = time.perf_counter()
-                summary = run_job(plan, pipe, source, docs, out,
-                                  JobConfig(instruction=INSTRUCTION, chat=True, max_new_tokens=args.max_new_tokens,
-                                            parallel=v))
-                times[v].append(time.perf_counter() - t0)
-                failed.update(summary["failed"])
-                tokens[v] = summary["prompt_tokens"] + summary["new_tokens"]
-                rows = [json.loads(line) for line in out.read_text().splitlines()]
-                answers.append({row["document"]: row["token_ids"] for row in rows})
-                print(f"round {r + 1}, parallel {v}: {times[v][-1]:.1f} s", file=sys.stderr)
-    finally:
-        pipe.close()
+    for r in range(args.rounds):
+        for v in (values if r % 2 == 0 else values[::-1]):
+            out = work / f"p{v}-r{r}.jsonl"
+            t0 = time.perf_counter()
+            summary = run_job(plan, cluster, source, docs, out,
+                              JobConfig(instruction=INSTRUCTION, chat=True, max_new_tokens=args.max_new_tokens,
+                                        parallel=v))
+            times[v].append(time.perf_counter() - t0)
+            failed.update(summary["failed"])
+            tokens[v] = summary["prompt_tokens"] + summary["new_tokens"]
+            rows = [json.loads(line) for line in out.read_text().splitlines()]
+            answers.append({row["document"]: row["token_ids"] for row in rows})
+            print(f"round {r + 1}, parallel {v}: {times[v][-1]:.1f} s", file=sys.stderr)
     same = len(answers[0]) == len(docs) and all(a == answers[0] for a in answers)
     base = statistics.median(times[DEFAULT]) if DEFAULT in times else None
     rows = [{"parallel": v, "job_s": round(statistics.median(times[v]), 2), "runs_s": [round(t, 2) for t in times[v]],

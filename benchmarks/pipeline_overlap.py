@@ -37,7 +37,7 @@ def main() -> int:
     try:
         cfg = resolve_model(args.model).config
         pipe = Pipeline(cluster)
-        pipe.deploy(args.model, cut_stages(cluster, even_cuts(cfg.num_units, len(cluster.daemons)), cfg.num_units),
+        pipe.load(args.model, cut_stages(cluster, even_cuts(cfg.num_units, len(cluster.daemons)), cfg.num_units),
                     torch.float32)
         ids = torch.randint(0, cfg.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
         rows = []

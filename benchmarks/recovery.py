@@ -27,11 +27,11 @@ import torch
 from hpipe.core.cluster import ClusterSpec
 from hpipe.model.sources import resolve_model
 from runtime.cluster import launcher
-from runtime.wire.channels import DaemonClient
-from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread, cut_stages
 from runtime.coordinator.engine import Engine, Request
+from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread, cut_stages
 from runtime.coordinator.policies import POLICIES
 from runtime.coordinator.recovery import Redeploy
+from runtime.wire.channels import DaemonClient
 
 MODEL = "smollm2-135m"
 
@@ -85,7 +85,7 @@ def main() -> None:
     stages = cut_stages(cluster, [cfg.num_units // 3, 2 * cfg.num_units // 3], cfg.num_units)
     victim = stages[1].daemon
     try:
-        pipe.deploy(MODEL, stages, torch.float32)
+        pipe.load(MODEL, stages, torch.float32)
         clean = run(pipe, stages, prompt, args.new_tokens, slicer, None, cluster)
         print(f"failure-free: {clean['total_s']:.2f} s (prefill {clean['prefill_s']:.2f} s)", file=sys.stderr)
         killed = run(pipe, stages, prompt, args.new_tokens, slicer, victim, cluster)

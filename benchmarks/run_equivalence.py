@@ -19,12 +19,11 @@ from importlib.resources import files
 from pathlib import Path
 
 from hpipe.app.demo import INSTRUCTION
+from hpipe.app.jobs import JobConfig, build_prompt, run_job
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
 from hpipe.model.generate import LocalModel, generate_ids
 from hpipe.model.sources import resolve_model
-from runtime.coordinator.pipeline import Pipeline
-from hpipe.app.jobs import JobConfig, build_prompt, run_job
 
 
 def documents(tokenizer, count: int, lo: int, hi: int, folder: Path) -> list[Path]:
@@ -57,13 +56,9 @@ def main() -> int:
     tok = source.tokenizer()
     work = Path(tempfile.mkdtemp(prefix="hpipe-equiv-"))
     docs = documents(tok, args.documents, args.min_tokens, args.max_tokens, work)
-    pipe = Pipeline(ClusterSpec.load(args.cluster))
     t0 = time.perf_counter()
-    try:
-        summary = run_job(plan, pipe, source, [str(d) for d in docs], work / "results.jsonl",
-                          JobConfig(instruction=INSTRUCTION, chat=True, max_new_tokens=args.max_new_tokens))
-    finally:
-        pipe.close()
+    summary = run_job(plan, ClusterSpec.load(args.cluster), source, [str(d) for d in docs], work / "results.jsonl",
+                      JobConfig(instruction=INSTRUCTION, chat=True, max_new_tokens=args.max_new_tokens))
     job_s = time.perf_counter() - t0
     rows = {r["document"]: r for r in map(json.loads, (work / "results.jsonl").read_text().splitlines())}
     model = LocalModel(source)

@@ -36,9 +36,9 @@ from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
 from hpipe.core.workload import WorkItem
 from hpipe.model.sources import resolve_model
-from hpipe.model.stage import DTYPES
+from runtime.coordinator.deploy import deploy
+from runtime.coordinator.pipeline import coordinate_on_one_thread
 from runtime.wire.channels import DaemonClient, Security
-from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread
 from runtime.wire.messages import pb
 
 
@@ -162,12 +162,8 @@ def main() -> None:
         server.wait(30)
     items = [WorkItem(0.0, r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]) for r in served]
     coordinate_on_one_thread()  # as hpipe run and hpipe serve do
-    pipe = Pipeline(cluster)
-    try:
-        pipe.deploy(plan.model_name, plan.chosen.stages, DTYPES[plan.dtype])
-        engine = run_once(plan, pipe, items, "gllm", args.seed)
-    finally:
-        pipe.close()
+    with deploy(plan, cluster) as deployed:
+        engine = run_once(plan, deployed.pipe, items, "gllm", args.seed)
     out["engine_tokens_per_s"] = engine["total_tokens_per_s"]
     out["server_over_engine"] = round(out["server_tokens_per_s"] / engine["total_tokens_per_s"], 3)
     if args.json:

@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from runtime.wire.transport import Connection, DataServer, connect, read_payload
 from runtime.wire.messages import pb
+from runtime.wire.transport import Connection, DataServer, connect, read_payload
 
 
 def _raw_receiver(port_q, nbytes: int, transfers: int, rounds: int) -> None:

@@ -20,9 +20,9 @@ from hpipe.core.units import UnitRange
 from profiler.device import cpu_counts, fingerprint, host_id, measure_units, release_timed_stages, time_stage
 from profiler.links import MAX_PROBE_BYTES, time_probes
 from runtime.daemon import memory
-from runtime.wire.channels import DaemonClient, Security
 from runtime.daemon.servicer import SEND_TIMEOUT_S, compute_dtype, handled
 from runtime.daemon.stage_server import StageServer
+from runtime.wire.channels import DaemonClient, Security
 from runtime.wire.messages import pb, pb_grpc
 
 MAX_GRID_POINTS = 4096

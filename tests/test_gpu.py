@@ -37,7 +37,7 @@ def test_cuda_stages_match_hf(tiny_dirs, dtype):
 def _greedy(daemons, model, cuts, num_units, dtype, slices=(5, 7)):
     pipe = Pipeline(cluster_of(*daemons))
     try:
-        pipe.deploy(model, cut_stages(pipe.cluster, cuts, num_units), dtype)
+        pipe.load(model, cut_stages(pipe.cluster, cuts, num_units), dtype)
         with pipe.open(len(PROMPT) + NEW) as seq:
             out, *_ = decode_loop(RemoteRunner(seq), PROMPT, max_new_tokens=NEW, sampler=Sampler(), eos_ids=[],
                                   slices=list(slices))
@@ -84,7 +84,7 @@ def test_mps_daemons_of_unequal_shares(tmp_path):
         daemons = cluster.spec.daemons
         pipe = Pipeline(cluster.spec)
         try:
-            pipe.deploy("random:tiny", cut_stages(pipe.cluster, [5], 10), torch.bfloat16)
+            pipe.load("random:tiny", cut_stages(pipe.cluster, [5], 10), torch.bfloat16)
             with pipe.open(len(PROMPT) + 4) as seq:
                 out, *_ = decode_loop(RemoteRunner(seq), PROMPT, max_new_tokens=4, sampler=Sampler(), eos_ids=[],
                                       slices=[12])
@@ -115,7 +115,7 @@ def test_redeployment_does_not_hold_the_old_model():
     pipe = Pipeline(cluster_of(first, second))
     try:
         for end in (40, 26):  # units [0, 40) on the first daemon, then [0, 26): neither holds the head
-            pipe.deploy("random:llama-7b", cut_stages(pipe.cluster, [end], 66), torch.bfloat16)
+            pipe.load("random:llama-7b", cut_stages(pipe.cluster, [end], 66), torch.bfloat16)
             with pipe.open(65) as seq:
                 seq.submit(torch.randint(0, 32000, (64,)))
                 seq.result()

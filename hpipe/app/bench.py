@@ -20,14 +20,15 @@ import time
 import torch
 from tqdm import tqdm
 
+from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError
 from hpipe.core.plan import Plan
 from hpipe.core.profile import Profile
-from hpipe.model.stage import DTYPES
 from planner.costs import CostModel, Workload
 from planner.strategies import ideal_seconds, timeline
-from runtime.daemon import hoststat
+from runtime.coordinator.deploy import deploy
 from runtime.coordinator.pipeline import Pipeline, RemoteSequence
+from runtime.daemon import hoststat
 from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def timeline_summary(spans: list) -> dict:
     return {"start_s": first, "end_s": last, "busy_s": busy, "idle_s": max(0.0, last - first - busy)}
 
 
-def bench(plan: Plan, pipe: Pipeline, *, seq_len: int | None = None, batch: int | None = None,
+def bench(plan: Plan, cluster: ClusterSpec, *, seq_len: int | None = None, batch: int | None = None,
           strategies: list[str] | None = None, repeat: int = 3, interleave: bool = False,
           profile: Profile | None = None) -> dict:
     """Measure each strategy ``repeat`` times. By default a strategy's runs follow one another; with
@@ -128,17 +129,19 @@ def bench(plan: Plan, pipe: Pipeline, *, seq_len: int | None = None, batch: int 
     used = sorted({s.daemon for n in names for s in plan.strategies[n].stages})
     if profile is not None:
         _check_profile(plan, profile, used)
-        before = _calibrate(pipe, profile, used)
+        before = _calibrate(cluster, profile, used)
     ids = torch.randint(0, plan.model.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
     energy, energy_source = _energy_reader()
-    dtype = DTYPES[plan.dtype]
     runs: dict[str, list[dict]] = {name: [] for name in names}
     bar = tqdm(total=len(names) * repeat, desc="bench", file=sys.stderr, disable=not sys.stderr.isatty())
 
     def measure(name: str, count: int) -> None:
         """Deploy ``name``, warm up on the real input, then time ``count`` runs."""
         sp = plan.strategies[name]
-        pipe.deploy(plan.model_name, sp.stages, dtype)
+        with deploy(plan, cluster, strategy=name) as deployed:
+            _measure_deployed(deployed.pipe, sp, name, count)
+
+    def _measure_deployed(pipe: Pipeline, sp, name: str, count: int) -> None:
         daemon_offsets = [c.clock_offset() for c in pipe.clients]
         offsets = [daemon_offsets[d] for d in pipe.stage_daemon]
         mb = sp.micro_batches if batch % sp.micro_batches == 0 else 1
@@ -182,7 +185,7 @@ def bench(plan: Plan, pipe: Pipeline, *, seq_len: int | None = None, batch: int 
     result = {"seq_len": seq_len, "batch": batch, "ideal_s": plan.ideal_s if planned else None,
               "energy_source": energy_source, "order": "interleaved" if interleave else "blocks", "strategies": rows}
     if profile is not None:
-        after = _calibrate(pipe, profile, used)
+        after = _calibrate(cluster, profile, used)
         factors = {d: (before[d] + after[d]) / 2 for d in used}
         result["calibration"] = {"before": before, "after": after, "factors": factors}
         if planned:
@@ -203,11 +206,11 @@ def _check_profile(plan: Plan, profile: Profile, devices: list[str]) -> None:
         raise HpipeError(f"the profile has no device {', '.join(missing)}: not the profile this plan came from")
 
 
-def _calibrate(pipe: Pipeline, profile: Profile, devices: list[str]) -> dict[str, float]:
+def _calibrate(cluster: ClusterSpec, profile: Profile, devices: list[str]) -> dict[str, float]:
     """Each device's speed factor against the profile (now / then; > 1 is slower now)."""
     from profiler.reference import calibrate
 
-    factors = calibrate(pipe.cluster, profile, devices)
+    factors = calibrate(cluster, profile, devices)
     log.info("speed now vs profile: %s", ", ".join(f"{d} x{f:.3f}" for d, f in factors.items()))
     return factors
 

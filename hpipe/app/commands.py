@@ -79,8 +79,9 @@ def load_plan(path: str):
     return Plan.from_json(read_text(path, "plan"))
 
 
-def coordinator(cluster):
-    """A :class:`Pipeline` on ``cluster``, this process coordinating on one CPU thread."""
+def pipeline(cluster):
+    """An empty :class:`Pipeline` on ``cluster``, for stages without a plan (``--cuts``); this
+    process coordinates on one CPU thread."""
     from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread
 
     coordinate_on_one_thread()
@@ -88,8 +89,12 @@ def coordinator(cluster):
 
 
 def cluster_for(plan, cluster_file: str | None):
-    """The cluster file if given, else one made of the plan's stage addresses (no token, no TLS)."""
+    """The cluster file if given, else one made of the plan's stage addresses (no token, no TLS);
+    this process coordinates it on one CPU thread."""
     from hpipe.core.cluster import ClusterSpec, DaemonSpec
+    from runtime.coordinator.pipeline import coordinate_on_one_thread
+
+    coordinate_on_one_thread()
 
     if cluster_file:
         return ClusterSpec.load(cluster_file)
@@ -146,9 +151,9 @@ def _generate_on_cluster(args, cluster, source, dtype, tokenizer, prompt, sampli
     cfg = source.config
     cuts = args.cuts if args.cuts is not None else even_cuts(cfg.num_units, min(len(cluster.daemons), cfg.num_units))
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
-    pipe = coordinator(cluster)
+    pipe = pipeline(cluster)
     try:
-        pipe.deploy(model, cut_stages(cluster, cuts, cfg.num_units), dtype)
+        pipe.load(model, cut_stages(cluster, cuts, cfg.num_units), dtype)
         return generate_on_cluster(pipe, source, tokenizer, prompt, chat=args.chat,
                                    max_new_tokens=args.max_new_tokens, sampling=sampling, slices=args.slices)
     finally:
@@ -271,9 +276,9 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hpipe.app.jobs import JobConfig, run_job
     from hpipe.app.replan import replanner
     from hpipe.model.sources import resolve_model
-    from hpipe.app.jobs import JobConfig, run_job
 
     the_plan = load_plan(args.plan)
     if args.strategy and args.strategy.replace("-", "_") not in the_plan.strategies:
@@ -281,16 +286,13 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.output, "results (JSONL)")
     output = Path(args.output)
     source = resolve_model(the_plan.model_name)
-    pipe = coordinator(cluster_for(the_plan, args.cluster))
+    cluster = cluster_for(the_plan, args.cluster)
     job = JobConfig(instruction=args.instruction, chat=args.chat, max_new_tokens=args.max_new_tokens,
                     truncate=args.truncate, parallel=args.parallel, policy=args.policy,
                     ignore_eos=args.ignore_eos, grace_s=args.grace,
                     strategy=args.strategy.replace("-", "_") if args.strategy else None)
-    try:
-        summary = run_job(the_plan, pipe, source, args.documents, output, job,
-                          replan=replanner(the_plan, load_profile(args.profile)) if args.profile else None)
-    finally:
-        pipe.close()
+    summary = run_job(the_plan, cluster, source, args.documents, output, job,
+                      replan=replanner(the_plan, load_profile(args.profile)) if args.profile else None)
     for event in summary["recoveries"]:
         print(f"hpipe: the pipeline broke ({event['error']}); {event['action']} in {event['seconds']:.1f} s; "
               f"{event.get('resumed', 0)} documents resumed ({event.get('replayed_positions', 0)} positions "
@@ -314,12 +316,9 @@ def bench(args: argparse.Namespace) -> int:
     the_plan = load_plan(args.plan)
     strategies = [s.strip().replace("-", "_") for s in args.strategies.split(",")] if args.strategies else None
     prof = load_profile(args.profile) if args.profile else None
-    pipe = coordinator(cluster_for(the_plan, args.cluster))
-    try:
-        result = run_bench(the_plan, pipe, seq_len=args.seq_len, batch=args.batch, strategies=strategies,
-                           repeat=args.repeat, interleave=args.interleave, profile=prof)
-    finally:
-        pipe.close()
+    result = run_bench(the_plan, cluster_for(the_plan, args.cluster), seq_len=args.seq_len,
+                       batch=args.batch, strategies=strategies, repeat=args.repeat, interleave=args.interleave,
+                       profile=prof)
     print(table(result), file=sys.stderr)
     if args.chart:
         from hpipe.app.bench_chart import draw
@@ -343,12 +342,9 @@ def bench_workload(args: argparse.Namespace) -> int:
     if too_long:
         raise InputError(f"{len(too_long)} requests run past the model's context of "
                          f"{the_plan.model.max_position_embeddings} tokens")
-    pipe = coordinator(cluster_for(the_plan, args.cluster))
-    try:
-        result = run_workload(the_plan, pipe, items, [p.strip() for p in args.policies.split(",")],
-                              rounds=args.repeat, seed=args.seed, kv_pool_bytes=(args.kv_pool_mb or 0) << 20)
-    finally:
-        pipe.close()
+    result = run_workload(the_plan, cluster_for(the_plan, args.cluster), items,
+                          [p.strip() for p in args.policies.split(",")], rounds=args.repeat, seed=args.seed,
+                          kv_pool_bytes=(args.kv_pool_mb or 0) << 20)
     print(table(result), file=sys.stderr)
     if args.chart:
         from hpipe.app.workload_chart import draw
@@ -369,12 +365,9 @@ def serve(args: argparse.Namespace) -> int:
     the_plan = load_plan(args.plan)
     key = read_key(args.api_key_file)
     source = resolve_model(the_plan.model_name)
-    pipe = coordinator(cluster_for(the_plan, args.cluster))
-    try:
-        return run_server(the_plan, pipe, source, host=args.host, port=args.port, api_key=key, policy=args.policy,
-                          max_queue=args.max_queue, model_name=args.served_model_name)
-    finally:
-        pipe.close()
+    return run_server(the_plan, cluster_for(the_plan, args.cluster), source, host=args.host,
+                      port=args.port, api_key=key, policy=args.policy, max_queue=args.max_queue,
+                      model_name=args.served_model_name)
 
 
 def demo(args: argparse.Namespace) -> int:

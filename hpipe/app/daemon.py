@@ -21,8 +21,8 @@ from hpipe.core.cluster import DaemonOptions
 from hpipe.core.errors import HpipeError
 from hpipe.model import cpu_kernel
 from profiler import service as profiler_service
-from runtime.daemon.servicer import bind_warning, build_server
 from runtime.cluster.emulate import WORKER_THREAD_NAME, name_this_thread
+from runtime.daemon.servicer import bind_warning, build_server
 from runtime.daemon.stage_server import StageServer
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ def say(msg: str) -> None:
 
 
 def distinct_strategies(plan) -> list[str]:
-    """hpipe, and each baseline whose schedule differs from an earlier baseline's (GPipe is Base at batch 1)."""
+    """hpipe, and each baseline whose stages and slicing differ from an earlier baseline's (GPipe is Base at batch 1)."""
     seen, out = set(), []
     for name, sp in plan.strategies.items():
         key = (tuple((st.daemon, st.unit_start, st.unit_end) for st in sp.stages), sp.micro_batches, sp.slices)
@@ -51,6 +51,7 @@ def distinct_strategies(plan) -> list[str]:
 def run_demo(cluster_file: Path | None = None, instruction: str = INSTRUCTION, max_new_tokens: int = 48,
              bench_repeat: int = 3) -> dict:
     from hpipe.app.bench import bench, table
+    from hpipe.app.jobs import JobConfig, build_prompt, run_job
     from hpipe.app.plan_report import plan_table
     from hpipe.app.profile_report import summary
     from hpipe.core.cluster import ClusterSpec
@@ -59,8 +60,7 @@ def run_demo(cluster_file: Path | None = None, instruction: str = INSTRUCTION, m
     from planner.strategies import plan as make_plan
     from profiler.measure import profile_cluster
     from runtime.cluster import launcher
-    from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread
-    from hpipe.app.jobs import JobConfig, build_prompt, run_job
+    from runtime.coordinator.pipeline import coordinate_on_one_thread
 
     cluster_file = cluster_file or default_cluster()
     source = resolve_model("smollm2-135m")
@@ -83,21 +83,17 @@ def run_demo(cluster_file: Path | None = None, instruction: str = INSTRUCTION, m
         plan_path = work / "plan.json"
         plan_path.write_text(plan.to_json())
         coordinate_on_one_thread()
-        pipe = Pipeline(cluster)
-        try:
-            say("analysing the document through the pipeline")
-            job = run_job(plan, pipe, source, [str(doc_path)], work / "results.jsonl",
-                          JobConfig(instruction=instruction, chat=True, max_new_tokens=max_new_tokens))
-            if job["failed"]:
-                raise RuntimeError(f"demo document failed: {job['failed']}")
-            row = json.loads((work / "results.jsonl").read_text().splitlines()[-1])
-            print(f"\nQ: {instruction}\nA: {row['answer'].strip()}\n")
-            strategies = distinct_strategies(plan)
-            say(f"measuring hpipe against the baselines on the same input ({', '.join(strategies[1:])}; "
-                f"median of {bench_repeat})")
-            result = bench(plan, pipe, strategies=strategies, repeat=bench_repeat)
-        finally:
-            pipe.close()
+        say("analysing the document through the pipeline")
+        job = run_job(plan, cluster, source, [str(doc_path)], work / "results.jsonl",
+                      JobConfig(instruction=instruction, chat=True, max_new_tokens=max_new_tokens))
+        if job["failed"]:
+            raise RuntimeError(f"demo document failed: {job['failed']}")
+        row = json.loads((work / "results.jsonl").read_text().splitlines()[-1])
+        print(f"\nQ: {instruction}\nA: {row['answer'].strip()}\n")
+        strategies = distinct_strategies(plan)
+        say(f"measuring hpipe against the baselines on the same input ({', '.join(strategies[1:])}; "
+            f"median of {bench_repeat})")
+        result = bench(plan, cluster, strategies=strategies, repeat=bench_repeat)
         print(table(result))
         return {"answer": row["answer"], "prompt_tokens": row["prompt_tokens"], "bench": result,
                 "plan": str(plan_path)}

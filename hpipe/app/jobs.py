@@ -2,7 +2,7 @@
 
 Each document becomes one prompt (document, blank line, instruction; in the chat template with
 ``--chat``: small models answer a question asked after the text far better than one asked before
-it), sliced by the plan's schedule for its length. Up to ``parallel`` documents run at once on one
+it), sliced by the plan's slicing for its length. Up to ``parallel`` documents run at once on one
 engine (:mod:`runtime.coordinator.engine`): their prefill chunks and decode tokens share micro-batches, so one
 pass over each stage's weights serves every document in flight. Results are appended to a JSONL
 file, one whole line per document as it finishes, a failed one with its error
@@ -22,15 +22,15 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from hpipe.app.results import ResultsFile, answer_key
+from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError, InputError
 from hpipe.core.plan import Plan, Stage
 from hpipe.model.generate import encode_prompt
-from hpipe.model.stage import DTYPES
-from runtime.coordinator.pipeline import Pipeline
+from runtime.coordinator.deploy import deploy
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.policies import POLICIES
-from runtime.coordinator.recovery import GRACE_S, Redeploy
-from hpipe.app.results import ResultsFile, answer_key
+from runtime.coordinator.recovery import GRACE_S
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +80,7 @@ def build_prompt(tokenizer, instruction: str, document: str, chat: bool, limit: 
     raise InputError(f"could not truncate the document to {limit} tokens")
 
 
-def plan_slicer(plan: Plan, strategy: str | None = None):
-    """A request's prefill slicing from the plan: its schedule for the length, and a preempted
-    request's longer prefix (prompt and generated tokens) as that plus one slice for the rest."""
-    def slices(n: int) -> list[int]:
-        if n <= plan.max_len:
-            return plan.slices_for(n, strategy)
-        return plan.slices_for(plan.max_len, strategy) + [n - plan.max_len]
-    return slices
-
-
-def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: Path, job: JobConfig,
+def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], results: Path, job: JobConfig,
             replan: Callable[[list[str], list[Stage]], list[Stage]] | None = None) -> dict:
     """Analyse ``documents``; returns a summary. Raises nothing per document: each failure is
     recorded in the results file with its error, and in the summary. A stage that dies is waited
@@ -101,7 +91,6 @@ def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: P
     strategy = job.strategy or plan.strategy
     if job.policy not in POLICIES:
         raise InputError(f"unknown policy {job.policy!r} (choose from {', '.join(POLICIES)})")
-    sp = plan.strategies[strategy]
     settings = {"model": plan.model_name, "dtype": plan.dtype, "max_new_tokens": job.max_new_tokens,
                 "ignore_eos": job.ignore_eos, "sampling": "greedy"}
     failures: dict[str, str] = {}
@@ -131,11 +120,11 @@ def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: P
                 prompts[name] = (ids, dropped, key)
         if skipped:
             log.warning("skipping %d documents already answered in %s", skipped, results)
-        pipe.deploy(plan.model_name, sp.stages, DTYPES[plan.dtype])
-        redeploy = Redeploy(pipe, plan.model_name, sp.stages, DTYPES[plan.dtype], grace_s=job.grace_s, replan=replan)
+        deployed = deploy(plan, cluster, strategy=strategy, grace_s=job.grace_s, replan=replan)
+        redeploy = deployed.recovery
         t0 = time.perf_counter()
         bar = tqdm(total=len(prompts), desc="documents", unit="doc", file=sys.stderr, disable=not sys.stderr.isatty())
-        engine = Engine(pipe.session(), POLICIES[job.policy](), depth=len(pipe.stages),
+        engine = Engine(deployed.session(), POLICIES[job.policy](), depth=len(deployed.pipe.stages),
                         max_running=max(1, job.parallel), recover=redeploy)
 
         def finished(r: Request) -> None:
@@ -160,7 +149,7 @@ def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: P
 
         for name, (ids, dropped, key) in prompts.items():
             engine.add(Request(ids, max(1, min(job.max_new_tokens, plan.model.max_position_embeddings - len(ids))),
-                               eos=eos, slicer=plan_slicer(plan, strategy), tag=(name, key, dropped),
+                               eos=eos, slicer=plan.slicer(strategy), tag=(name, key, dropped),
                                on_done=finished))
         try:
             engine.run()  # Ctrl-C stops it here: every answer so far is on disk, whole
@@ -168,6 +157,7 @@ def run_job(plan: Plan, pipe: Pipeline, source, documents: list[str], results: P
             engine.fail_all(str(e))
         finally:
             engine.session.close()
+            deployed.close()
             bar.close()
     elapsed = time.perf_counter() - t0
     return {**stats, "skipped": skipped, "failed": failures, "elapsed_s": round(elapsed, 3),

@@ -28,7 +28,7 @@ def read_key(path: str | None) -> str | None:
     return key
 
 
-def serve(plan, pipe, source, *, host: str, port: int, api_key: str | None, policy: str, max_queue: int,
+def serve(plan, cluster, source, *, host: str, port: int, api_key: str | None, policy: str, max_queue: int,
           model_name: str | None = None) -> int:
     import uvicorn
 
@@ -37,12 +37,12 @@ def serve(plan, pipe, source, *, host: str, port: int, api_key: str | None, poli
 
     if host not in LOOPBACK and not host.startswith("127.") and not api_key:
         raise InputError(f"binding {host} serves anyone who can reach it: give an --api-key-file")
-    backend = Backend(plan, pipe, source, policy=policy, max_queue=max_queue, api_key=api_key,
+    backend = Backend(plan, cluster, source, policy=policy, max_queue=max_queue, api_key=api_key,
                       model_name=model_name)
     app = create_app(backend)
     backend.start()
     log.warning("hpipe serve: %s on http://%s:%d/v1 (%d stages, policy %s)", backend.model_name, host, port,
-                len(pipe.stages), policy)
+                len(backend.pipe.stages), policy)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:

@@ -14,16 +14,15 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError, InputError
 from hpipe.core.plan import Plan
 from hpipe.model.generate import encode_chat
 from hpipe.model.sampling import SamplingParams
-from hpipe.model.stage import DTYPES
-from runtime.coordinator.pipeline import Pipeline
+from runtime.coordinator.deploy import Deployed, deploy
 from runtime.coordinator.engine import Engine, Request
-from hpipe.app.jobs import plan_slicer
+from runtime.coordinator.pipeline import Pipeline
 from runtime.coordinator.policies import POLICIES
-from runtime.coordinator.recovery import Redeploy
 from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
@@ -79,11 +78,13 @@ class Metrics:
 
 
 class Backend:
-    def __init__(self, plan: Plan, pipe: Pipeline, source, *, policy: str = "gllm", max_queue: int = 256,
+    def __init__(self, plan: Plan, cluster: ClusterSpec, source, *, policy: str = "gllm", max_queue: int = 256,
                  api_key: str | None = None, model_name: str | None = None):
         if policy not in POLICIES:
             raise InputError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
-        self.plan, self.pipe, self.source, self.policy = plan, pipe, source, policy
+        self.plan, self.cluster, self.source, self.policy = plan, cluster, source, policy
+        self.deployed: Deployed | None = None
+        self.pipe: Pipeline | None = None  # once started
         self.tokenizer = source.tokenizer()
         self.eos = frozenset(source.eos_token_ids())
         self.context = plan.model.max_position_embeddings
@@ -100,12 +101,12 @@ class Backend:
     # --- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Deploy the plan and start the engine's thread (returns once serving)."""
-        self.pipe.deploy(self.plan.model_name, self.plan.chosen.stages, DTYPES[self.plan.dtype])
         # a stage that dies is waited for (the supervisor restarts it) and redeployed; requests
         # in flight resume where the stages can go on from, and their streams go on (runtime.coordinator.recovery)
-        recover = Redeploy(self.pipe, self.plan.model_name, self.plan.chosen.stages, DTYPES[self.plan.dtype])
-        self.engine = Engine(self.pipe.session(), POLICIES[self.policy](), depth=len(self.pipe.stages),
-                             max_running=self.max_queue, recover=recover)
+        self.deployed = deploy(self.plan, self.cluster)
+        self.pipe = self.deployed.pipe
+        self.engine = Engine(self.deployed.session(), POLICIES[self.policy](), depth=len(self.pipe.stages),
+                             max_running=self.max_queue, recover=self.deployed.recovery)
         threading.Thread(target=self._run, name="engine", daemon=True).start()
         self._state = "ok"
 
@@ -121,6 +122,8 @@ class Backend:
         self._stop.set()
         if self.engine is not None:
             self.engine.session.close()
+        if self.deployed is not None:
+            self.deployed.close()
 
     def ready(self) -> tuple[bool, str]:
         if self._state != "ok":
@@ -180,7 +183,7 @@ class Backend:
 
             request = Request(prompt, max_tokens or room, params=params,
                               eos=frozenset() if body.ignore_eos else self.eos,
-                              slicer=plan_slicer(self.plan), on_token=on_token, on_done=done,
+                              slicer=self.plan.slicer(), on_token=on_token, on_done=done,
                               logprobs=top_logprobs)
             return engine.add(request)
 

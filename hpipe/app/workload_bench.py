@@ -17,13 +17,13 @@ import threading
 import time
 from typing import Callable
 
+from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError
 from hpipe.core.plan import Plan
 from hpipe.core.workload import WorkItem, prompt_ids
-from hpipe.model.stage import DTYPES
-from runtime.coordinator.pipeline import Pipeline
+from runtime.coordinator.deploy import deploy
 from runtime.coordinator.engine import Engine, Request
-from hpipe.app.jobs import plan_slicer
+from runtime.coordinator.pipeline import Pipeline
 from runtime.coordinator.policies import POLICIES
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def run_once(plan: Plan, pipe: Pipeline, items: list[WorkItem], policy: str, see
     session = pipe.session()
     offsets = [c.clock_offset() for c in pipe.clients]
     engine = Engine(session, (make_policy or POLICIES[policy])(), depth=len(pipe.stages), max_running=max_running)
-    slicer = plan_slicer(plan)
+    slicer = plan.slicer()
     done, stop = [0], threading.Event()
     requests: list[Request] = []
     wall0, t0 = time.time(), time.monotonic()
@@ -99,12 +99,16 @@ def run_once(plan: Plan, pipe: Pipeline, items: list[WorkItem], policy: str, see
                     for m in engine.log]}
 
 
-def run_workload(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[str], rounds: int = 1,
+def run_workload(plan: Plan, cluster: ClusterSpec, items: list[WorkItem], policies: list[str], rounds: int = 1,
                  seed: int = 0, kv_pool_bytes: int = 0) -> dict:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise HpipeError(f"unknown policies {unknown} (choose from {', '.join(POLICIES)})")
-    pipe.deploy(plan.model_name, plan.chosen.stages, DTYPES[plan.dtype], kv_pool_bytes=kv_pool_bytes)
+    with deploy(plan, cluster, kv_pool_bytes=kv_pool_bytes) as deployed:
+        return _rounds(plan, deployed.pipe, items, policies, rounds, seed)
+
+
+def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[str], rounds: int, seed: int) -> dict:
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     for r in range(rounds):
         for policy in (policies if r % 2 == 0 else policies[::-1]):

@@ -127,6 +127,16 @@ class Plan:
             return [length]
         return uniform(length, min(len(sp.slices), length))
 
+    def slicer(self, strategy: str | None = None):
+        """A request's prefill slicing under ``strategy``: the plan's slices for its length, and a
+        preempted request's longer prefix (prompt and generated tokens) as that plus one slice for
+        the rest."""
+        def slices(n: int) -> list[int]:
+            if n <= self.max_len:
+                return self.slices_for(n, strategy)
+            return self.slices_for(self.max_len, strategy) + [n - self.max_len]
+        return slices
+
     # --- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         def finite(x):

@@ -23,8 +23,8 @@ import torch
 from hpipe.core.cluster import ClusterSpec, DaemonSpec, decode_lane
 from hpipe.core.errors import InputError
 from hpipe.core.plan import PlanError, Stage, stages_from_cuts
-from runtime.wire.channels import DaemonClient, Security
 from runtime.coordinator.session import Session, StageFailure
+from runtime.wire.channels import DaemonClient, Security
 from runtime.wire.messages import dtype_to_wire, pb, stage_to_wire
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class Pipeline:
     def daemon_stages(self, d: int) -> list[int]:
         return [i for i, dd in enumerate(self.stage_daemon) if dd == d]
 
-    def deploy(self, model: str, stages: Seq[Stage], dtype: torch.dtype, kv_pool_bytes: int = 0,
+    def load(self, model: str, stages: Seq[Stage], dtype: torch.dtype, kv_pool_bytes: int = 0,
                adjacent: bool = False) -> list[Stage]:
         """Load ``stages`` (a plan's, or :func:`cut_stages`) onto their daemons in the cluster, each
         daemon's KV pools ``kv_pool_bytes`` in all (0: the daemon sizes them).

@@ -30,8 +30,8 @@ import torch
 
 from hpipe.core.errors import HpipeError
 from hpipe.core.plan import Stage
-from runtime.wire.channels import DaemonClient
 from runtime.coordinator.session import Session, StageFailure
+from runtime.wire.channels import DaemonClient
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Redeploy:
             down = self._down(names)
             if not down:
                 try:
-                    self.pipe.deploy(self.model, self.stages, self.dtype, self.kv_pool_bytes, adjacent=True)
+                    self.pipe.load(self.model, self.stages, self.dtype, self.kv_pool_bytes, adjacent=True)
                     return self._done(error, "redeployed", t0, resume_from)
                 except StageFailure as e:  # died again while loading: wait on
                     log.warning("redeploying failed: %s", e)
@@ -82,7 +82,7 @@ class Redeploy:
                                f"over: {e}") from None
         action = _describe(self.stages, stages, down)
         log.warning("%s did not come back: %s", ", ".join(down), action)
-        self.pipe.deploy(self.model, stages, self.dtype, self.kv_pool_bytes, adjacent=True)
+        self.pipe.load(self.model, stages, self.dtype, self.kv_pool_bytes, adjacent=True)
         self.stages = list(stages)
         return self._done(error, action, t0, resume_from)
 

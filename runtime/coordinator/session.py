@@ -28,8 +28,8 @@ import torch
 
 from hpipe.core.cluster import split_address
 from hpipe.core.errors import HpipeError
-from runtime.wire.transport import Connection, LinkError, client_context, connect, read_payload
 from runtime.wire.messages import pb
+from runtime.wire.transport import Connection, LinkError, client_context, connect, read_payload
 
 log = logging.getLogger(__name__)
 

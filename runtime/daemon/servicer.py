@@ -22,12 +22,12 @@ from hpipe.core.cluster import DaemonOptions
 from hpipe.core.errors import HpipeError, InputError, ModelSourceError, StatusError, UnsupportedModelError
 from hpipe.model.stage import parse_dtype
 from runtime.daemon import hoststat
-from runtime.wire.backoff import TokenBackoff, grpc_host
-from runtime.wire.channels import TOKEN_HEADER, Security
 from runtime.daemon.deployment import Deployment
 from runtime.daemon.stage_server import StageServer
-from runtime.wire.transport import client_context, server_context
+from runtime.wire.backoff import TokenBackoff, grpc_host
+from runtime.wire.channels import TOKEN_HEADER, Security
 from runtime.wire.messages import CHANNEL_OPTIONS, dtype_from_wire, pb, pb_grpc, stage_from_wire, stage_to_wire
+from runtime.wire.transport import client_context, server_context
 
 log = logging.getLogger(__name__)
 

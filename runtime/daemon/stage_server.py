@@ -33,7 +33,6 @@ from typing import Callable
 
 import torch
 
-from hpipe.core.errors import StatusError
 from hpipe.model.kvpool import BLOCK_SIZE
 from runtime.daemon import deployment, memory
 from runtime.daemon.deployment import Deployment, LoadedStage

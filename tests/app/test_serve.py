@@ -15,7 +15,6 @@ from hpipe.core.plan import Plan, Stage, StrategyPlan
 from hpipe.model.generate import LocalModel, decode_loop, encode_chat
 from hpipe.model.sampling import Sampler
 from hpipe.model.sources import resolve_model
-from runtime.coordinator.pipeline import Pipeline
 from tests.cluster_helpers import Served, cluster_of
 
 KEY = "sk-test-key"
@@ -43,8 +42,7 @@ def server(tiny_chat_model):
     source = resolve_model(str(tiny_chat_model))
     daemons = [Served(f"d{i}") for i in range(2)]
     plan = _plan(source, daemons)
-    pipe = Pipeline(cluster_of(*daemons))
-    backend = Backend(plan, pipe, source, max_queue=4, api_key=KEY, model_name="tiny")
+    backend = Backend(plan, cluster_of(*daemons), source, max_queue=4, api_key=KEY, model_name="tiny")
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(backend), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -60,11 +58,10 @@ def server(tiny_chat_model):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     backend.start()
-    yield base, backend, source, pipe, daemons  # (a test may replace a daemon in the list)
+    yield base, backend, source, backend.pipe, daemons  # (a test may replace a daemon in the list)
     server.should_exit = True
     thread.join(10)
     backend.stop()
-    pipe.close()
     for d in daemons:
         d.stop()
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from hpipe.core.cluster import ClusterSpec, DaemonSpec
-from runtime.wire.channels import DaemonClient, Security
 from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.daemon.deployment import check_source
-from runtime.wire.transport import LinkError, connect, read_payload
+from runtime.wire.channels import DaemonClient, Security
 from runtime.wire.messages import MAX_MESSAGE_BYTES, pb, pb_grpc
+from runtime.wire.transport import LinkError, connect, read_payload
 from tests.cluster_helpers import Served
 
 
@@ -248,7 +248,7 @@ def _two_stage_pipeline(tiny_dirs, security, **kw):
     a, b = Served(**kw), Served(**kw)
     spec = ClusterSpec("t", (DaemonSpec.at("a", a.address), DaemonSpec.at("b", b.address)))
     pipe = Pipeline(spec, security)
-    pipe.deploy(str(tiny_dirs["llama"]), cut_stages(spec, [3], 8), torch.float32)
+    pipe.load(str(tiny_dirs["llama"]), cut_stages(spec, [3], 8), torch.float32)
     return a, b, pipe
 
 

@@ -10,8 +10,8 @@ import torch
 from hpipe.model.generate import LocalModel, decode_loop
 from hpipe.model.sampling import Sampler
 from hpipe.model.sources import resolve_model
-from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.engine import Engine, Request
+from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.policies import POLICIES
 from runtime.wire.messages import pb
 from tests.cluster_helpers import Served, cluster_of
@@ -77,7 +77,7 @@ def pools_empty(pipe, within_s: float = 5.0) -> bool:
 def test_every_policy_gives_each_request_its_own_tokens(tiny, policy):
     pipe, source, path, _ = tiny
     cfg = source.config
-    pipe.deploy(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32)
+    pipe.load(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32)
     prompts, news = workload(12, cfg.vocab_size)
     tokens, engine = run(pipe, prompts, news, policy, max_running=2 if policy == "single" else 64)
     assert tokens == alone(source, prompts, news)
@@ -91,7 +91,7 @@ def test_a_pool_too_small_for_the_load_preempts_and_loses_nothing(tiny):
     cfg = source.config
     prompts, news = workload(24, cfg.vocab_size)
     # each stage's pool: 20 blocks of 16 tokens, about a quarter of what the 24 requests hold at once
-    pipe.deploy(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32, kv_pool_bytes=20 * BLOCK)
+    pipe.load(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32, kv_pool_bytes=20 * BLOCK)
     assert min(p.blocks for p in pipe.pools()) == 20
     tokens, engine = run(pipe, prompts, news, "sarathi")
     assert tokens == alone(source, prompts, news)
@@ -108,7 +108,7 @@ def test_a_short_request_is_not_stuck_behind_a_long_prefill(tiny, tmp_path_facto
     path = str(make_tiny_model("llama", tmp_path_factory.mktemp("long"), context=4160))
     source = resolve_model(path)
     cfg = source.config
-    pipe.deploy(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32)
+    pipe.load(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32)
     gen = torch.Generator().manual_seed(5)
     doc = Request(torch.randint(1, cfg.vocab_size, (4096,), generator=gen).tolist(), 2,
                   slicer=lambda n: [512] * (n // 512) + ([n % 512] if n % 512 else []))
@@ -144,7 +144,7 @@ def test_decode_micro_batches_as_static_steps_give_the_same_tokens(tiny_dirs):
         d.stage.decode_steps = "eager"
     pipe = Pipeline(cluster_of(*daemons))
     try:
-        pipe.deploy(str(tiny_dirs["llama"]), cut_stages(pipe.cluster, [4], source.config.num_units), torch.float32)
+        pipe.load(str(tiny_dirs["llama"]), cut_stages(pipe.cluster, [4], source.config.num_units), torch.float32)
         prompts, news = workload(8, source.config.vocab_size)
         tokens, _ = run(pipe, prompts, news, "gllm")
         assert tokens == alone(source, prompts, news)
@@ -163,7 +163,7 @@ def test_a_running_request_that_waits_is_never_freed_by_a_stage_idle_timeout(tin
 
     pipe, source, path, daemons = tiny
     cfg = source.config
-    pipe.deploy(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32)
+    pipe.load(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32)
     monkeypatch.setattr(engine_module, "KEEPALIVE_S", 0.2)
     for d in daemons:
         monkeypatch.setattr(d.stage.sequences, "idle_timeout_s", 0.5)  # freed within 1.5 s unnamed
@@ -202,7 +202,7 @@ def test_non_finite_logits_fail_the_request_with_a_clear_error(tiny, tmp_path):
     state = load_file(str(weights))
     state["model.norm.weight"] = torch.full_like(state["model.norm.weight"], float("nan"))
     save_file(state, str(weights), metadata={"format": "pt"})
-    pipe.deploy(str(broken), cut_stages(pipe.cluster, [3, 5], source.config.num_units), torch.float32)
+    pipe.load(str(broken), cut_stages(pipe.cluster, [3, 5], source.config.num_units), torch.float32)
     session = pipe.session()
     try:
         engine = Engine(session, POLICIES["gllm"](), depth=len(pipe.stages))

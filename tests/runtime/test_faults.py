@@ -21,7 +21,7 @@ from tests.cluster_helpers import RunningCluster, discard_state, write_cluster
 def test_killed_daemon_mid_prefill(tmp_path, smollm2):
     with RunningCluster(write_cluster(tmp_path, 3, name="faulty")) as cluster:
         pipe = Pipeline(cluster.spec)
-        pipe.deploy("smollm2-135m", cut_stages(pipe.cluster, [21, 41], smollm2.config.num_units), torch.float32)
+        pipe.load("smollm2-135m", cut_stages(pipe.cluster, [21, 41], smollm2.config.num_units), torch.float32)
         seq = pipe.open(1024)
         ids = torch.randint(0, smollm2.config.vocab_size, (1, 1024))
         for k in range(16):
@@ -86,7 +86,7 @@ def test_the_pools_of_a_pipeline_with_a_dead_daemon_are_a_stage_failure(tiny_dir
     daemons = [Served("a"), Served("b")]
     pipe = Pipeline(cluster_of(*daemons))
     try:
-        pipe.deploy(path, cut_stages(pipe.cluster, [3], resolve_model(path).config.num_units), torch.float32)
+        pipe.load(path, cut_stages(pipe.cluster, [3], resolve_model(path).config.num_units), torch.float32)
         assert len(pipe.pools()) == 2
         daemons[1].stop()
         with pytest.raises(StageFailure, match="b at .* is not responding"):

@@ -5,11 +5,11 @@ import json
 import pytest
 
 from hpipe.app.cli import main
+from hpipe.app.jobs import build_prompt
 from hpipe.model.generate import LocalModel, generate_ids
 from planner.costs import Workload
 from planner.strategies import plan as make_plan
 from profiler.measure import profile_cluster
-from hpipe.app.jobs import build_prompt
 
 INSTRUCTION = "Summarize in one sentence."
 

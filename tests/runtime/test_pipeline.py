@@ -36,7 +36,7 @@ def run(pipe, smollm2, prompt, slices=None):
 def test_cuts_and_slices_equal_single_process(cluster3, smollm2, reference, cuts):
     pipe = Pipeline(cluster3.spec)
     try:
-        pipe.deploy("smollm2-135m", cut_stages(pipe.cluster, cuts, smollm2.config.num_units), torch.float32)
+        pipe.load("smollm2-135m", cut_stages(pipe.cluster, cuts, smollm2.config.num_units), torch.float32)
         assert len(pipe.stages) == len(cuts) + 1
         prompt = PROMPTS[0]
         want, n = reference[prompt]
@@ -59,7 +59,7 @@ def test_interleaved_stages_equal_single_process(cluster3, smollm2, reference):
     pipe = Pipeline(cluster3.spec)
     try:
         stages = cut_stages(pipe.cluster, [6, 20, 31, 45], smollm2.config.num_units, ["s0", "s1", "s2", "s0", "s1"])
-        pipe.deploy("smollm2-135m", stages, torch.float32)
+        pipe.load("smollm2-135m", stages, torch.float32)
         assert [d.name for d in pipe.daemons] == ["s0", "s1", "s2"] and pipe.stage_daemon == [0, 1, 2, 0, 1]
         status = pipe.clients[0].call("Status", pb.StatusRequest())
         held = [(status.stages[i].unit_start, status.stages[i].unit_end, i) for i in status.held]
@@ -76,7 +76,7 @@ def test_interleaved_stages_equal_single_process(cluster3, smollm2, reference):
             assert len({s["micro_batches"] for s in stages}) == 1 and stages[0]["micro_batches"] >= len(slices or [n])
             assert all(s["kv_bytes"] > 0 for s in stages)
         with pytest.raises(Exception, match="both on s0"):
-            pipe.deploy("smollm2-135m", cut_stages(pipe.cluster, [6, 20], smollm2.config.num_units,
+            pipe.load("smollm2-135m", cut_stages(pipe.cluster, [6, 20], smollm2.config.num_units,
                                                    ["s1", "s0", "s0"]), torch.float32)
     finally:
         pipe.close()
@@ -87,7 +87,7 @@ def test_several_sequences_in_flight(cluster3, smollm2, reference, daemons):
     pipe = Pipeline(cluster3.spec)
     try:
         cuts = [6, 31] if daemons is None else [6, 31, 40]
-        pipe.deploy("smollm2-135m", cut_stages(pipe.cluster, cuts, smollm2.config.num_units, daemons), torch.float32)
+        pipe.load("smollm2-135m", cut_stages(pipe.cluster, cuts, smollm2.config.num_units, daemons), torch.float32)
         jobs = [(p, s) for p in PROMPTS for s in (None, [4, 4, 4])] * 2
         jobs = [(p, s if s is None else s + [reference[p][1] - 12]) for p, s in jobs]
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
@@ -126,7 +126,7 @@ def test_all_position_logits_through_three_daemons_equal_hf(cluster3, smollm2):
     pipe = Pipeline(cluster3.spec)
     try:
         # 6: attn_2 | mlp_2
-        pipe.deploy("smollm2-135m", cut_stages(pipe.cluster, [6, 31], smollm2.config.num_units), torch.float32)
+        pipe.load("smollm2-135m", cut_stages(pipe.cluster, [6, 31], smollm2.config.num_units), torch.float32)
         with pipe.open(n) as seq:
             slices, start = [4, 1, n - 5], 0
             for k in slices:

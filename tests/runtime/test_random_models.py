@@ -30,7 +30,7 @@ def test_random_model_split_over_daemons_equals_one_process():
     pipe = Pipeline(cluster_of(*daemons))
     try:
         # 3: attn_1 | mlp_1
-        stages = pipe.deploy("random:tiny", cut_stages(pipe.cluster, [3, 6], cfg.num_units), torch.float32)
+        stages = pipe.load("random:tiny", cut_stages(pipe.cluster, [3, 6], cfg.num_units), torch.float32)
         assert [(s.unit_start, s.unit_end) for s in stages] == [(0, 3), (3, 6), (6, 10)]
         with pipe.open(len(PROMPT) + NEW) as seq:
             out, *_ = decode_loop(RemoteRunner(seq), PROMPT, max_new_tokens=NEW, sampler=Sampler(), eos_ids=[],
@@ -47,7 +47,7 @@ def test_unknown_shape_is_refused_by_the_daemon():
     pipe = Pipeline(cluster_of(d))
     try:
         with pytest.raises(Exception, match="unknown built-in shape 'nope'"):
-            pipe.deploy("random:nope", cut_stages(pipe.cluster, [], 10), torch.float32)
+            pipe.load("random:nope", cut_stages(pipe.cluster, [], 10), torch.float32)
     finally:
         pipe.close()
         d.stop()

@@ -15,15 +15,15 @@ import time
 import torch
 
 from hpipe.app.cli import main
+from hpipe.app.jobs import build_prompt
 from hpipe.model.generate import LocalModel, decode_loop, generate_ids
 from hpipe.model.sampling import Sampler
 from planner.costs import Workload
 from planner.strategies import plan as make_plan
 from profiler.measure import profile_cluster
 from runtime.cluster import launcher
-from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.engine import Engine, Request
-from hpipe.app.jobs import build_prompt
+from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.policies import POLICIES
 from runtime.coordinator.recovery import Redeploy
 from runtime.wire.messages import pb
@@ -67,7 +67,7 @@ def test_a_killed_daemon_is_restarted_and_every_request_ends_as_without_failure(
     with RunningCluster(write_cluster(tmp_path, 3, name="restart")) as cluster:
         pipe = Pipeline(cluster.spec)
         stages = cut_stages(cluster.spec, [cfg.num_units // 3, 2 * cfg.num_units // 3], cfg.num_units)
-        pipe.deploy(MODEL, stages, torch.float32)
+        pipe.load(MODEL, stages, torch.float32)
         rows = launcher.status(cluster.spec)  # what `hpipe cluster status` shows
         assert [r.get("units") for r in rows] == [[[s.unit_start, s.unit_end]] for s in stages], rows
         redeploy = Redeploy(pipe, MODEL, stages, torch.float32, grace_s=120)

@@ -13,12 +13,12 @@ import torch
 from hpipe.model.generate import LocalModel, decode_loop
 from hpipe.model.kvpool import KVPool
 from hpipe.model.sampling import Sampler
-from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.engine import Engine, Request
+from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.policies import POLICIES
 from runtime.coordinator.recovery import Redeploy
-from runtime.daemon.replay_log import ReplayLog
 from runtime.coordinator.resume import Piece, replays, resume_point
+from runtime.daemon.replay_log import ReplayLog
 from runtime.daemon.sequences import Sequence
 from runtime.wire.messages import pb
 from tests.cluster_helpers import Served, cluster_of
@@ -131,7 +131,7 @@ def test_a_restarted_daemon_of_an_interleaved_chain_is_rebuilt_by_replays(smollm
         pipe = Pipeline(spec)
         q = cfg.num_units // 4
         stages = cut_stages(spec, [q, 2 * q, 3 * q], cfg.num_units, daemons=["a", "b", "a", "b"])
-        pipe.deploy(MODEL, stages, torch.float32)
+        pipe.load(MODEL, stages, torch.float32)
         redeploy = Redeploy(pipe, MODEL, stages, torch.float32, grace_s=60)
         engine = Engine(pipe.session(), POLICIES["gllm"](), depth=4, recover=redeploy)
         running = _requests_halfway(engine, cfg, seed=11, long_len=640, new_tokens=48)
@@ -212,7 +212,7 @@ def test_a_stage_of_a_daemon_lost_for_good_moves_and_nothing_else_is_reloaded(sm
         spec = cluster_of(*served.values())
         pipe = Pipeline(spec)
         stages = cut_stages(spec, [cfg.num_units // 3, 2 * cfg.num_units // 3], cfg.num_units)
-        pipe.deploy(MODEL, stages, torch.float32)
+        pipe.load(MODEL, stages, torch.float32)
         models = {name: {i: s.model for i, s in served[name].stage.stages.items()} for name in "ac"}
         moved = [stages[0], replace(stages[1], daemon="c"), stages[2]]
         redeploy = Redeploy(pipe, MODEL, stages, torch.float32, grace_s=2, replan=lambda alive, old: moved)
