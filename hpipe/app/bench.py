@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import statistics
 import sys
+from pathlib import Path
 import time
 
 import torch
@@ -34,11 +35,12 @@ from runtime.wire.messages import pb
 log = logging.getLogger(__name__)
 
 
-def _energy_reader():
-    """A function returning joules so far, or None when no energy counter is readable."""
+def energy_reader(powercap: str = "/sys/class/powercap"):
+    """(A function returning joules so far, or None when no energy counter is readable; its source:
+    ``rapl``, ``nvml`` or ``unavailable``). RAPL's packages (``intel-rapl:N``, not their sub-zones)."""
     import glob
 
-    files = [f for f in glob.glob("/sys/class/powercap/intel-rapl:*/energy_uj") if f.count(":") == 1]
+    files = [f for f in glob.glob(f"{powercap}/intel-rapl:*/energy_uj") if Path(f).parent.name.count(":") == 1]
     try:
         if files:
             [int(open(f).read()) for f in files]
@@ -131,7 +133,7 @@ def bench(plan: Plan, cluster: ClusterSpec, *, seq_len: int | None = None, batch
         _check_profile(plan, profile, used)
         before = _calibrate(cluster, profile, used)
     ids = torch.randint(0, plan.model.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
-    energy, energy_source = _energy_reader()
+    energy, energy_source = energy_reader()
     runs: dict[str, list[dict]] = {name: [] for name in names}
     bar = tqdm(total=len(names) * repeat, desc="bench", file=sys.stderr, disable=not sys.stderr.isatty())
 

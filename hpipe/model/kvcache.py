@@ -60,7 +60,3 @@ class StageCache:
     @property
     def nbytes(self) -> int:
         return self.pool.nbytes if self.pool else 0
-
-    @staticmethod
-    def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int = 1) -> int:
-        return 2 * layers * kv_heads * head_dim * batch * dtype.itemsize

@@ -70,10 +70,6 @@ class KVPool:
     def used_blocks(self) -> int:
         return int(self._used.sum())
 
-    @property
-    def free_blocks(self) -> int:
-        return self.num_blocks - self.used_blocks
-
     def trash_slot(self) -> int:
         """A slot of a block no sequence will get: where padded rows of a static step write."""
         with self._lock:

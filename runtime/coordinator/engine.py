@@ -320,7 +320,6 @@ class Engine:
                     if r.logprobs is not None:
                         r.token_logprobs.append(_logprobs(logits[i], token, r.logprobs))
                     self._take(r, token, now)
-            self.policy.observe(result, sent, self)
 
     def _refused(self, r: Request, code: str, message: str) -> None:
         """A daemon failed ``r``'s sequence: out of KV blocks (or, resuming, without the log to

@@ -1,8 +1,7 @@
 """How the engine fills each micro-batch: which decode tokens and prefill chunks go in.
 
 A policy's ``form(engine)`` returns the entries of the next micro-batch (each request at most
-once), admitting waiting requests as it schedules their first chunk; ``observe(result, sent,
-engine)`` sees every micro-batch's outcome. Prompt chunks never cross the plan's slice boundaries
+once), admitting waiting requests as it schedules their first chunk. Prompt chunks never cross the plan's slice boundaries
 (Algorithm 2's slicing for the prompt's length), so a lone long document is HPipe's pipelined
 prefill whatever the policy.
 
@@ -92,8 +91,6 @@ class GLLM:
             _prefill(engine, math.ceil(budget), planned, shortest_first=True)
         return planned
 
-    def observe(self, result, sent, engine) -> None:
-        pass
 
 
 class Sarathi:
@@ -107,8 +104,6 @@ class Sarathi:
         _prefill(engine, self.budget - len(planned), planned, shortest_first=False)
         return planned
 
-    def observe(self, result, sent, engine) -> None:
-        pass
 
 
 class FCFS:
@@ -122,8 +117,6 @@ class FCFS:
                 return [Planned(r, r.next_chunk() if r.prefilling else 1)]
         return []
 
-    def observe(self, result, sent, engine) -> None:
-        pass
 
 
 class OnePerBatch:
@@ -142,8 +135,6 @@ class OnePerBatch:
         self._turn += 1
         return [Planned(r, r.next_chunk() if r.prefilling else 1)]
 
-    def observe(self, result, sent, engine) -> None:
-        pass
 
 
 POLICIES = {"gllm": GLLM, "sarathi": Sarathi, "fcfs": FCFS, "single": OnePerBatch}

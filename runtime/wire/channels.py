@@ -64,9 +64,6 @@ class DaemonClient:
         stub = self.stub if hasattr(self.stub, method) else self.profiler
         return getattr(stub, method)(request, timeout=timeout, metadata=self.metadata)
 
-    def results(self, sequence_id: int):
-        return self.stub.Results(pb.ResultsRequest(sequence_id=sequence_id), metadata=self.metadata)
-
     def clock_offset(self, tries: int = 5, timeout: float = 5.0) -> float:
         """The daemon's wall clock minus ours, in seconds (Cristian's method: the round trip with the
         least delay, taking its reply to have been made half-way through)."""

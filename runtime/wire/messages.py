@@ -1,13 +1,11 @@
-"""The one place that converts between wire messages and tensors. No pickle: raw bytes only.
+"""The generated protobuf messages, and the conversions of dtypes and stages to and from them.
 
-Every decode checks the byte count against the shape and dtype the receiver expects, so a
-truncated, padded or mistyped payload is refused before it reaches the model.
+Tensors never travel inside messages: activations and logits move on the data plane as raw bytes
+after a frame that says how many (:mod:`runtime.wire.transport`), and the receiver reads them
+into a tensor of the size its layout declares, refusing any other count. No pickle anywhere.
 """
 
 from __future__ import annotations
-
-import math
-import warnings
 
 import torch
 
@@ -49,50 +47,6 @@ def dtype_from_wire(code: int) -> torch.dtype:
         return FROM_WIRE[code]
     except KeyError:
         raise InputError(f"unknown wire dtype {code}") from None
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().contiguous()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    # bfloat16 has no numpy dtype: view the storage as raw bytes instead.
-    return t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes()
-
-
-def _check_size(data: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    if any(d < 0 for d in shape):
-        raise InputError(f"negative dimension in shape {shape}")
-    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if len(data) != expected:
-        raise InputError(
-            f"payload has {len(data)} bytes; {list(shape)} {str(dtype).removeprefix('torch.')} needs {expected}"
-        )
-    return expected
-
-
-def bytes_to_tensor(data: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``shape`` and ``dtype`` from ``data``, refusing any size mismatch."""
-    if _check_size(data, shape, dtype) == 0:
-        return torch.empty(shape, dtype=dtype)
-    # bytearray: a writable copy owned by the tensor (frombuffer on bytes would warn and alias).
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
-
-
-def checked_view(data: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A read-only view of ``data`` as ``shape`` and ``dtype`` (size-checked), to copy from once."""
-    if _check_size(data, shape, dtype) == 0:
-        return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": we only read it
-        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
-
-
-def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
-    return pb.Tensor(data=tensor_bytes(t), shape=list(t.shape), dtype=dtype_to_wire(t.dtype))
-
-
-def tensor_from_proto(msg: pb.Tensor) -> torch.Tensor:
-    return bytes_to_tensor(msg.data, tuple(msg.shape), dtype_from_wire(msg.dtype))
 
 
 def stage_to_wire(s: Stage, data_port: int = 0) -> pb.Stage:

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from hpipe.app.bench import energy_reader
 from hpipe.app.cli import main
 from hpipe.app.jobs import build_prompt
 from hpipe.model.generate import LocalModel, generate_ids
@@ -109,7 +110,21 @@ def test_bench_reports_every_strategy(cluster3, plan_file, capsys, order, tmp_pa
         assert set(r["host_cpu_s"]) == set(r["daemons"]) and all(v >= 0 for v in r["host_cpu_s"].values())
         assert r["host_cpu_s"][r["daemons"][0]] > 0
         _check_timeline(r, out["seq_len"])
-    assert out["energy_source"] in ("rapl", "nvml", "unavailable")
+    # energy: what this machine can read, and a reading per strategy exactly where it can
+    _, source = energy_reader()
+    assert out["energy_source"] == source
+    assert all((r["energy_j"] is not None and r["energy_j"] >= 0) == (source != "unavailable")
+               for r in out["strategies"].values())
+
+
+def test_energy_reader_sums_rapl_packages(tmp_path):
+    for name, uj in (("intel-rapl:0", 5_000_000), ("intel-rapl:1", 2_000_000), ("intel-rapl:0:0", 9_000_000)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "energy_uj").write_text(str(uj))
+    read, source = energy_reader(str(tmp_path))
+    assert source == "rapl" and read() == pytest.approx(7.0)  # packages only: the sub-zone is inside package 0
+    (tmp_path / "intel-rapl:1" / "energy_uj").write_text("3500000")
+    assert read() == pytest.approx(8.5)
 
 
 #: clocks of daemons on this machine agree; the offset estimate is good to a round trip's half
