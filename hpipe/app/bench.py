@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import statistics
 import sys
-from pathlib import Path
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
