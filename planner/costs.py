@@ -14,17 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpipe.core.profile import Profile
-from hpipe.core.units import num_units
-
-
-def unit_counts(a: int, b: int, num_layers: int) -> tuple[int, int, int, int]:
-    """(embed, attn, mlp, head) units in ``[a, b)``."""
-    last = num_units(num_layers) - 1
-    embed = int(a == 0)
-    head = int(b == last + 1)
-    lo, hi = max(a, 1), min(b, last)  # block units in [lo, hi)
-    attn = sum(1 for u in range(lo, hi) if (u - 1) % 2 == 0)
-    return embed, attn, max(hi - lo, 0) - attn, head
+from hpipe.core.units import kind_counts
 
 
 @dataclass(frozen=True)
@@ -118,7 +108,7 @@ class CostModel:
         key = (dev, a, b, batch)
         counts = self._counts.get(key[1:3])
         if counts is None:
-            counts = self._counts[key[1:3]] = unit_counts(a, b, self.L)
+            counts = self._counts[key[1:3]] = kind_counts(a, b, self.L)
         e, at, ml, h = counts
         s = np.asarray(s, dtype=float)
         c = np.asarray(c, dtype=float)
@@ -162,7 +152,7 @@ class CostModel:
     def stage_memory(self, a: int, b: int, work: Workload, slice_tokens: int | None = None) -> int:
         """Weights + KV cache for the workload's max length x batch + working space of one slice."""
         p = self.profile
-        e, at, ml, h = unit_counts(a, b, self.L)
+        e, at, ml, h = kind_counts(a, b, self.L)
         weights = (e * p.unit_weight_bytes("embed") + at * p.unit_weight_bytes("attn")
                    + ml * p.unit_weight_bytes("mlp") + h * p.unit_weight_bytes("head"))
         if e and h and p.model.tie_word_embeddings:

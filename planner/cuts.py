@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hpipe.core.errors import HpipeError
-from hpipe.core.units import num_units
+from hpipe.core.units import UNIT_KINDS, unit_kinds
 from planner.costs import FIXED_STAGE_BYTES, CostModel, Workload, working_bytes
 
 EXACT_DEVICES = 8
@@ -44,11 +44,7 @@ class Cuts:
 
 def count_matrices(num_layers: int) -> tuple[np.ndarray, ...]:
     """(embed, attn, mlp, head) unit counts of every range [a, b) as [U+1, U+1] matrices."""
-    u = num_units(num_layers)
-    kinds = np.zeros((4, u))
-    kinds[0, 0] = kinds[3, u - 1] = 1
-    kinds[1, 1:u - 1:2] = 1  # attn_i at 1, 3, 5, ...
-    kinds[2, 2:u - 1:2] = 1  # mlp_i at 2, 4, 6, ...
+    kinds = np.array([[kind == k for kind in unit_kinds(num_layers)] for k in UNIT_KINDS], dtype=float)
     prefix = np.concatenate([np.zeros((4, 1)), np.cumsum(kinds, axis=1)], axis=1)  # [4, U+1]
     counts = prefix[:, None, :] - prefix[:, :, None]  # counts[k, a, b] = units of kind k in [a, b)
     return tuple(counts)

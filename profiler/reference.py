@@ -20,6 +20,7 @@ from hpipe.core.cluster import ClusterSpec
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import HpipeError
 from hpipe.core.profile import Profile
+from hpipe.core.units import block_units
 from hpipe.model.stage import DTYPES
 from runtime.wire.channels import DaemonClient, Security
 from runtime.wire.messages import TO_WIRE, pb
@@ -56,7 +57,7 @@ def reference_stage(cfg: ModelConfig, n_devices: int, max_len: int, batch: int) 
     streams its weights from memory, 1.03x).
     """
     blocks = max(1, cfg.num_layers // max(1, n_devices))
-    return {"units": [1, 1 + 2 * blocks], "tokens": max(1, min(128, max_len // 4)), "context": max_len // 2,
+    return {"units": [block_units(0)[0], block_units(blocks - 1)[1] + 1], "tokens": max(1, min(128, max_len // 4)), "context": max_len // 2,
             "batch": batch}
 
 

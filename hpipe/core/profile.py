@@ -25,9 +25,9 @@ import numpy as np
 
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import HpipeError
+from hpipe.core.units import ATTN, EMBED, HEAD, UNIT_KINDS
 
 FORMAT_VERSION = 2
-UNIT_KINDS = ("embed", "attn", "mlp", "head")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -229,11 +229,11 @@ class Profile:
     # --- memory, from the model shape ---------------------------------------------------
     def unit_weight_bytes(self, kind: str) -> int:
         m, it = self.model, self.itemsize
-        if kind == "embed":
+        if kind == EMBED:
             return m.vocab_size * m.hidden_size * it
-        if kind == "head":
+        if kind == HEAD:
             return (m.vocab_size * m.hidden_size + m.hidden_size) * it
-        if kind == "attn":
+        if kind == ATTN:
             qkv = m.hidden_size * m.head_dim * (m.num_heads + 2 * m.num_kv_heads)
             bias = m.head_dim * (m.num_heads + 2 * m.num_kv_heads) if m.qkv_bias else 0
             return (qkv + bias + m.num_heads * m.head_dim * m.hidden_size + m.hidden_size) * it

@@ -34,6 +34,22 @@ def unit_kind(unit: int, num_layers: int) -> tuple[str, int | None]:
     raise InputError(f"unit {unit} is outside the model's units [0, {last + 1})")
 
 
+def block_units(layer: int) -> tuple[int, int]:
+    """Block ``layer``'s units: its attention, then its MLP (the inverse of :func:`unit_kind`)."""
+    return 1 + 2 * layer, 2 + 2 * layer
+
+
+def unit_kinds(num_layers: int) -> list[str]:
+    """The kind of every unit of the model, in order."""
+    return [unit_kind(u, num_layers)[0] for u in range(num_units(num_layers))]
+
+
+def kind_counts(start: int, end: int, num_layers: int) -> tuple[int, int, int, int]:
+    """(embed, attn, mlp, head) units in ``[start, end)``."""
+    kinds = unit_kinds(num_layers)[start:end]
+    return tuple(kinds.count(k) for k in UNIT_KINDS)
+
+
 def unit_name(unit: int, num_layers: int) -> str:
     kind, layer = unit_kind(unit, num_layers)
     return kind if layer is None else f"{kind}_{layer}"

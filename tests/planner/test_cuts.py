@@ -7,7 +7,8 @@ import random
 import pytest
 
 import planner.cuts as cuts_mod
-from planner.costs import CostModel, Workload, unit_counts
+from hpipe.core.units import kind_counts
+from planner.costs import CostModel, Workload
 from planner.cuts import InfeasibleError, best_cuts, bottleneck_of, count_matrices
 from tests.planner.synthetic import make_profile
 
@@ -70,4 +71,4 @@ def test_count_matrices_match_unit_counts():
     e, at, ml, h = count_matrices(3)
     for a in range(8):
         for b in range(a + 1, 9):
-            assert (e[a, b], at[a, b], ml[a, b], h[a, b]) == unit_counts(a, b, 3)
+            assert (e[a, b], at[a, b], ml[a, b], h[a, b]) == kind_counts(a, b, 3)
