@@ -46,7 +46,7 @@ def main() -> None:
         pooled = CostModel(median_profile([r for j, r in enumerate(raws) if j != i]))
         sp = plan(Profile.from_dict(raw), work, max_ranges=args.max_ranges).strategies["hpipe"]
         names = [d.name for d in pooled.daemons]
-        bounds = tuple(s.unit_start for s in sp.stages) + (sp.stages[-1].unit_end,)
+        bounds = tuple(s.units.start for s in sp.stages) + (sp.stages[-1].units.end,)
         devices = tuple(names.index(s.daemon) for s in sp.stages)
         t = simulate_schedule(pooled, work, bounds, devices, sp.micro_batches, sp.slices)
         ratios.append(ideal_seconds(pooled, work) / t)

@@ -33,7 +33,7 @@ def main() -> int:
     p = plan(profile, Workload(args.max_len, args.batch))
     elapsed = time.perf_counter() - t0
     print(json.dumps({"model": name, "layers": cfg.num_layers, "daemons": len(profile.daemons),
-                      "lengths_planned": len(p.schedule), "max_len": args.max_len, "planning_s": round(elapsed, 2),
+                      "lengths_planned": len(p.slicing), "max_len": args.max_len, "planning_s": round(elapsed, 2),
                       "predicted": {k: round(v.predicted_s, 4) for k, v in p.strategies.items()}}))
     return 0
 

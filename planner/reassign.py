@@ -39,7 +39,7 @@ def reassign(cost: CostModel, work: Workload, stages: Sequence[Stage], gone: set
         if j not in lost:
             d = index[s.daemon]
             base_time[d] += _time(cost, work, d, s)
-            base_mem[d] += cost.stage_memory(s.unit_start, s.unit_end, work)
+            base_mem[d] += cost.stage_memory(s.units.start, s.units.end, work)
     choices = range(len(cost.daemons))
     tries = itertools.product(choices, repeat=len(lost)) if len(lost) <= MAX_EXHAUSTIVE else [_greedy(
         cost, work, stages, lost, base_time)]
@@ -48,7 +48,7 @@ def reassign(cost: CostModel, work: Workload, stages: Sequence[Stage], gone: set
         load, mem = list(base_time), list(base_mem)
         for j, d in zip(lost, placement):
             load[d] += _time(cost, work, d, stages[j])
-            mem[d] += cost.stage_memory(stages[j].unit_start, stages[j].unit_end, work)
+            mem[d] += cost.stage_memory(stages[j].units.start, stages[j].units.end, work)
         if any(m > cost.daemons[d].memory_bytes for d, m in enumerate(mem)):
             continue
         if max(load) < best_load:
@@ -75,13 +75,13 @@ def busiest_load(cost: CostModel, work: Workload, stages: Sequence[Stage]) -> fl
 
 
 def _time(cost: CostModel, work: Workload, d: int, s: Stage) -> float:
-    return cost.stage_time(d, s.unit_start, s.unit_end, work.seq_len, 0, work.batch)
+    return cost.stage_time(d, s.units.start, s.units.end, work.seq_len, 0, work.batch)
 
 
 def _greedy(cost, work, stages, lost, load) -> tuple[int, ...]:
     """Each lost stage, largest first, on the device that ends up least loaded."""
     load, placement = list(load), {}
-    for j in sorted(lost, key=lambda j: stages[j].unit_start - stages[j].unit_end):
+    for j in sorted(lost, key=lambda j: stages[j].units.start - stages[j].units.end):
         d = min(range(len(load)), key=lambda d: load[d] + _time(cost, work, d, stages[j]))
         load[d] += _time(cost, work, d, stages[j])
         placement[j] = d

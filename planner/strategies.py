@@ -24,7 +24,7 @@ import numpy as np
 
 from hpipe.core.plan import Plan, Stage, StrategyPlan, fit_slices, uniform
 from hpipe.core.profile import Profile
-from hpipe.core.units import even_cuts
+from hpipe.core.units import UnitRange, even_cuts
 from planner.costs import CostModel, Workload
 from planner.cuts import InfeasibleError, best_cuts
 from planner.refine import refine
@@ -231,7 +231,7 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
     key = (scheduled.bounds, scheduled.daemons, scheduled.micro_batches)
     if key not in tables:
         hpipe_slicings(scheduled.bounds, scheduled.daemons)(scheduled.micro_batches)
-    schedule = dict(tables[key].slices)
+    slicing = dict(tables[key].slices)
 
     strategies = {}
     for name, cand in results.items():
@@ -245,8 +245,8 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
                  "cut_bottleneck_s": dp.bottleneck,
                  "infeasible": sorted(k for k, v in results.items() if v is None)})
     return Plan(profile.model_name, profile.model, profile.dtype, work.batch, L, work.kv_len, granularity,
-                strategy, strategies, schedule, ideal_seconds(cost, work), meta=meta,
-                schedule_for="throughput" if strategy == "throughput" else "hpipe")
+                strategy, strategies, slicing, ideal_seconds(cost, work), meta=meta,
+                slicing_for="throughput" if strategy == "throughput" else "hpipe")
 
 
 def _refined(cost: CostModel, work: Workload, cand: Candidate, granularity: int) -> Candidate:
@@ -267,8 +267,8 @@ def _stage_plans(cost: CostModel, work: Workload, cand: Candidate) -> tuple[Stag
     out = []
     for j, (a, b) in enumerate(zip(cand.bounds, cand.bounds[1:])):
         dev = cost.daemons[cand.daemons[j]]
-        out.append(Stage(dev.name, dev.address, a, b, cost.stage_memory(a, b, work, max(cand.slices)),
-                             dev.memory_bytes, float(computes[j].sum())))
+        out.append(Stage(dev.name, dev.address, UnitRange(a, b, cost.L), cost.stage_memory(a, b, work, max(cand.slices)),
+                         dev.memory_bytes, float(computes[j].sum())))
     return tuple(out)
 
 
@@ -285,6 +285,6 @@ def ideal_seconds(cost: CostModel, work: Workload) -> float:
 def timeline(profile: Profile, work: Workload, sp: StrategyPlan) -> Timeline:
     cost = CostModel(profile)
     names = [d.name for d in cost.daemons]
-    bounds = tuple(s.unit_start for s in sp.stages) + (sp.stages[-1].unit_end,)
+    bounds = tuple(s.units.start for s in sp.stages) + (sp.stages[-1].units.end,)
     devices = tuple(names.index(s.daemon) for s in sp.stages)
     return simulate_schedule(cost, work, bounds, devices, sp.micro_batches, sp.slices, keep=True)

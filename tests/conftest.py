@@ -1,4 +1,6 @@
+import inspect
 import os
+import re
 
 import pytest
 import torch
@@ -31,7 +33,29 @@ def tiny_chat_model(tmp_path_factory, smollm2):
                            tokenizer_from=smollm2.path)
 
 
+#: what starts a stage daemon or a cluster, in a test or in a fixture it uses
+STARTS_DAEMONS = re.compile(r"\bServed\(|\bRunningCluster\(|\blauncher\.up\(|\bcluster3\b")
+
+
+def _starts_daemons(item) -> bool:
+    """Whether ``item`` or any fixture it uses (directly or through others) starts daemons: read
+    from their source, so a new test is marked without anyone remembering to."""
+    funcs = [item.function] + [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+    for f in funcs:
+        try:
+            if STARTS_DAEMONS.search(inspect.getsource(f)):
+                return True
+        except (OSError, TypeError):  # built-in fixtures have no source of ours
+            continue
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
+    """``slow``: every test that starts daemons or a cluster (``-m "not slow"`` is the quick loop);
+    ``gpu`` tests skip without a GPU."""
+    for item in items:
+        if "slow" not in item.keywords and _starts_daemons(item):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -238,7 +238,7 @@ def _row(sp, runs: list[dict], tokens: int, planned: bool) -> dict:
         "baseline_memory_bytes": {d: worst[d]["base"][d] for d in devices},
         "predicted_memory_bytes": planned_memory,
         "energy_j": statistics.median(joules) if joules else None,
-        "stages": [{"daemon": st.daemon, "units": [st.unit_start, st.unit_end], "predicted_compute_s": st.compute_s,
+        "stages": [{"daemon": st.daemon, "units": [st.units.start, st.units.end], "predicted_compute_s": st.compute_s,
                     **stats} for st, stats in zip(sp.stages, middle["stages"])],
         "stages_run_s": middle["s"],
         # seconds the hypervisor took from each daemon's CPUs during each run (None: not known)

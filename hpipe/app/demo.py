@@ -40,7 +40,7 @@ def distinct_strategies(plan) -> list[str]:
     """hpipe, and each baseline whose stages and slicing differ from an earlier baseline's (GPipe is Base at batch 1)."""
     seen, out = set(), []
     for name, sp in plan.strategies.items():
-        key = (tuple((st.daemon, st.unit_start, st.unit_end) for st in sp.stages), sp.micro_batches, sp.slices)
+        key = (tuple((st.daemon, st.units.start, st.units.end) for st in sp.stages), sp.micro_batches, sp.slices)
         if name == "hpipe" or key not in seen:
             out.append(name)
         if name != "hpipe":

@@ -27,7 +27,7 @@ def gantt(plan: Plan, timelines: dict[str, Timeline], path: str) -> None:
         for j, k, start, end in tl.transfers:
             ax.barh(rows - 1 - j - 0.45, end - start, left=start, height=0.12, color="grey")
         ax.set_yticks(range(rows))
-        ax.set_yticklabels([f"{s.daemon} [{s.unit_start},{s.unit_end})" for s in reversed(sp.stages)], fontsize=7)
+        ax.set_yticklabels([f"{s.daemon} [{s.units.start},{s.units.end})" for s in reversed(sp.stages)], fontsize=7)
         ax.set_xlim(0, horizon * 1.02)
         ax.set_title(f"{name}: {tl.makespan:.3f} s predicted, {len(sp.slices)} slice(s) x {sp.micro_batches} "
                      "micro-batch(es)", fontsize=9, loc="left")

@@ -17,7 +17,7 @@ def plan_table(plan: Plan) -> str:
              f"(max length {plan.max_len}), strategy {sp.name}",
              f"{'stage':>5} {'daemon':<14} {'units':<12} {'memory GiB':>11} {'of GiB':>7} {'compute s':>10}"]
     for i, st in enumerate(sp.stages):
-        lines.append(f"{i:>5} {st.daemon:<14} {f'[{st.unit_start}, {st.unit_end})':<12} "
+        lines.append(f"{i:>5} {st.daemon:<14} {f'[{st.units.start}, {st.units.end})':<12} "
                      f"{_gib(st.memory_bytes):>11} {_gib(st.memory_limit):>7} {st.compute_s:>10.3f}")
     lines.append(f"slices ({len(sp.slices)}): {list(sp.slices)[:24]}{' ...' if len(sp.slices) > 24 else ''}; "
                  f"micro-batches: {sp.micro_batches}")

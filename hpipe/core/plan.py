@@ -1,7 +1,7 @@
 """``plan.json``: typed, validated, versioned; the runtime can execute any strategy in it.
 
-A plan holds the stages (daemon, unit range, predicted memory) and schedule of hpipe and of each
-baseline, their predicted latencies for the planned length, and hpipe's slicing table for every
+A plan holds the stages (daemon, unit range, predicted memory), micro-batches and slices of hpipe
+and of each baseline, their predicted latencies for the planned length, and hpipe's slicing table for every
 supported length (multiples of ``granularity`` up to ``max_len``).
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import HpipeError
+from hpipe.core.units import UnitRange, num_layers_of
 
 FORMAT_VERSION = 2
 
@@ -24,36 +25,39 @@ class PlanError(HpipeError):
 
 @dataclass(frozen=True)
 class Stage:
-    """A stage of a pipeline: the units ``[unit_start, unit_end)`` held by one daemon.
+    """A stage of a pipeline: a unit range held by one daemon.
 
     A daemon may hold several stages of one pipeline (an interleaved chain). The predictions are
     the planner's (0 for stages made without a plan, e.g. from ``--cuts``)."""
 
     daemon: str            # the daemon's name in the cluster file
     address: str           # where it serves, host:port
-    unit_start: int
-    unit_end: int
+    units: UnitRange
     memory_bytes: int = 0  # predicted: weights + KV cache + working space
     memory_limit: int = 0  # what the daemon's device offers
     compute_s: float = 0.0  # predicted compute of this stage over the planned sequence
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.unit_start < self.unit_end:
-            raise PlanError(f"stage on {self.daemon}: unit range [{self.unit_start}, {self.unit_end}) is empty")
+    def to_dict(self) -> dict[str, Any]:
+        """The stage as ``plan.json`` writes it (the range as ``unit_start``, ``unit_end``)."""
+        return {"daemon": self.daemon, "address": self.address, "unit_start": self.units.start,
+                "unit_end": self.units.end, "memory_bytes": self.memory_bytes, "memory_limit": self.memory_limit,
+                "compute_s": self.compute_s}
 
-    @property
-    def units(self) -> str:
-        return f"[{self.unit_start}, {self.unit_end})"
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], num_layers: int) -> "Stage":
+        return cls(d["daemon"], d["address"], UnitRange(int(d["unit_start"]), int(d["unit_end"]), num_layers),
+                   int(d.get("memory_bytes", 0)), int(d.get("memory_limit", 0)), float(d.get("compute_s", 0.0)))
 
 
 def stages_from_cuts(daemons: list[tuple[str, str]], cuts: list[int], num_units: int) -> list[Stage]:
     """``[0, c1), [c1, c2), ...`` on ``daemons`` ((name, address) each, in pipeline order)."""
+    layers = num_layers_of(num_units)
     bounds = [0, *cuts, num_units]
     if len(daemons) != len(bounds) - 1:
         raise PlanError(f"{len(bounds) - 1} stages need {len(bounds) - 1} daemons, got {len(daemons)}")
     if any(a >= b for a, b in zip(bounds, bounds[1:])):
         raise PlanError(f"cuts {cuts} must be strictly increasing within (0, {num_units})")
-    return [Stage(name, address, a, b) for (name, address), a, b in zip(daemons, bounds, bounds[1:])]
+    return [Stage(name, address, UnitRange(a, b, layers)) for (name, address), a, b in zip(daemons, bounds, bounds[1:])]
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ class StrategyPlan:
     predicted_s: float
 
     def __post_init__(self) -> None:
-        bounds = [s.unit_start for s in self.stages] + [self.stages[-1].unit_end] if self.stages else []
+        bounds = [s.units.start for s in self.stages] + [self.stages[-1].units.end] if self.stages else []
         if not self.stages or bounds[0] != 0 or any(a >= b for a, b in zip(bounds, bounds[1:])):
             raise PlanError(f"strategy {self.name}: stages must cover the units contiguously from 0")
         if self.micro_batches < 1 or not self.slices or min(self.slices) < 1:
@@ -73,7 +77,7 @@ class StrategyPlan:
 
     @property
     def cuts(self) -> list[int]:
-        return [s.unit_start for s in self.stages[1:]]
+        return [s.units.start for s in self.stages[1:]]
 
 
 @dataclass(frozen=True)
@@ -87,11 +91,11 @@ class Plan:
     granularity: int
     strategy: str                              # the one to execute by default
     strategies: dict[str, StrategyPlan] = field(hash=False)
-    schedule: dict[int, tuple[int, ...]] = field(hash=False)  # length -> slices, of strategy schedule_for
+    slicing: dict[int, tuple[int, ...]] = field(hash=False)  # length -> slices (Algorithm 2), of strategy slicing_for
     ideal_s: float = 0.0
     version: int = FORMAT_VERSION
     meta: dict = field(default_factory=dict, hash=False, compare=False)
-    schedule_for: str = "hpipe"  # the strategy whose split the Algorithm-2 schedule was made for
+    slicing_for: str = "hpipe"  # the strategy whose split the slicing table was made for
 
     def __post_init__(self) -> None:
         if self.version != FORMAT_VERSION:
@@ -99,12 +103,12 @@ class Plan:
                             "make it again with `hpipe plan`")
         if self.strategy not in self.strategies:
             raise PlanError(f"plan has no strategy {self.strategy!r}")
-        if self.schedule and self.schedule_for not in self.strategies:
-            raise PlanError(f"the plan's schedule is for strategy {self.schedule_for!r}, which it does not have")
+        if self.slicing and self.slicing_for not in self.strategies:
+            raise PlanError(f"the plan's slicing table is for strategy {self.slicing_for!r}, which it does not have")
         units = self.model.num_units
         for sp in self.strategies.values():
-            if sp.stages[-1].unit_end != units:
-                raise PlanError(f"strategy {sp.name}: stages end at unit {sp.stages[-1].unit_end}, the model has {units}")
+            if sp.stages[-1].units.end != units:
+                raise PlanError(f"strategy {sp.name}: stages end at unit {sp.stages[-1].units.end}, the model has {units}")
 
     @property
     def chosen(self) -> StrategyPlan:
@@ -119,9 +123,9 @@ class Plan:
             raise PlanError(f"input of {length} tokens exceeds the plan's max length {self.max_len}")
         if length == self.seq_len:
             return list(self.strategies[name].slices)  # exactly what was simulated
-        if name == self.schedule_for:
-            key = min(k for k in self.schedule if k >= length) if length > min(self.schedule) else min(self.schedule)
-            return fit_slices(self.schedule[key], length)
+        if name == self.slicing_for:
+            key = min(k for k in self.slicing if k >= length) if length > min(self.slicing) else min(self.slicing)
+            return fit_slices(self.slicing[key], length)
         sp = self.strategies[name]
         if len(sp.slices) == 1:
             return [length]
@@ -146,24 +150,29 @@ class Plan:
             "version": self.version, "model_name": self.model_name, "model": self.model.to_dict(), "dtype": self.dtype,
             "batch": self.batch, "seq_len": self.seq_len, "max_len": self.max_len, "granularity": self.granularity,
             "strategy": self.strategy, "ideal_s": self.ideal_s, "meta": self.meta,
-            "strategies": {k: {**asdict(v), "predicted_s": finite(v.predicted_s)} for k, v in self.strategies.items()},
-            "schedule": {str(k): list(v) for k, v in sorted(self.schedule.items())},
-            "schedule_for": self.schedule_for,
+            "strategies": {k: {**asdict(v), "stages": [s.to_dict() for s in v.stages],
+                               "predicted_s": finite(v.predicted_s)} for k, v in self.strategies.items()},
+            "slicing": {str(k): list(v) for k, v in sorted(self.slicing.items())},
+            "slicing_for": self.slicing_for,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         try:
+            model = ModelConfig.from_dict(d["model"])
             strategies = {}
             for k, v in d["strategies"].items():
-                stages = tuple(Stage(**s) for s in v["stages"])
+                stages = tuple(Stage.from_dict(s, model.num_layers) for s in v["stages"])
                 pred = v["predicted_s"] if v["predicted_s"] is not None else math.inf
                 strategies[k] = StrategyPlan(v["name"], stages, int(v["micro_batches"]), tuple(v["slices"]), pred)
-            return cls(d["model_name"], ModelConfig.from_dict(d["model"]), d["dtype"], int(d["batch"]), int(d["seq_len"]),
+            # plans written before the slicing table had its own name called it the schedule
+            slicing = d["slicing"] if "slicing" in d else d["schedule"]
+            slicing_for = d.get("slicing_for", d.get("schedule_for", "hpipe"))
+            return cls(d["model_name"], model, d["dtype"], int(d["batch"]), int(d["seq_len"]),
                        int(d["max_len"]), int(d["granularity"]), d["strategy"], strategies,
-                       {int(k): tuple(v) for k, v in d["schedule"].items()}, float(d.get("ideal_s", 0.0)),
-                       int(d["version"]), dict(d.get("meta", {})), str(d.get("schedule_for", "hpipe")))
-        except (KeyError, TypeError, ValueError) as e:
+                       {int(k): tuple(v) for k, v in slicing.items()}, float(d.get("ideal_s", 0.0)),
+                       int(d["version"]), dict(d.get("meta", {})), str(slicing_for))
+        except (KeyError, TypeError, ValueError, HpipeError) as e:
             raise PlanError(f"not a valid hpipe plan: {e!r}") from None
 
     def to_json(self) -> str:

@@ -21,6 +21,13 @@ def num_units(num_layers: int) -> int:
     return 2 * num_layers + 2
 
 
+def num_layers_of(units: int) -> int:
+    """The blocks of a model of ``units`` units (the inverse of :func:`num_units`)."""
+    if units < 2 or units % 2:
+        raise InputError(f"{units} units are no model's: a model has 2 x blocks + 2")
+    return (units - 2) // 2
+
+
 def unit_kind(unit: int, num_layers: int) -> tuple[str, int | None]:
     """The kind of ``unit`` and its layer index (None for embed and head)."""
     last = num_units(num_layers) - 1

@@ -119,7 +119,7 @@ class Pipeline:
             try:
                 return self.clients[d].call("Load", requests[d], timeout=600.0)
             except grpc.RpcError as e:
-                ranges = ", ".join(stages[i].units for i in requests[d].held)
+                ranges = ", ".join(str(stages[i].units) for i in requests[d].held)
                 raise StageFailure(f"{daemons[d].name} at {daemons[d].address} could not load units {ranges}: "
                                    f"{e.code().name}: {e.details()}") from None
 
@@ -258,7 +258,7 @@ def generate_on_cluster(pipe: Pipeline, source, tokenizer, prompt: str, *, chat:
         return -(-positions // size) * per_block
 
     result.extra["stages"] = [
-        {"stage": i, "daemon": s.daemon, "address": s.address, "units": [s.unit_start, s.unit_end],
+        {"stage": i, "daemon": s.daemon, "address": s.address, "units": [s.units.start, s.units.end],
          "kv_bytes": kv_bytes(i), **{k: v for k, v in st.items() if k != "spans"}}
         for i, (s, st) in enumerate(zip(pipe.stages, stats))
     ]

@@ -108,7 +108,7 @@ class Redeploy:
 
 def _describe(old: Sequence[Stage], new: Sequence[Stage], down: list[str]) -> str:
     """What a re-plan did: moved the lost daemons' stages, or planned the pipeline afresh."""
-    if [(s.unit_start, s.unit_end) for s in old] == [(s.unit_start, s.unit_end) for s in new]:
+    if [s.units for s in old] == [s.units for s in new]:
         moved = [f"units {s.units} to {s.daemon}" for o, s in zip(old, new) if o.daemon != s.daemon]
         return f"moved {', '.join(moved)} (without {', '.join(down)})"
     return f"re-planned without {', '.join(down)}"

@@ -110,7 +110,7 @@ def _same_pipeline(a: Deployment | None, b: Deployment) -> bool:
     """The same model, dtype, pool size and stage units (daemons, addresses and ports may differ)."""
     if a is None or (a.model, a.dtype, a.pool_bytes) != (b.model, b.dtype, b.pool_bytes):
         return False
-    return [(s.unit_start, s.unit_end) for s in a.stages] == [(s.unit_start, s.unit_end) for s in b.stages]
+    return [s.units for s in a.stages] == [s.units for s in b.stages]
 
 
 def relinks(a: Deployment | None, b: Deployment) -> bool:
@@ -140,13 +140,16 @@ def validate(dep: Deployment, cfg: ModelConfig) -> list[UnitRange]:
     """The unit ranges of the held stages, refusing a deployment that is not a pipeline of this model."""
     if not dep.held:
         raise StatusError("INVALID_ARGUMENT", "a deployment needs at least one stage to hold")
-    ends = [0] + [s.unit_end for s in dep.stages]
-    if ends[-1] != cfg.num_units or any(s.unit_start != end for s, end in zip(dep.stages, ends)):
-        raise StatusError("INVALID_ARGUMENT", f"stages {', '.join(s.units for s in dep.stages)} do not cover the "
-                          f"model's units [0, {cfg.num_units}) in order")
+    ends = [0] + [s.units.end for s in dep.stages]
+    if any(s.units.num_layers != cfg.num_layers for s in dep.stages):
+        raise StatusError("INVALID_ARGUMENT", f"the stages are of a model of {dep.stages[0].units.num_layers} blocks; "
+                          f"{dep.model} has {cfg.num_layers}")
+    if ends[-1] != cfg.num_units or any(s.units.start != end for s, end in zip(dep.stages, ends)):
+        raise StatusError("INVALID_ARGUMENT", f"stages {', '.join(str(s.units) for s in dep.stages)} do not cover "
+                          f"the model's units [0, {cfg.num_units}) in order")
     if len(set(dep.held)) != len(dep.held) or not all(0 <= i < len(dep.stages) for i in dep.held):
         raise StatusError("INVALID_ARGUMENT", f"held stages {list(dep.held)} are not distinct stage indices")
-    return [UnitRange(dep.stages[i].unit_start, dep.stages[i].unit_end, cfg.num_layers) for i in dep.held]
+    return [dep.stages[i].units for i in dep.held]
 
 
 def check_source(model: str, model_dirs: tuple[str, ...]) -> None:

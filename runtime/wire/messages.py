@@ -11,6 +11,7 @@ import torch
 
 from hpipe.core.errors import InputError
 from hpipe.core.plan import Stage
+from hpipe.core.units import UnitRange
 from runtime.wire.protogen import ensure as _ensure_generated
 
 _ensure_generated()
@@ -50,9 +51,10 @@ def dtype_from_wire(code: int) -> torch.dtype:
 
 
 def stage_to_wire(s: Stage, data_port: int = 0) -> pb.Stage:
-    return pb.Stage(unit_start=s.unit_start, unit_end=s.unit_end, daemon=s.daemon, address=s.address,
-                    data_port=data_port)
+    return pb.Stage(unit_start=s.units.start, unit_end=s.units.end, num_layers=s.units.num_layers, daemon=s.daemon,
+                    address=s.address, data_port=data_port)
 
 
 def stage_from_wire(m: pb.Stage) -> Stage:
-    return Stage(m.daemon, m.address, m.unit_start, m.unit_end)
+    """A stage from the wire (its unit range checked: :class:`InputError` if it is not one of the model's)."""
+    return Stage(m.daemon, m.address, UnitRange(m.unit_start, m.unit_end, m.num_layers))

@@ -17,5 +17,5 @@ def test_a_throughput_plan_is_re_planned_on_the_survivors_for_its_own_mix():
     alive = [d.name for d in profile.daemons if d.name != gone]
     survivors = replanner(the_plan, profile)(alive, stages)
     assert {s.daemon for s in survivors} <= set(alive)
-    assert survivors[0].unit_start == 0 and survivors[-1].unit_end == profile.model.num_units
-    assert all(a.unit_end == b.unit_start for a, b in zip(survivors, survivors[1:]))
+    assert survivors[0].units.start == 0 and survivors[-1].units.end == profile.model.num_units
+    assert all(a.units.end == b.units.start for a, b in zip(survivors, survivors[1:]))

@@ -12,6 +12,7 @@ import pytest
 from hpipe.app.openai_api import create_app
 from hpipe.app.serve_backend import Backend
 from hpipe.core.plan import Plan, Stage, StrategyPlan
+from hpipe.core.units import UnitRange
 from hpipe.model.generate import LocalModel, decode_loop, encode_chat
 from hpipe.model.sampling import Sampler
 from hpipe.model.sources import resolve_model
@@ -22,8 +23,8 @@ KEY = "sk-test-key"
 
 def _plan(source, daemons, max_len=64) -> Plan:
     cfg = source.config
-    stages = (Stage(daemons[0].name, daemons[0].address, 0, 3), Stage(daemons[1].name, daemons[1].address, 3,
-                                                                        cfg.num_units))
+    stages = (Stage(daemons[0].name, daemons[0].address, UnitRange(0, 3, cfg.num_layers)),
+              Stage(daemons[1].name, daemons[1].address, UnitRange(3, cfg.num_units, cfg.num_layers)))
     sp = StrategyPlan("hpipe", stages, 1, (max_len,), 1.0)
     return Plan(str(source.path), cfg, "float32", 1, max_len, max_len, 16, "hpipe", {"hpipe": sp},
                 {16 * k: (16 * k,) for k in range(1, max_len // 16 + 1)})

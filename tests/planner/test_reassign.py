@@ -26,7 +26,7 @@ def test_only_the_lost_stages_move_and_they_go_where_the_busiest_device_stays_le
         cost = CostModel(survivors)
         moved = reassign(cost, WORK, stages, {gone})
         assert moved is not None
-        assert [(s.unit_start, s.unit_end) for s in moved] == [(s.unit_start, s.unit_end) for s in stages]
+        assert [(s.units.start, s.units.end) for s in moved] == [(s.units.start, s.units.end) for s in stages]
         assert all(m == s for m, s in zip(moved, stages) if s.daemon != gone)  # kept as they were
         assert all(m.daemon != gone for m in moved)
         # no other placement of the lost stages keeps the busiest device less busy
@@ -44,7 +44,7 @@ def test_stages_that_do_not_fit_on_the_survivors_are_not_moved():
     cost = CostModel(profile.without([gone]))
     assert reassign(cost, WORK, stages, {gone}) is not None
     # every survivor has just the memory its own stages take: the lost ones fit nowhere
-    need = {d.name: sum(cost.stage_memory(s.unit_start, s.unit_end, WORK) for s in stages if s.daemon == d.name)
+    need = {d.name: sum(cost.stage_memory(s.units.start, s.units.end, WORK) for s in stages if s.daemon == d.name)
             for d in cost.daemons}
     cost.daemons = [replace(d, memory_bytes=need[d.name]) for d in cost.daemons]
     assert reassign(cost, WORK, stages, {gone}) is None

@@ -81,12 +81,12 @@ def test_a_throughput_plan_executes_its_split_and_slices_by_its_own_schedule():
     profile = make_profile(random.Random(5), n=3, layers=4)
     work = Workload(512, 1, 1024)
     p = plan(profile, work, strategy="throughput", mix=Mix(512, 64))
-    assert p.strategy == "throughput" and p.schedule_for == "throughput" and "hpipe" in p.strategies
+    assert p.strategy == "throughput" and p.slicing_for == "throughput" and "hpipe" in p.strategies
     assert set(p.meta["serving"]["daemon_request_s"]) == {"hpipe", "throughput"}
     again = Plan.from_json(p.to_json())
-    assert again.schedule_for == "throughput" and again.slices_for(700) == p.slices_for(700)
+    assert again.slicing_for == "throughput" and again.slices_for(700) == p.slices_for(700)
     assert sum(again.slices_for(700)) == 700
     latency = plan(profile, work)
-    assert latency.schedule_for == "hpipe" and "throughput" not in latency.strategies
+    assert latency.slicing_for == "hpipe" and "throughput" not in latency.strategies
     with pytest.raises(InfeasibleError, match="request mix"):
         plan(profile, work, strategy="throughput")

@@ -36,7 +36,7 @@ def load(client, model, start, end, dtype=pb.FLOAT32, num_units=8, kv_pool_bytes
     bounds = sorted({0, start, end, num_units})
     stages = [pb.Stage(unit_start=a, unit_end=b, daemon=f"d{i}", address="127.0.0.1:1", data_port=1)
               for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-    held = [i for i, st in enumerate(stages) if st.unit_start == start]
+    held = [i for i, st in enumerate(stages) if st.units.start == start]
     return client.call("Load", pb.LoadRequest(model=str(model), dtype=dtype, stages=stages, held=held,
                                               kv_pool_bytes=kv_pool_bytes))
 

@@ -31,7 +31,7 @@ def test_random_model_split_over_daemons_equals_one_process():
     try:
         # 3: attn_1 | mlp_1
         stages = pipe.load("random:tiny", cut_stages(pipe.cluster, [3, 6], cfg.num_units), torch.float32)
-        assert [(s.unit_start, s.unit_end) for s in stages] == [(0, 3), (3, 6), (6, 10)]
+        assert [(s.units.start, s.units.end) for s in stages] == [(0, 3), (3, 6), (6, 10)]
         with pipe.open(len(PROMPT) + NEW) as seq:
             out, *_ = decode_loop(RemoteRunner(seq), PROMPT, max_new_tokens=NEW, sampler=Sampler(), eos_ids=[],
                                   slices=SLICES)

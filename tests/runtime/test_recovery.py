@@ -69,7 +69,7 @@ def test_a_killed_daemon_is_restarted_and_every_request_ends_as_without_failure(
         stages = cut_stages(cluster.spec, [cfg.num_units // 3, 2 * cfg.num_units // 3], cfg.num_units)
         pipe.load(MODEL, stages, torch.float32)
         rows = launcher.status(cluster.spec)  # what `hpipe cluster status` shows
-        assert [r.get("units") for r in rows] == [[[s.unit_start, s.unit_end]] for s in stages], rows
+        assert [r.get("units") for r in rows] == [[[s.units.start, s.units.end]] for s in stages], rows
         redeploy = Redeploy(pipe, MODEL, stages, torch.float32, grace_s=120)
         engine = Engine(pipe.session(), POLICIES["gllm"](), depth=3, recover=redeploy)
         slicer = lambda n: [128] * (n // 128) + ([n % 128] if n % 128 else [])  # noqa: E731

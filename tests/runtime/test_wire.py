@@ -8,6 +8,7 @@ import torch
 
 from hpipe.core.errors import InputError
 from hpipe.core.plan import Stage
+from hpipe.core.units import UnitRange
 from runtime.wire.messages import dtype_from_wire, dtype_to_wire, stage_from_wire, stage_to_wire
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ def test_unknown_dtypes_are_refused():
 
 
 def test_stage_round_trip():
-    s = Stage("b", "127.0.0.1:50052", 3, 17)
+    s = Stage("b", "127.0.0.1:50052", UnitRange(3, 17, 30))
     assert stage_from_wire(stage_to_wire(s, data_port=7000)) == s
     assert stage_to_wire(s, data_port=7000).data_port == 7000
 
