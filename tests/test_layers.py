@@ -97,3 +97,33 @@ def test_planner_and_contracts_load_no_heavy_library(package):
             "print(sorted({'torch', 'grpc', 'matplotlib', 'transformers'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_no_object_reads_another_modules_private_state():
+    """``obj._name`` only where ``obj`` is ``self``/``cls`` or the module defines ``_name`` itself (a
+    classmethod finishing its own instance): a part of the daemon that needs something of another
+    gets it as a collaborator's public method, not by reaching into it. Library privates reached
+    through an imported module (``torch.ops.mkl._mkl_linear``, ``os._exit``) are not ours."""
+    found = []
+    for path, module in _modules():
+        tree = ast.parse(path.read_text(), str(path))
+        imported, own = set(), set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                imported |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if (isinstance(root, ast.Name) and root.id in imported) or node.attr in own:
+                continue
+            found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "\n".join(found)

@@ -161,6 +161,6 @@ def _linear(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     """(weight, its packed shape stand-in or an empty tensor, bias or an empty tensor)."""
     bias = linear.bias if linear.bias is not None else _NONE
     if isinstance(linear, packed.PackedLinear):
-        return linear.packed, linear._shape, bias
+        return linear.packed, linear.shape, bias
     return linear.weight, _NONE, bias
 

@@ -86,7 +86,8 @@ class KVPool:
         return SeqKV(self, max_len)
 
     # --- allocation (any thread) ---------------------------------------------------------------
-    def _take(self, seq: "SeqKV") -> int:
+    def take(self, seq: "SeqKV") -> int:
+        """A free block for ``seq``'s next positions (:class:`PoolExhausted` if none is)."""
         with self._lock:
             if seq.blocks:
                 nxt = seq.blocks[-1] + 1
@@ -118,6 +119,13 @@ class KVPool:
     def _claim(self, block: int) -> int:
         self._used[block] = True
         return block
+
+    def give_back(self, seq: "SeqKV", keep: int) -> None:
+        """Free ``seq``'s blocks past its first ``keep``; with none kept, its reserved run too."""
+        with self._lock:
+            self._used[seq.blocks[keep:]] = False
+            if keep == 0:
+                self._reserved[seq.extent[0]:seq.extent[1]] = False
 
     def release(self, seq: "SeqKV") -> None:
         """Give ``seq``'s blocks back (once; its block list is kept, see the module's note)."""
@@ -155,7 +163,7 @@ class SeqKV:
         if length > self.max_len:
             raise HpipeError(f"positions up to {length} exceed the sequence's declared max length {self.max_len}")
         while self.capacity < length:
-            block = self.pool._take(self)
+            block = self.pool.take(self)
             if self.leading == len(self.blocks) and (not self.blocks or block == self.blocks[-1] + 1):
                 self.leading += 1
             self.blocks.append(block)
@@ -165,11 +173,9 @@ class SeqKV:
         keep = math.ceil(length / self.pool.block_size)
         if keep >= len(self.blocks) or self.released:
             return
-        with self.pool._lock:
-            self.pool._used[self.blocks[keep:]] = False
-            if keep == 0:  # it starts afresh: a new first block reserves a new run
-                self.pool._reserved[self.extent[0]:self.extent[1]] = False
-                self.extent = (0, 0)
+        self.pool.give_back(self, keep)
+        if keep == 0:  # it starts afresh: a new first block reserves a new run
+            self.extent = (0, 0)
         del self.blocks[keep:]
         self.leading = min(self.leading, keep)
 

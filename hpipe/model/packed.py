@@ -70,8 +70,9 @@ class PackedLinear(nn.Module):
         # tests/test_packed.py at several row counts)
         self.register_buffer("packed", torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), 128),
                              persistent=False)
-        # _mkl_linear reads only the shape of the original weight: a zero-byte stand-in
-        self._shape = torch.empty((), dtype=w.dtype).expand(self.out_features, self.in_features)
+        # _mkl_linear reads only the shape of the original weight: a zero-byte stand-in (the C++
+        # kernel passes it on too)
+        self.shape = torch.empty((), dtype=w.dtype).expand(self.out_features, self.in_features)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     @property
@@ -82,7 +83,7 @@ class PackedLinear(nn.Module):
         rows = x.numel() // self.in_features
         if rows == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self._shape, self.bias, rows)
+        return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.shape, self.bias, rows)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
