@@ -34,9 +34,9 @@ def code_of(fn):
 def load(client, model, start, end, dtype=pb.FLOAT32, num_units=8, kv_pool_bytes=0):
     """Hold units [start, end) of a pipeline whose other stages (if any) are on an unused address."""
     bounds = sorted({0, start, end, num_units})
-    stages = [pb.Stage(unit_start=a, unit_end=b, daemon=f"d{i}", address="127.0.0.1:1", data_port=1)
-              for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-    held = [i for i, st in enumerate(stages) if st.units.start == start]
+    stages = [pb.Stage(unit_start=a, unit_end=b, num_layers=(num_units - 2) // 2, daemon=f"d{i}",
+                       address="127.0.0.1:1", data_port=1) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    held = [i for i, st in enumerate(stages) if st.unit_start == start]
     return client.call("Load", pb.LoadRequest(model=str(model), dtype=dtype, stages=stages, held=held,
                                               kv_pool_bytes=kv_pool_bytes))
 
@@ -77,8 +77,8 @@ def test_bad_loads_then_a_good_one(daemon, tiny_dirs):
     code, msg = code_of(lambda: load(c, model, 0, 99))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "the model's units [0, 8)" in msg
     code, msg = code_of(lambda: c.call("Load", pb.LoadRequest(model=str(model), dtype=pb.FLOAT32, stages=[
-        pb.Stage(unit_start=0, unit_end=4, address="127.0.0.1:1"),
-        pb.Stage(unit_start=3, unit_end=8, address="127.0.0.1:1")], held=[0, 1])))
+        pb.Stage(unit_start=0, unit_end=4, num_layers=3, address="127.0.0.1:1"),
+        pb.Stage(unit_start=3, unit_end=8, num_layers=3, address="127.0.0.1:1")], held=[0, 1])))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "do not cover the model's units" in msg
     assert code_of(lambda: c.call("Load", pb.LoadRequest(model=str(model), dtype=pb.FLOAT32)))[0] == \
         grpc.StatusCode.INVALID_ARGUMENT
