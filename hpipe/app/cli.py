@@ -232,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=_positive, default=256,
                     help="requests waiting to start before new ones get 429 (and as many running at once)")
     sv.add_argument("--served-model-name", help="the model's id in the API (default: the plan's model)")
+    sv.add_argument("--default-max-tokens", type=_positive, default=1024,
+                    help="the answer budget of a request that sets no max_tokens (default 1024)")
+    sv.add_argument("--grace", type=float, default=60.0,
+                    help="seconds a broken pipeline waits for its daemons before failing the requests in flight "
+                         "(it goes on recovering in the background; default 60)")
+    sv.add_argument("--drain", type=float, default=10.0,
+                    help="on SIGTERM, seconds running requests may take to finish before they are cancelled "
+                         "(default 10)")
     sv.set_defaults(func=commands.serve)
 
     d = sub.add_parser("demo", help="the main job on built-in defaults: local cluster, SmolLM2, sample report")

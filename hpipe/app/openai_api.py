@@ -2,11 +2,15 @@
 as server-sent events or not), the model list, health, and Prometheus metrics.
 
 Requests become :class:`runtime.coordinator.engine.Request` s on the shared engine (:class:`Backend`); tokens
-come back through an asyncio queue per request. Text is detokenized incrementally: a token that
-ends in the middle of a character is held back until the character is whole. Stop strings are
-matched on the text: the answer is cut before the match and the request ends at once, freeing its
-KV cache on every stage. A streaming client that disconnects ends its request the same way. Errors
-are OpenAI's error objects, with the status a client expects.
+come back through an asyncio queue per request. Text is detokenized incrementally, a few tokens at a
+time, never the whole answer again: a token that ends in the middle of a character is held back
+until the character is whole. Stop strings are matched on the new text: the answer is cut before
+the match and the request ends at once, freeing its KV cache on every stage. A client that
+disconnects, streaming or not, ends its request the same way within a second. Nothing blocks the
+event loop: prompts are tokenized on a worker thread (after a length check on the characters),
+and ``/health`` and ``/metrics`` read what a background collector last saw. Every field is checked
+at the edge; every error is OpenAI's error object with the status a client expects, never a bare
+500.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import hmac
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -24,9 +28,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hpipe.app.serve_backend import Backend, Busy, NotReady, TooLong
 from hpipe.core.errors import InputError
+from hpipe.model.sampling import SEED_RANGE
+
+#: the characters a prompt may have per token the plan takes, checked before tokenizing: no
+#: tokenizer of a supported family packs more than this into one token
+CHARS_PER_TOKEN = 64
+#: how often a non-streaming request checks whether its client is still there (seconds)
+DISCONNECT_POLL_S = 0.5
 
 
 class APIError(Exception):
@@ -50,22 +62,29 @@ class Sampling(BaseModel):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: keep going past end-of-sequence (benchmarks)
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    # the roles the chat templates know: any other name would go into the template verbatim
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart] | None = None
 
 
 class ChatRequest(Sampling):
@@ -83,52 +102,84 @@ class CompletionRequest(Sampling):
 def _text(content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    parts = [c.get("text", "") for c in content if c.get("type") == "text"]
-    if len(parts) != len(content):
-        raise APIError(400, "only text content is supported", "invalid_request_error", param="messages")
-    return "".join(parts)
+    return "".join(part.text for part in content)
 
 
 class Stream:
-    """One request's tokens as text deltas, with stop strings applied."""
+    """One request's tokens as text deltas, with stop strings applied.
+
+    Detokenized incrementally, as vLLM and TGI do: a new token decodes only the tokens since the
+    last whole piece of text, with the few before them as context, so an answer of n tokens costs
+    O(n) decoding, not O(n^2)."""
 
     def __init__(self, backend: Backend, stops: list[str]):
         self.backend, self.stops = backend, [s for s in stops if s]
         self.tokens: list[int] = []
-        self.sent = ""        # text already emitted
+        self.text = ""        # the final text of tokens[:_read]
+        self.sent = ""        # text already emitted (a prefix of ``text``)
         self.stopped = False
+        self._prefix = self._read = 0  # tokens[_prefix:_read] decode to the tail of ``text``
+
+    def _pending(self) -> str:
+        """The text the tokens after ``_read`` add (possibly ending in half a character)."""
+        before = self.backend.decode(self.tokens[self._prefix:self._read])
+        return self.backend.decode(self.tokens[self._prefix:])[len(before):]
 
     def push(self, token: int) -> str:
         """The new text that ``token`` makes final (held back while a character or a possible stop
         string is incomplete)."""
         self.tokens.append(token)
-        text = self.backend.decode(self.tokens)
+        grown = len(self.text)
+        new = self._pending()
+        if new and not new.endswith("\ufffd"):
+            self.text += new
+            self._prefix, self._read = self._read, len(self.tokens)
+        text = self.text
         for stop in self.stops:
-            at = text.find(stop)
+            at = text.find(stop, max(0, grown - len(stop) + 1))
             if at >= 0:
                 self.stopped = True
                 text = text[:at]
                 break
         if not self.stopped:
-            if text.endswith("\ufffd"):
-                return ""
             hold = max((len(s) - 1 for s in self.stops), default=0)
             for k in range(min(hold, len(text)), 0, -1):  # a tail that may begin a stop string
                 if any(s.startswith(text[-k:]) for s in self.stops):
                     text = text[:-k]
                     break
-        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
-        self.sent += delta
-        return delta
+        return self._emit(text)
 
     def flush(self) -> str:
         """The held-back text, once the request is over (no stop string matched)."""
         if self.stopped:
             return ""
-        text = self.backend.decode(self.tokens)
-        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        return self._emit(self.text + self._pending())
+
+    def _emit(self, text: str) -> str:
+        delta = text[len(self.sent):] if len(text) > len(self.sent) else ""
         self.sent += delta
         return delta
+
+
+class KeyCheck:
+    """The API key on ``/v1/``, as plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` (what
+    ``@app.middleware`` makes) hides a client's disconnect from the endpoint, and an abandoned
+    request would compute to its end."""
+
+    def __init__(self, app, backend: Backend):
+        self.app, self.backend = app, backend
+
+    async def __call__(self, scope, receive, send):
+        key = self.backend.api_key
+        if scope["type"] == "http" and key and scope["path"].startswith("/v1/"):
+            sent = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(sent, f"Bearer {key}".encode()):
+                self.backend.metrics.requests.labels(scope["path"], "401").inc()
+                response = JSONResponse(error_body("Incorrect API key provided", "invalid_request_error",
+                                                   "invalid_api_key"), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(backend: Backend) -> FastAPI:
@@ -148,15 +199,18 @@ def create_app(backend: Backend) -> FastAPI:
                                        "invalid request body", "invalid_request_error", param=param),
                             status_code=400)
 
-    @app.middleware("http")
-    async def check_key(request: HTTPRequest, call_next):
-        if backend.api_key and request.url.path.startswith("/v1/"):
-            sent = request.headers.get("authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {backend.api_key}".encode()):
-                backend.metrics.requests.labels(request.url.path, "401").inc()
-                return JSONResponse(error_body("Incorrect API key provided", "invalid_request_error",
-                                               "invalid_api_key"), status_code=401)
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        backend.metrics.requests.labels(request.url.path, str(e.status_code)).inc()
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def internal(request, e: Exception):  # a bug: the client gets an error object, the server goes on
+        backend.metrics.requests.labels(request.url.path, "500").inc()
+        return JSONResponse(error_body(f"internal error: {e!r}", "server_error"), status_code=500)
+
+    app.add_middleware(KeyCheck, backend=backend)
 
     @app.get("/health")
     async def health():
@@ -164,8 +218,7 @@ def create_app(backend: Backend) -> FastAPI:
         return JSONResponse({"status": "ok" if ready else why}, status_code=200 if ready else 503)
 
     @app.get("/metrics")
-    async def metrics():
-        backend.metrics.refresh(backend)
+    async def metrics():  # the collector's gauges: no call to a daemon here
         return Response(generate_latest(backend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -177,8 +230,9 @@ def create_app(backend: Backend) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: HTTPRequest):
         messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+        _check_size(backend, sum(len(m["content"]) for m in messages), "messages")
         try:
-            prompt = backend.chat_prompt(messages)
+            prompt = await asyncio.to_thread(backend.chat_prompt, messages)
         except InputError as e:
             raise APIError(400, str(e), "invalid_request_error", param="messages") from None
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -192,10 +246,20 @@ def create_app(backend: Backend) -> FastAPI:
             body.prompt = body.prompt[0]
         if body.echo:
             raise APIError(400, "echo is not supported", "invalid_request_error", param="echo")
-        prompt = backend.text_prompt(body.prompt)
+        if not body.prompt:
+            raise APIError(400, "the prompt is empty", "invalid_request_error", param="prompt")
+        _check_size(backend, len(body.prompt), "prompt")
+        prompt = await asyncio.to_thread(backend.text_prompt, body.prompt)
         return await _complete(backend, body, request, prompt, "text_completion", body.logprobs)
 
     return app
+
+
+def _check_size(backend: Backend, chars: int, param: str) -> None:
+    """Refuse a prompt too long for the plan before tokenizing it (that would take seconds)."""
+    if chars > CHARS_PER_TOKEN * backend.plan.max_len:
+        raise APIError(413, f"the prompt has {chars} characters; this server's plan takes at most "
+                       f"{backend.plan.max_len} tokens", "invalid_request_error", "context_length_exceeded", param)
 
 
 async def _complete(backend: Backend, body, request: HTTPRequest, prompt: list[int], kind: str, top: int | None):
@@ -218,6 +282,8 @@ async def _complete(backend: Backend, body, request: HTTPRequest, prompt: list[i
                            on_done=lambda req: loop.call_soon_threadsafe(queue.put_nowait, ("done", None)))
     except TooLong as e:
         raise APIError(413, str(e), "invalid_request_error", "context_length_exceeded", "messages") from None
+    except InputError as e:
+        raise APIError(400, str(e), "invalid_request_error") from None
     except Busy as e:
         raise APIError(429, str(e), "rate_limit_error", "queue_full", headers={"Retry-After": str(e.retry_after)}) \
             from None
@@ -268,8 +334,19 @@ async def _complete(backend: Backend, body, request: HTTPRequest, prompt: list[i
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
+        checked = time.monotonic()
         while True:
-            what, token = await queue.get()
+            try:
+                what, token = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                what = None
+            if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                checked = time.monotonic()
+                if await request.is_disconnected():  # nobody will read the answer: stop computing it
+                    backend.finish(r, "cancelled")
+                    return Response(status_code=499)
+            if what is None:
+                continue
             if what == "done":
                 stream.flush()
                 break

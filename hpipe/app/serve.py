@@ -29,7 +29,11 @@ def read_key(path: str | None) -> str | None:
 
 
 def serve(plan, cluster, source, *, host: str, port: int, api_key: str | None, policy: str, max_queue: int,
-          model_name: str | None = None) -> int:
+          model_name: str | None = None, default_max_tokens: int = 1024, grace_s: float = 60.0,
+          drain_s: float = 10.0) -> int:
+    """Serve until SIGINT or SIGTERM: then stop accepting, give running requests ``drain_s`` seconds
+    to finish, cancel the rest and return 0; 1 if the engine itself failed (so that a supervisor
+    restarts the server)."""
     import uvicorn
 
     from hpipe.app.openai_api import create_app
@@ -37,14 +41,25 @@ def serve(plan, cluster, source, *, host: str, port: int, api_key: str | None, p
 
     if host not in LOOPBACK and not host.startswith("127.") and not api_key:
         raise InputError(f"binding {host} serves anyone who can reach it: give an --api-key-file")
+    server: uvicorn.Server | None = None
+
+    def fatal() -> None:
+        if server is not None:
+            server.should_exit = True
+
     backend = Backend(plan, cluster, source, policy=policy, max_queue=max_queue, api_key=api_key,
-                      model_name=model_name)
-    app = create_app(backend)
+                      model_name=model_name, default_max_tokens=default_max_tokens, grace_s=grace_s,
+                      on_fatal=fatal)
+    server = uvicorn.Server(uvicorn.Config(create_app(backend), host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=drain_s))
     backend.start()
     log.warning("hpipe serve: %s on http://%s:%d/v1 (%d stages, policy %s)", backend.model_name, host, port,
-                len(backend.pipe.stages), policy)
+                len(plan.chosen.stages), policy)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        server.run()
     finally:
         backend.stop()
+    if backend.fatal:
+        log.error("exiting: %s", backend.fatal)
+        return 1
     return 0

@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
+from hpipe.app.serve_metrics import Collector, Metrics
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError, InputError
 from hpipe.core.plan import Plan
@@ -23,12 +23,13 @@ from runtime.coordinator.deploy import Deployed, deploy
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import Pipeline
 from runtime.coordinator.policies import POLICIES
-from runtime.wire.messages import pb
+from runtime.coordinator.recovery import GRACE_S
+from runtime.coordinator.session import StageFailure
 
 log = logging.getLogger(__name__)
 
-#: how often /health asks every daemon whether it is up (seconds)
-HEALTH_EVERY_S = 1.0
+#: the answer budget of a request that names none (``hpipe serve --default-max-tokens``)
+DEFAULT_MAX_TOKENS = 1024
 
 
 class NotReady(HpipeError):
@@ -45,82 +46,119 @@ class TooLong(HpipeError):
     pass
 
 
-class Metrics:
-    def __init__(self):
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("hpipe_http_requests", "HTTP requests by path and status", ["path", "status"],
-                                registry=r)
-        self.prompt_tokens = Counter("hpipe_prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.generated = Counter("hpipe_generated_tokens", "tokens generated", registry=r)
-        self.finished = Counter("hpipe_requests_finished", "requests ended, by reason", ["reason"], registry=r)
-        buckets = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
-        self.ttft = Histogram("hpipe_time_to_first_token_seconds", "time to first token", buckets=buckets, registry=r)
-        self.tpot = Histogram("hpipe_time_per_output_token_seconds", "time per output token after the first",
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4), registry=r)
-        self.kv_used = Gauge("hpipe_kv_blocks_used", "KV blocks in use per stage", ["stage"], registry=r)
-        self.kv_total = Gauge("hpipe_kv_blocks", "KV blocks per stage", ["stage"], registry=r)
-        self.queue = Gauge("hpipe_queue_length", "requests waiting to start", registry=r)
-        self.running = Gauge("hpipe_requests_running", "requests running", registry=r)
-        self.preemptions = Gauge("hpipe_preemptions", "requests preempted for KV memory so far", registry=r)
-
-    def refresh(self, backend: "Backend") -> None:
-        engine = backend.engine
-        if engine is not None:
-            self.queue.set(len(engine.waiting))
-            self.running.set(len(engine.running))
-            self.preemptions.set(engine.preemptions)
-        try:
-            for p in backend.pipe.pools():
-                self.kv_used.labels(str(p.stage)).set(p.used_blocks)
-                self.kv_total.labels(str(p.stage)).set(p.blocks)
-        except Exception:  # noqa: BLE001 - a daemon down: /health says so; metrics keep the last values
-            pass
-
-
 class Backend:
+    """The deployed plan, its engine on a thread of its own, and what the HTTP side asks of them.
+
+    A pipeline that breaks is recovered by the engine (its requests resume); one that stays
+    broken past the grace fails the requests in flight, and this backend goes on recovering in the
+    background (``/health`` says so) until the daemons are back, then serves again. A daemon that
+    comes back empty while the server is idle (restarted by its supervisor) is redeployed at once.
+    An error of the engine itself is fatal: ``/health`` reports it, and ``on_fatal`` ends the process
+    so that a supervisor restarts it."""
+
     def __init__(self, plan: Plan, cluster: ClusterSpec, source, *, policy: str = "gllm", max_queue: int = 256,
-                 api_key: str | None = None, model_name: str | None = None):
+                 api_key: str | None = None, model_name: str | None = None,
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, grace_s: float = GRACE_S,
+                 on_fatal: Callable[[], None] | None = None):
         if policy not in POLICIES:
             raise InputError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
         self.plan, self.cluster, self.source, self.policy = plan, cluster, source, policy
         self.deployed: Deployed | None = None
-        self.pipe: Pipeline | None = None  # once started
+        self.pipe: Pipeline | None = None  # once deployed
         self.tokenizer = source.tokenizer()
         self.eos = frozenset(source.eos_token_ids())
         self.context = plan.model.max_position_embeddings
         self.max_queue, self.api_key = max_queue, api_key
+        self.default_max_tokens, self.grace_s, self.on_fatal = default_max_tokens, grace_s, on_fatal
         self.model_name = model_name or plan.model_name
         self.started = int(time.time())
         self.metrics = Metrics()
+        self.collector = Collector(self)
         self.engine: Engine | None = None
+        self.fatal = ""  # the engine's own error, if it died of one
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set with _stop, or when an idle pipeline needs redeploying
         self._state = "loading"
-        self._health = (0.0, True, "")
         self._lock = threading.Lock()
 
     # --- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
-        """Deploy the plan and start the engine's thread (returns once serving)."""
-        # a stage that dies is waited for (the supervisor restarts it) and redeployed; requests
-        # in flight resume where the stages can go on from, and their streams go on (runtime.coordinator.recovery)
-        self.deployed = deploy(self.plan, self.cluster)
+        """Deploy the plan (waiting up to the grace for daemons that are down) and start the
+        engine's thread; if the plan cannot be deployed yet, the thread goes on trying."""
+        try:
+            self._deploy()
+        except StageFailure as e:
+            log.error("deploying the plan failed: %s; trying again in the background", e)
+            self._state = f"deploying: {e}"
+        self.collector.start()
+        threading.Thread(target=self._run, name="engine", daemon=True).start()
+
+    def _deploy(self) -> None:
+        # a stage that dies is waited for (the supervisor restarts it) and redeployed; requests in
+        # flight resume where the stages can go on from (runtime.coordinator.recovery)
+        self.deployed = deploy(self.plan, self.cluster, grace_s=self.grace_s, max_recoveries=None)
         self.pipe = self.deployed.pipe
         self.engine = Engine(self.deployed.session(), POLICIES[self.policy](), depth=len(self.pipe.stages),
                              max_running=self.max_queue, recover=self.deployed.recovery)
-        threading.Thread(target=self._run, name="engine", daemon=True).start()
         self._state = "ok"
 
     def _run(self) -> None:
         try:
-            self.engine.run(until_idle=False, stop=self._stop)
-        except HpipeError as e:
-            log.error("the pipeline failed: %s", e)
-            self._state = f"pipeline failed: {e}"
-            self.engine.fail_all(str(e))
+            while self.engine is None and not self._stop.is_set():
+                try:
+                    self._deploy()
+                except StageFailure as e:
+                    self._state = f"deploying: {e}"
+            while not self._stop.is_set():
+                error = None
+                try:
+                    self.engine.run(until_idle=False, stop=self._wake)
+                except HpipeError as e:
+                    error = str(e)
+                    log.error("the pipeline failed: %s; recovering in the background", e)
+                    self.engine.fail_all(error)
+                if self._stop.is_set():
+                    return
+                self._wake.clear()
+                self._recover(error or self.collector.health.why)
+        except Exception as e:  # noqa: BLE001 - the engine itself failed: say so, and end the process
+            log.exception("the engine failed")
+            self.fatal = f"the engine failed: {e!r}"
+            self._state = self.fatal
+            if self.engine is not None:
+                self.engine.fail_all(self.fatal)
+            if self.on_fatal is not None:
+                self.on_fatal()
 
-    def stop(self) -> None:
+    def _recover(self, error: str) -> None:
+        """Until the pipeline works again (or the server stops): wait for the daemons, redeploy,
+        and go on on a new session. ``/health`` says what is being waited for meanwhile."""
+        old = self.engine.session
+        old.close()
+        while not self._stop.is_set():
+            self._state = f"recovering: {error}"
+            try:
+                self.engine.rebind(self.deployed.recovery(error))
+                self._state = "ok"
+                log.warning("serving again")
+                return
+            except StageFailure as e:
+                error = str(e)
+
+    def watch(self) -> None:
+        """Called by the collector: an idle pipeline whose daemon came back empty is redeployed now,
+        not when the next request finds it broken."""
+        engine = self.engine
+        if (self._state == "ok" and self.collector.health.lost_model and engine is not None
+                and not engine.running and not engine.waiting):
+            self._wake.set()
+
+    def stop(self, reason: str = "the server is shutting down") -> None:
         self._stop.set()
+        self._wake.set()
+        self.collector.stop()
         if self.engine is not None:
+            self.engine.fail_all(reason)
             self.engine.session.close()
         if self.deployed is not None:
             self.deployed.close()
@@ -128,17 +166,8 @@ class Backend:
     def ready(self) -> tuple[bool, str]:
         if self._state != "ok":
             return False, self._state
-        at, ok, why = self._health
-        if time.monotonic() - at > HEALTH_EVERY_S:
-            ok, why = True, ""
-            for d, client in zip(self.pipe.daemons, self.pipe.clients):
-                try:
-                    client.call("Status", pb.StatusRequest(), timeout=2.0)
-                except Exception:  # noqa: BLE001 - any failure: that daemon is down for us
-                    ok, why = False, f"daemon {d.name} ({d.address}) is not responding"
-                    break
-            self._health = (time.monotonic(), ok, why)
-        return ok, why
+        health = self.collector.health
+        return health.ok, health.why
 
     # --- requests -------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict]) -> list[int]:
@@ -156,7 +185,7 @@ class Backend:
         if not ready:
             raise NotReady(f"not ready: {why}")
         if not prompt:
-            raise TooLong("the prompt is empty")
+            raise InputError("the prompt is empty")
         if len(prompt) > self.plan.max_len:
             raise TooLong(f"the prompt has {len(prompt)} tokens; this server's plan takes at most "
                           f"{self.plan.max_len}")
@@ -181,7 +210,7 @@ class Backend:
                         self.metrics.tpot.observe((r.done_s - r.first_token_s) / (len(r.tokens) - 1))
                 on_done(r)
 
-            request = Request(prompt, max_tokens or room, params=params,
+            request = Request(prompt, max_tokens or min(self.default_max_tokens, room), params=params,
                               eos=frozenset() if body.ignore_eos else self.eos,
                               slicer=self.plan.slicer(), on_token=on_token, on_done=done,
                               logprobs=top_logprobs)

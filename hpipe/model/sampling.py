@@ -5,17 +5,24 @@ seed, and OpenAI's frequency and presence penalties or Hugging Face's repetition
 penalties and masks are applied to all rows at once; only the draw itself is per row, each from
 its request's own seeded generator, so a request samples the same tokens whatever it is batched
 with. Stop strings are the request's business (they need the tokenizer): see
-:mod:`runtime.requests`.
+:mod:`hpipe.app.openai_api`.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
-from hpipe.core.errors import InputError
+from hpipe.core.errors import HpipeError, InputError
+
+#: the lowest temperature sampled as given: a lower one (but not 0, greedy) is sampled at this, as
+#: vLLM does, because float32 logits divided by it overflow (1e-300 is 0 in float32)
+MIN_TEMPERATURE = 1e-2
+#: what a generator's seed may be (torch.Generator.manual_seed's range)
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
 @dataclass(frozen=True)
@@ -29,8 +36,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (Hugging Face)
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise InputError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise InputError(f"seed must lie in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -69,7 +80,10 @@ class Sampler:
 
 
 def sample(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
-    """The next token of each row of ``logits [rows, vocab]``, row ``i`` drawn by ``samplers[i]``."""
+    """The next token of each row of ``logits [rows, vocab]``, row ``i`` drawn by ``samplers[i]``.
+
+    :class:`SampleError` names the rows that could not be drawn (their probabilities not a
+    distribution); the other rows are drawn all the same, so one request's failure is its own."""
     logits = logits.detach().to("cpu", torch.float32)
     rows = len(samplers)
     if any(s.params.penalised for s in samplers):
@@ -84,13 +98,28 @@ def sample(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
         for i, t in zip(greedy, best):
             out[i] = t
     drawn = [i for i, s in enumerate(samplers) if not s.params.greedy]
+    failed: dict[int, str] = {}
     if drawn:
         probs = _probabilities(logits[drawn], [samplers[i].params for i in drawn])
         for row, i in enumerate(drawn):
-            out[i] = int(torch.multinomial(probs[row], 1, generator=samplers[i].generator))
-    for s, t in zip(samplers, out):
-        s.output[t] += 1
+            try:
+                out[i] = int(torch.multinomial(probs[row], 1, generator=samplers[i].generator))
+            except RuntimeError as e:  # NaN, inf or all-zero probabilities
+                failed[i] = str(e)
+    for i, (s, t) in enumerate(zip(samplers, out)):
+        if i not in failed:
+            s.output[t] += 1
+    if failed:
+        raise SampleError(out, failed)
     return out
+
+
+class SampleError(HpipeError):
+    """Some rows could not be sampled: ``failed`` (row -> why); ``tokens`` holds the other rows' draws."""
+
+    def __init__(self, tokens: list[int], failed: dict[int, str]):
+        super().__init__(f"rows {sorted(failed)} could not be sampled: {next(iter(failed.values()))}")
+        self.tokens, self.failed = tokens, failed
 
 
 def _penalise(row: torch.Tensor, s: Sampler) -> None:
@@ -121,3 +150,12 @@ def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         drop = probs.cumsum(-1) - probs >= top_p  # keep the token that crosses top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     return torch.softmax(logits, dim=-1)
+
+
+def logprobs(row: torch.Tensor, token: int, top: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """The model's log-probability of ``token`` and its ``top`` likeliest tokens (before any sampling
+    parameter reshaped the distribution)."""
+    lp = torch.log_softmax(row.float(), dim=-1)
+    best = torch.topk(lp, top) if top else None
+    alternatives = list(zip(best.indices.tolist(), best.values.tolist())) if best is not None else []
+    return token, float(lp[token]), alternatives

@@ -8,6 +8,7 @@ Ad-hoc pipelines without a plan (``--cuts``, tests) use :meth:`Pipeline.load` di
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,9 +17,11 @@ from hpipe.core.errors import InputError
 from hpipe.core.plan import Plan, Stage
 from hpipe.model.stage import DTYPES
 from runtime.coordinator.pipeline import Pipeline
-from runtime.coordinator.recovery import GRACE_S, Redeploy
-from runtime.coordinator.session import Session
+from runtime.coordinator.recovery import GRACE_S, MAX_RECOVERIES, Redeploy
+from runtime.coordinator.session import Session, StageFailure
 from runtime.wire.channels import Security
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,19 +48,29 @@ class Deployed:
 
 def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_pool_bytes: int = 0,
            grace_s: float = GRACE_S, replan: Callable[[list[str], list[Stage]], list[Stage]] | None = None,
-           security: Security | None = None) -> Deployed:
+           security: Security | None = None, max_recoveries: int | None = MAX_RECOVERIES) -> Deployed:
     """Load ``strategy`` (default: the plan's) of ``plan`` onto ``cluster``; each daemon's KV pools
     ``kv_pool_bytes`` in all (0: the daemon sizes them). ``grace_s`` and ``replan`` say how the
-    recovery waits for a lost daemon and what it does when one stays away (:mod:`runtime.coordinator.recovery`)."""
+    recovery waits for a lost daemon and what it does when one stays away, ``max_recoveries`` how
+    often it may (None: always, for a server; :mod:`runtime.coordinator.recovery`). A daemon that
+    is down or dies while the plan loads is waited for in the same way: deploying is a phase that
+    recovers like the others."""
     name = strategy or plan.strategy
     if name not in plan.strategies:
         raise InputError(f"the plan has no strategy {name!r} (it has {', '.join(plan.strategies)})")
     stages, dtype = plan.strategies[name].stages, DTYPES[plan.dtype]
     pipe = Pipeline(cluster, security)
+    recovery = Redeploy(pipe, plan.model_name, stages, dtype, kv_pool_bytes, grace_s=grace_s, replan=replan,
+                        max_times=max_recoveries)
     try:
-        pipe.load(plan.model_name, stages, dtype, kv_pool_bytes)
+        try:
+            pipe.load(plan.model_name, stages, dtype, kv_pool_bytes)
+        except StageFailure as e:
+            if e.lasting:
+                raise
+            log.warning("deploying the plan failed: %s", e)
+            recovery.restore(str(e))
     except BaseException:
         pipe.close()
         raise
-    recovery = Redeploy(pipe, plan.model_name, stages, dtype, kv_pool_bytes, grace_s=grace_s, replan=replan)
     return Deployed(plan, name, pipe, recovery)

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from hpipe.model.sampling import sample
+from hpipe.model.sampling import SampleError, logprobs, sample
 from runtime.coordinator.request import Request
 from runtime.coordinator.resume import replays, resume_point
 from runtime.coordinator.session import Session, StageFailure
@@ -207,7 +207,6 @@ class Engine:
             stale = set(session.resumed) - set(wanted)  # adopted, but no running request goes on with them
             session.close_sequences(sorted(stale))
             old.close()
-            self._in_flight.clear()
             batches = replays(wanted)
             broken = None
             try:
@@ -218,12 +217,9 @@ class Engine:
                     tokens = torch.tensor([t for i, a, n in batch.entries for t in by_seq[i].prefix[a:a + n]],
                                           dtype=torch.long)
                     session.submit(entries, tokens, pb.Replay(first=batch.first, last=batch.last))
-                pools = session.pipe.pools()
+                self.rebind(session)
             except StageFailure as e:  # broke again while resuming: recovered again below
-                broken, pools = str(e), []
-            self.kv_blocks = min((p.blocks for p in pools), default=0)
-            self.depth = max(1, stages)
-            self.lanes = max(1, session.pipe.lanes)
+                broken = str(e)
             self.recoveries += 1
             self.resumes.append({"resumed": len(self.running),
                                  "kept_positions": kept, "replayed_positions": sum(b.tokens for b in batches),
@@ -233,6 +229,19 @@ class Engine:
                         self.resumes[-1]["resumed"], kept, self.resumes[-1]["replayed_positions"], len(restarted))
         if broken is not None:
             self._recover(broken)
+
+    def rebind(self, session: Session) -> None:
+        """Go on on ``session`` (a new one, after a recovery): nothing of the old one is in flight,
+        and the pools, depth and lanes are the new pipeline's (:class:`StageFailure` if a daemon of
+        it does not answer)."""
+        pools = session.pipe.pools()
+        with self._lock:
+            self.session = session
+            self._in_flight.clear()
+            self.kv_blocks = min((p.blocks for p in pools), default=0)
+            self.depth = max(1, len(session.pipe.stages))
+            self.lanes = max(1, session.pipe.lanes)
+            self._checked = time.monotonic()
 
     def _run(self, until_idle: bool, stop: threading.Event | None) -> None:
         while not (stop and stop.is_set()):
@@ -316,10 +325,29 @@ class Engine:
                                                      "sequence: a stage's weights or activations overflowed")
                     keep = [i for i, ok in enumerate(finite) if ok]
                     logits, samplers, owners = logits[keep], [samplers[i] for i in keep], [owners[i] for i in keep]
-                for i, (r, token) in enumerate(zip(owners, sample(samplers, logits))):
+                for i, (r, token) in enumerate(zip(owners, self._sample(owners, samplers, logits))):
+                    if token is None:
+                        continue
                     if r.logprobs is not None:
-                        r.token_logprobs.append(_logprobs(logits[i], token, r.logprobs))
+                        r.token_logprobs.append(logprobs(logits[i], token, r.logprobs))
                     self._take(r, token, now)
+
+    def _sample(self, owners: list[Request], samplers: list, logits: torch.Tensor) -> list[int | None]:
+        """Each row's token, or None for a request whose row could not be sampled: that request
+        ends with the error, and the others go on (a bad parameter is one request's problem)."""
+        try:
+            return sample(samplers, logits)
+        except SampleError as e:
+            tokens: list[int | None] = list(e.tokens)
+            for i, why in e.failed.items():
+                tokens[i] = None
+                self._finish(owners[i], "error", f"sampling failed for this request: {why}")
+            return tokens
+        except Exception as e:  # noqa: BLE001 - a bug in sampling must not take the engine down
+            log.exception("sampling a micro-batch failed")
+            for r in owners:
+                self._finish(r, "error", f"internal error while sampling: {e!r}")
+            return [None] * len(owners)
 
     def _refused(self, r: Request, code: str, message: str) -> None:
         """A daemon failed ``r``'s sequence: out of KV blocks (or, resuming, without the log to
@@ -339,7 +367,12 @@ class Engine:
             r.first_token_s = now
         r.tokens.append(token)
         if r.on_token is not None:
-            r.on_token(r, token)
+            try:
+                r.on_token(r, token)
+            except Exception as e:  # noqa: BLE001 - a caller's callback fails its own request only
+                log.exception("request %d: on_token failed", r.id)
+                self._finish(r, "error", f"internal error: {e!r}")
+                return
         if token in r.eos:
             self._finish(r, "eos")
         elif len(r.tokens) >= r.max_new_tokens:
@@ -357,13 +390,8 @@ class Engine:
             self.session.close_sequences([r.seq_id])
         r.done.set()
         if r.on_done is not None:
-            r.on_done(r)
+            try:
+                r.on_done(r)
+            except Exception:  # noqa: BLE001 - a caller's callback must not stop the engine
+                log.exception("request %d: on_done failed", r.id)
 
-
-def _logprobs(row: torch.Tensor, token: int, top: int) -> tuple[int, float, list[tuple[int, float]]]:
-    """The model's log-probability of ``token`` and its ``top`` likeliest tokens (before any sampling
-    parameter reshaped the distribution)."""
-    lp = torch.log_softmax(row.float(), dim=-1)
-    best = torch.topk(lp, top) if top else None
-    alternatives = list(zip(best.indices.tolist(), best.values.tolist())) if best is not None else []
-    return token, float(lp[token]), alternatives

@@ -55,6 +55,11 @@ def coordinate_on_one_thread() -> None:
     torch.set_num_threads(1)
 
 
+#: the gRPC codes of a daemon that may answer differently in a moment (restarting, overloaded)
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                       grpc.StatusCode.ABORTED})
+
+
 class Pipeline:
     """Stages deployed on the daemons of a cluster, in pipeline order.
 
@@ -121,7 +126,7 @@ class Pipeline:
             except grpc.RpcError as e:
                 ranges = ", ".join(str(stages[i].units) for i in requests[d].held)
                 raise StageFailure(f"{daemons[d].name} at {daemons[d].address} could not load units {ranges}: "
-                                   f"{e.code().name}: {e.details()}") from None
+                                   f"{e.code().name}: {e.details()}", lasting=e.code() not in TRANSIENT) from None
 
         with ThreadPoolExecutor(max_workers=len(daemons)) as pool:
             self.loads = list(pool.map(load, range(len(daemons))))

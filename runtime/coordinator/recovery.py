@@ -46,7 +46,7 @@ class Redeploy:
 
     def __init__(self, pipe, model: str, stages: Sequence[Stage], dtype: torch.dtype, kv_pool_bytes: int = 0,
                  grace_s: float = GRACE_S, replan: Callable[[list[str], list[Stage]], list[Stage]] | None = None,
-                 max_times: int = MAX_RECOVERIES):
+                 max_times: int | None = MAX_RECOVERIES):
         self.pipe, self.model, self.stages, self.dtype, self.kv_pool_bytes = \
             pipe, model, list(stages), dtype, kv_pool_bytes
         self.grace_s, self.replan, self.max_times = grace_s, replan, max_times
@@ -55,8 +55,15 @@ class Redeploy:
     def __call__(self, error: str, resume_from: int = 0) -> Session:
         """A session on a working pipeline, or :class:`StageFailure` (with ``error``'s story); it
         takes over session ``resume_from``'s sequences where daemons kept them."""
-        if len(self.events) >= self.max_times:
+        if self.max_times is not None and len(self.events) >= self.max_times:
             raise StageFailure(f"{error} (the pipeline broke {len(self.events)} times already: giving up)")
+        t0 = time.monotonic()
+        action = self.restore(error)
+        return self._done(error, action, t0, resume_from)
+
+    def restore(self, error: str) -> str:
+        """Load the stages again once their daemons answer (waiting up to the grace), or the
+        re-planned ones; what was done (:class:`StageFailure` if neither can be)."""
         t0 = time.monotonic()
         log.warning("the pipeline broke (%s); waiting up to %.0f s for its daemons", error, self.grace_s)
         names = list(dict.fromkeys(s.daemon for s in self.stages))
@@ -66,8 +73,10 @@ class Redeploy:
             if not down:
                 try:
                     self.pipe.load(self.model, self.stages, self.dtype, self.kv_pool_bytes, adjacent=True)
-                    return self._done(error, "redeployed", t0, resume_from)
+                    return "redeployed"
                 except StageFailure as e:  # died again while loading: wait on
+                    if e.lasting:
+                        raise
                     log.warning("redeploying failed: %s", e)
             if time.monotonic() > deadline:
                 break
@@ -84,7 +93,7 @@ class Redeploy:
         log.warning("%s did not come back: %s", ", ".join(down), action)
         self.pipe.load(self.model, stages, self.dtype, self.kv_pool_bytes, adjacent=True)
         self.stages = list(stages)
-        return self._done(error, action, t0, resume_from)
+        return action
 
     def _down(self, names: list[str]) -> list[str]:
         down = []

@@ -38,7 +38,12 @@ STATUS_TIMEOUT_S = 3.0
 
 
 class StageFailure(HpipeError):
-    """A stage died, became unreachable, or cannot pass its results on."""
+    """A stage died, became unreachable, or cannot pass its results on. ``lasting``: the daemon
+    answered and refused (a bad model path, too little memory): waiting for it will not help."""
+
+    def __init__(self, message: str, lasting: bool = False):
+        super().__init__(message)
+        self.lasting = lasting
 
 
 @dataclass

@@ -2,67 +2,29 @@
 the same greedy answers as single-process generation, and every error status."""
 
 import json
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 
-from hpipe.app.openai_api import create_app
 from hpipe.app.serve_backend import Backend
-from hpipe.core.plan import Plan, Stage, StrategyPlan
-from hpipe.core.units import UnitRange
 from hpipe.model.generate import LocalModel, decode_loop, encode_chat
 from hpipe.model.sampling import Sampler
 from hpipe.model.sources import resolve_model
+from tests.app.serve_helpers import serving, tiny_plan
 from tests.cluster_helpers import Served, cluster_of
 
 KEY = "sk-test-key"
 
 
-def _plan(source, daemons, max_len=64) -> Plan:
-    cfg = source.config
-    stages = (Stage(daemons[0].name, daemons[0].address, UnitRange(0, 3, cfg.num_layers)),
-              Stage(daemons[1].name, daemons[1].address, UnitRange(3, cfg.num_units, cfg.num_layers)))
-    sp = StrategyPlan("hpipe", stages, 1, (max_len,), 1.0)
-    return Plan(str(source.path), cfg, "float32", 1, max_len, max_len, 16, "hpipe", {"hpipe": sp},
-                {16 * k: (16 * k,) for k in range(1, max_len // 16 + 1)})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_chat_model):
-    import uvicorn
-
     source = resolve_model(str(tiny_chat_model))
     daemons = [Served(f"d{i}") for i in range(2)]
-    plan = _plan(source, daemons)
-    backend = Backend(plan, cluster_of(*daemons), source, max_queue=4, api_key=KEY, model_name="tiny")
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(backend), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:  # /health is 503 while loading
-        try:
-            if httpx.get(f"{base}/health").status_code == 503:
-                break
-        except httpx.ConnectError:
-            pass
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    backend.start()
-    yield base, backend, source, backend.pipe, daemons  # (a test may replace a daemon in the list)
-    server.should_exit = True
-    thread.join(10)
-    backend.stop()
+    backend = Backend(tiny_plan(source, daemons), cluster_of(*daemons), source, max_queue=4, api_key=KEY,
+                      model_name="tiny")
+    with serving(backend) as base:
+        yield base, backend, source, backend.pipe, daemons  # (a test may replace a daemon in the list)
     for d in daemons:
         d.stop()
 
@@ -171,7 +133,9 @@ def test_error_statuses(server, case, status, code):
     assert error["message"] and error["type"] and error["code"] == code
 
 
-def test_queue_full_is_429_with_retry_after_and_down_stage_is_503(server):
+def test_queue_full_is_429_with_retry_after_and_down_stage_is_503(server, monkeypatch):
+    from hpipe.app.serve_metrics import Health
+
     base, backend, *_ = server
     engine = backend.engine
     with engine._lock:  # hold the engine: everything submitted now waits
@@ -181,12 +145,13 @@ def test_queue_full_is_429_with_retry_after_and_down_stage_is_503(server):
                        json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
         engine.waiting.clear()
     assert r.status_code == 429 and r.headers["retry-after"] and r.json()["error"]["code"] == "queue_full"
-    backend._health = (time.monotonic(), False, "daemon d1 is not responding")
+    monkeypatch.setattr(backend.collector, "collect", lambda: None)  # it would see the daemons answer
+    backend.collector.health = Health(time.monotonic(), False, "daemon d1 is not responding")
     assert httpx.get(f"{base}/health").status_code == 503
     r = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
-    backend._health = (0.0, True, "")
+    backend.collector.health = Health()
 
 
 def _parked(engine):

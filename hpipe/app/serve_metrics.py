@@ -1,0 +1,109 @@
+"""What ``hpipe serve`` knows of its daemons and reports: Prometheus metrics and daemon health,
+gathered by one background thread so that no HTTP request waits on a daemon.
+
+Every ``every_s`` the collector asks each daemon of the pipeline for its ``Status`` (a stopped or
+unreachable daemon costs this thread its timeout, never the event loop), keeps whether each
+answered and still holds the model, and copies the KV pools and the engine's queue into the
+gauges. ``/health`` and ``/metrics`` read what it last saw.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from runtime.wire.messages import pb
+
+log = logging.getLogger(__name__)
+
+#: how often the collector asks every daemon how it is (seconds)
+HEALTH_EVERY_S = 1.0
+#: how long one daemon may take to answer before it counts as not responding
+STATUS_TIMEOUT_S = 2.0
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("hpipe_http_requests", "HTTP requests by path and status", ["path", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("hpipe_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generated = Counter("hpipe_generated_tokens", "tokens generated", registry=r)
+        self.finished = Counter("hpipe_requests_finished", "requests ended, by reason", ["reason"], registry=r)
+        buckets = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+        self.ttft = Histogram("hpipe_time_to_first_token_seconds", "time to first token", buckets=buckets, registry=r)
+        self.tpot = Histogram("hpipe_time_per_output_token_seconds", "time per output token after the first",
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4), registry=r)
+        self.kv_used = Gauge("hpipe_kv_blocks_used", "KV blocks in use per stage", ["stage"], registry=r)
+        self.kv_total = Gauge("hpipe_kv_blocks", "KV blocks per stage", ["stage"], registry=r)
+        self.queue = Gauge("hpipe_queue_length", "requests waiting to start", registry=r)
+        self.running = Gauge("hpipe_requests_running", "requests running", registry=r)
+        self.preemptions = Gauge("hpipe_preemptions", "requests preempted for KV memory so far", registry=r)
+        self.daemons_up = Gauge("hpipe_daemons_up", "daemons of the pipeline that answer and hold the model",
+                                registry=r)
+
+
+@dataclass(frozen=True)
+class Health:
+    """What the collector last saw: whether every daemon answered and holds the model."""
+
+    at: float = 0.0
+    ok: bool = True
+    why: str = ""
+    lost_model: bool = False  # a daemon answers but holds no model (restarted): only a redeploy helps
+
+
+class Collector:
+    """The background thread that watches the daemons of ``backend``'s pipeline."""
+
+    def __init__(self, backend, every_s: float = HEALTH_EVERY_S):
+        self.backend, self.every_s = backend, every_s
+        self.health = Health()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="serve-collector", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.collect()
+            except Exception:  # noqa: BLE001 - the collector must outlive any one bad round
+                log.exception("collecting the daemons' status failed")
+
+    def collect(self) -> None:
+        b, m = self.backend, self.backend.metrics
+        engine = b.engine
+        if engine is not None:
+            m.queue.set(len(engine.waiting))
+            m.running.set(len(engine.running))
+            m.preemptions.set(engine.preemptions)
+        pipe = b.pipe
+        if pipe is None:
+            return
+        ok, why, lost, up = True, "", False, 0
+        for d, client in zip(list(pipe.daemons), list(pipe.clients)):
+            try:
+                st = client.call("Status", pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - any failure: that daemon is down for us
+                ok, why = False, why or f"daemon {d.name} ({d.address}) is not responding"
+                continue
+            if not st.loaded or st.model != b.plan.model_name:
+                ok, lost = False, True
+                why = why or f"daemon {d.name} ({d.address}) does not hold the model (restarted?)"
+                continue
+            up += 1
+            for p in st.pools:
+                m.kv_used.labels(str(p.stage)).set(p.used_blocks)
+                m.kv_total.labels(str(p.stage)).set(p.blocks)
+        m.daemons_up.set(up)
+        self.health = Health(time.monotonic(), ok, why, lost)
+        b.watch()
