@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hpipe.app.openai_text import Stream, all_logprobs, logprob_payload
 from hpipe.app.serve_backend import Backend, Busy, NotReady, TooLong
 from hpipe.core.errors import InputError
 from hpipe.model.sampling import SEED_RANGE
@@ -103,62 +104,6 @@ def _text(content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(part.text for part in content)
-
-
-class Stream:
-    """One request's tokens as text deltas, with stop strings applied.
-
-    Detokenized incrementally, as vLLM and TGI do: a new token decodes only the tokens since the
-    last whole piece of text, with the few before them as context, so an answer of n tokens costs
-    O(n) decoding, not O(n^2)."""
-
-    def __init__(self, backend: Backend, stops: list[str]):
-        self.backend, self.stops = backend, [s for s in stops if s]
-        self.tokens: list[int] = []
-        self.text = ""        # the final text of tokens[:_read]
-        self.sent = ""        # text already emitted (a prefix of ``text``)
-        self.stopped = False
-        self._prefix = self._read = 0  # tokens[_prefix:_read] decode to the tail of ``text``
-
-    def _pending(self) -> str:
-        """The text the tokens after ``_read`` add (possibly ending in half a character)."""
-        before = self.backend.decode(self.tokens[self._prefix:self._read])
-        return self.backend.decode(self.tokens[self._prefix:])[len(before):]
-
-    def push(self, token: int) -> str:
-        """The new text that ``token`` makes final (held back while a character or a possible stop
-        string is incomplete)."""
-        self.tokens.append(token)
-        grown = len(self.text)
-        new = self._pending()
-        if new and not new.endswith("\ufffd"):
-            self.text += new
-            self._prefix, self._read = self._read, len(self.tokens)
-        text = self.text
-        for stop in self.stops:
-            at = text.find(stop, max(0, grown - len(stop) + 1))
-            if at >= 0:
-                self.stopped = True
-                text = text[:at]
-                break
-        if not self.stopped:
-            hold = max((len(s) - 1 for s in self.stops), default=0)
-            for k in range(min(hold, len(text)), 0, -1):  # a tail that may begin a stop string
-                if any(s.startswith(text[-k:]) for s in self.stops):
-                    text = text[:-k]
-                    break
-        return self._emit(text)
-
-    def flush(self) -> str:
-        """The held-back text, once the request is over (no stop string matched)."""
-        if self.stopped:
-            return ""
-        return self._emit(self.text + self._pending())
-
-    def _emit(self, text: str) -> str:
-        delta = text[len(self.sent):] if len(text) > len(self.sent) else ""
-        self.sent += delta
-        return delta
 
 
 class KeyCheck:
@@ -306,7 +251,7 @@ async def _complete(backend: Backend, body, request: HTTPRequest, prompt: list[i
                     delta = stream.push(token)
                     if stream.stopped:
                         backend.finish(r, "stop")
-                lp = _logprob_payload(backend, r, chat) if top is not None and what == "token" else None
+                lp = logprob_payload(backend, r, chat) if top is not None and what == "token" else None
                 if delta or lp or (chat and not sent_role):
                     piece = ({"role": "assistant", "content": delta} if not sent_role else {"content": delta}) \
                         if chat else None
@@ -360,7 +305,7 @@ async def _complete(backend: Backend, body, request: HTTPRequest, prompt: list[i
         raise APIError(503 if "not responding" in r.error else 500, r.error, "server_error")
     finish = "stop" if stream.stopped or r.stop_reason in ("eos", "stop") else "length"
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
-                              "logprobs": _all_logprobs(backend, r, chat) if top is not None else None}
+                              "logprobs": all_logprobs(backend, r, chat) if top is not None else None}
     if chat:
         choice["message"] = {"role": "assistant", "content": stream.sent}
     else:
@@ -381,30 +326,3 @@ def _usage(r, stream: Stream) -> dict:
     completion = len(stream.tokens)
     return {"prompt_tokens": len(r.prompt), "completion_tokens": completion,
             "total_tokens": len(r.prompt) + completion}
-
-
-def _entry(backend, item, chat: bool) -> dict:
-    token, lp, top = item
-    text = backend.decode([token])
-    if chat:
-        return {"token": text, "logprob": lp, "bytes": list(text.encode()),
-                "top_logprobs": [{"token": backend.decode([t]), "logprob": v, "bytes": list(backend.decode([t]).encode())}
-                                 for t, v in top]}
-    return {"token": text, "logprob": lp, "top": {backend.decode([t]): v for t, v in top}}
-
-
-def _logprob_payload(backend, r, chat: bool):
-    if not r.token_logprobs:
-        return None
-    item = _entry(backend, r.token_logprobs[-1], chat)
-    if chat:
-        return {"content": [item]}
-    return {"tokens": [item["token"]], "token_logprobs": [item["logprob"]], "top_logprobs": [item["top"]]}
-
-
-def _all_logprobs(backend, r, chat: bool):
-    items = [_entry(backend, x, chat) for x in r.token_logprobs]
-    if chat:
-        return {"content": items}
-    return {"tokens": [i["token"] for i in items], "token_logprobs": [i["logprob"] for i in items],
-            "top_logprobs": [i["top"] for i in items]}

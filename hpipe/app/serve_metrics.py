@@ -63,6 +63,7 @@ class Collector:
     def __init__(self, backend, every_s: float = HEALTH_EVERY_S):
         self.backend, self.every_s = backend, every_s
         self.health = Health()
+        self.lock = threading.Lock()  # held for a whole round: who takes it sees no round half done
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="serve-collector", daemon=True)
 
@@ -75,7 +76,8 @@ class Collector:
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
             try:
-                self.collect()
+                with self.lock:
+                    self.collect()
             except Exception:  # noqa: BLE001 - the collector must outlive any one bad round
                 log.exception("collecting the daemons' status failed")
 

@@ -146,7 +146,8 @@ def test_queue_full_is_429_with_retry_after_and_down_stage_is_503(server, monkey
         engine.waiting.clear()
     assert r.status_code == 429 and r.headers["retry-after"] and r.json()["error"]["code"] == "queue_full"
     monkeypatch.setattr(backend.collector, "collect", lambda: None)  # it would see the daemons answer
-    backend.collector.health = Health(time.monotonic(), False, "daemon d1 is not responding")
+    with backend.collector.lock:  # after the round in progress, if any
+        backend.collector.health = Health(time.monotonic(), False, "daemon d1 is not responding")
     assert httpx.get(f"{base}/health").status_code == 503
     r = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})

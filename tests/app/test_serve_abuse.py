@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from hpipe.app.openai_api import Stream
+from hpipe.app.openai_text import Stream
 from hpipe.app.serve_backend import Backend
 from hpipe.model.sampling import SamplingParams
 from hpipe.model.sources import resolve_model
