@@ -61,14 +61,25 @@ def prompt_text(instruction: str, document: str) -> str:
     return f"{document}\n\n{instruction}"
 
 
+def prompt_limit(plan: Plan) -> int:
+    """The longest prompt a job takes: the plan's length, and one position less than the model's
+    context, so that there is room for at least one answer token."""
+    return min(plan.max_len, plan.model.max_position_embeddings - 1)
+
+
+def answer_budget(max_new_tokens: int, prompt_tokens: int, context: int) -> int:
+    """The answer tokens a prompt leaves room for, up to ``max_new_tokens``."""
+    return max(1, min(max_new_tokens, context - prompt_tokens))
+
+
 def build_prompt(tokenizer, instruction: str, document: str, chat: bool, limit: int, truncate: str) -> tuple[list[int], int]:
     """Prompt ids within ``limit`` tokens (truncating the document if asked) and tokens dropped."""
     ids = encode_prompt(tokenizer, prompt_text(instruction, document), chat)
     if len(ids) <= limit:
         return ids, 0
     if truncate == "none":
-        raise InputError(f"the prompt has {len(ids)} tokens; the plan supports at most {limit} "
-                         "(use --truncate head|tail)")
+        raise InputError(f"the prompt has {len(ids)} tokens; the plan takes at most {limit} and leaves room for "
+                         "the answer (use --truncate head|tail)")
     doc_ids = tokenizer(document, add_special_tokens=False)["input_ids"]
     over = len(ids) - limit
     for _ in range(4):  # re-tokenising the cut text can shift the count by a few tokens
@@ -109,7 +120,8 @@ def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], resu
                 text = read_document(name)
                 if not text.strip():
                     raise InputError("the document is empty")
-                ids, dropped = build_prompt(tokenizer, job.instruction, text, job.chat, plan.max_len, job.truncate)
+                ids, dropped = build_prompt(tokenizer, job.instruction, text, job.chat, prompt_limit(plan),
+                                            job.truncate)
             except HpipeError as e:
                 failed(name, None, str(e))
                 continue
@@ -135,6 +147,8 @@ def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], resu
                 out.append({"document": name, "key": key,
                             "answer": tokenizer.decode(r.tokens, skip_special_tokens=True),
                             "prompt_tokens": len(r.prompt), "answer_tokens": len(r.tokens),
+                            # the answer budget, cut below --max-new-tokens where the context is short
+                            "max_new_tokens": r.max_new_tokens,
                             "truncated_tokens": dropped, "slices": len(r.slices),
                             "first_token_s": round(r.first_token_s - r.arrival_s, 4),
                             "decode_tokens_per_s": round((len(r.tokens) - 1) / (r.done_s - r.first_token_s), 2)
@@ -148,7 +162,11 @@ def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], resu
             bar.set_postfix_str(f"{(stats['prompt_tokens'] + stats['new_tokens']) / max(elapsed, 1e-9):.0f} tok/s")
 
         for name, (ids, dropped, key) in prompts.items():
-            engine.add(Request(ids, max(1, min(job.max_new_tokens, plan.model.max_position_embeddings - len(ids))),
+            budget = answer_budget(job.max_new_tokens, len(ids), plan.model.max_position_embeddings)
+            if budget < job.max_new_tokens:
+                log.warning("%s: the model's context leaves room for %d answer tokens of the %d asked", name, budget,
+                            job.max_new_tokens)
+            engine.add(Request(ids, budget,
                                eos=eos, slicer=plan.slicer(strategy), tag=(name, key, dropped),
                                on_done=finished))
         try:

@@ -8,6 +8,7 @@ probes and scrapers).
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 
 from hpipe.core.cluster import LOOPBACK
@@ -52,6 +53,12 @@ def serve(plan, cluster, source, *, host: str, port: int, api_key: str | None, p
                       on_fatal=fatal)
     server = uvicorn.Server(uvicorn.Config(create_app(backend), host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=drain_s))
+
+    def terminated(signum, frame):
+        # uvicorn drains on SIGTERM, then raises it again once it is done: by then it means "exit 0",
+        # after the backend has stopped (and before uvicorn runs, it means just that too)
+        raise SystemExit(0)
+    signal.signal(signal.SIGTERM, terminated)
     backend.start()
     log.warning("hpipe serve: %s on http://%s:%d/v1 (%d stages, policy %s)", backend.model_name, host, port,
                 len(plan.chosen.stages), policy)
