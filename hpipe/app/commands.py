@@ -190,7 +190,9 @@ def cluster(args: argparse.Namespace) -> int:
                       f"open sequences: {r.get('open_sequences', '-')}")
         return 0 if all(r["healthy"] for r in rows) else 1
     if args.action == "supervise":
-        launcher.supervise(spec)
+        from runtime.cluster.supervisor import supervise
+
+        supervise(spec)
         return 0
     result = launcher.up(spec, restart=args.restart) if args.action == "up" else launcher.down(spec)
     if args.json:

@@ -22,6 +22,7 @@ from planner.costs import Workload
 from planner.strategies import plan as make_plan
 from profiler.measure import profile_cluster
 from runtime.cluster import launcher
+from runtime.cluster.processes import pid_alive
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.policies import POLICIES
@@ -44,7 +45,7 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
 
 
 def alive(pid: int) -> bool:
-    return launcher._pid_alive(pid)
+    return pid_alive(pid)
 
 
 def nothing_left(pipe) -> bool:
