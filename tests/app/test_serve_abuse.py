@@ -206,3 +206,24 @@ def test_a_bounded_fuzz_leaves_the_server_serving(served):
                 assert r.json()["error"]["message"], (i, body, r.text)
     assert pools_empty(backend)
     assert chat(base).json()["choices"][0]["message"] == expected
+
+
+def test_an_engine_that_fails_itself_says_so_at_once_and_ends_the_server(tiny_chat_model):
+    source = resolve_model(str(tiny_chat_model))
+    daemons = [Served(f"f{i}") for i in range(2)]
+    ended = threading.Event()
+    backend = Backend(tiny_plan(source, daemons), cluster_of(*daemons), source, model_name="tiny",
+                      on_fatal=ended.set)
+    try:
+        with serving(backend) as base:
+            def broken(engine):
+                raise RuntimeError("a bug in the engine")
+            backend.engine.policy.form = broken
+            r = chat(base)
+            assert r.status_code >= 500 and "a bug in the engine" in r.json()["error"]["message"], r.text
+            assert ended.wait(5) and "engine failed" in backend.fatal
+            health = httpx.get(f"{base}/health")
+            assert health.status_code == 503 and "a bug in the engine" in health.json()["status"]
+    finally:
+        for d in daemons:
+            d.stop()
