@@ -1,19 +1,27 @@
 """Does ``hpipe run`` answer every document exactly as single-process generation does?
 
     python benchmarks/run_equivalence.py --plan plan.json --cluster clusters/emulated-hetero.yaml [--documents 8]
+        [--kill NAME --at SECONDS|decode]
 
 Builds --documents documents of 1k-3k tokens from the bundled sample report (its paragraphs,
 rotated and repeated to each target length), runs them as one ``hpipe run`` job on the cluster
 (sliced by the plan, several in flight), then generates each prompt greedily in this process with
 the whole model, and compares the answers token by token. Exits non-zero on any difference.
+
+With ``--kill NAME``, daemon NAME of the cluster (started by ``hpipe cluster up``, whose supervisor
+restarts it) is SIGKILLed ``--at`` seconds into the job (0: as it deploys), or once the first
+answer is written (``decode``): the job must still answer every document exactly.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from importlib.resources import files
 from pathlib import Path
@@ -24,6 +32,7 @@ from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
 from hpipe.model.generate import LocalModel, generate_ids
 from hpipe.model.sources import resolve_model
+from runtime.cluster.launcher import state_dir
 
 
 def documents(tokenizer, count: int, lo: int, hi: int, folder: Path) -> list[Path]:
@@ -49,6 +58,8 @@ def main() -> int:
     ap.add_argument("--min-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=3000)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--kill", help="SIGKILL this daemon of the cluster during the job")
+    ap.add_argument("--at", default="0", help="seconds into the job, or 'decode': after the first answer")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     plan = Plan.from_json(Path(args.plan).read_text())
@@ -56,11 +67,35 @@ def main() -> int:
     tok = source.tokenizer()
     work = Path(tempfile.mkdtemp(prefix="hpipe-equiv-"))
     docs = documents(tok, args.documents, args.min_tokens, args.max_tokens, work)
+    cluster = ClusterSpec.load(args.cluster)
+    out = work / "results.jsonl"
     t0 = time.perf_counter()
-    summary = run_job(plan, ClusterSpec.load(args.cluster), source, [str(d) for d in docs], work / "results.jsonl",
-                      JobConfig(instruction=INSTRUCTION, chat=True, max_new_tokens=args.max_new_tokens))
+    done: dict = {}
+
+    def run() -> None:
+        try:
+            done.update(run_job(plan, cluster, source, [str(d) for d in docs], out,
+                                JobConfig(instruction=INSTRUCTION, chat=True, max_new_tokens=args.max_new_tokens)))
+        except Exception as e:  # noqa: BLE001 - reported below, as the job's failure
+            done["error"] = repr(e)
+    job = threading.Thread(target=run)
+    job.start()
+    killed_at = None
+    if args.kill:
+        while job.is_alive() and not (out.exists() and out.read_text().strip() if args.at == "decode"
+                                      else time.perf_counter() - t0 >= float(args.at)):
+            time.sleep(0.05)
+        if job.is_alive():
+            os.kill(int((state_dir(cluster) / f"{args.kill}.pid").read_text()), signal.SIGKILL)
+            killed_at = round(time.perf_counter() - t0, 2)
+            print(f"killed {args.kill} {killed_at} s into the job", file=sys.stderr)
+    job.join()
+    if "error" in done:
+        print(f"the job failed: {done['error']}", file=sys.stderr)
+        return 1
+    summary = done
     job_s = time.perf_counter() - t0
-    rows = {r["document"]: r for r in map(json.loads, (work / "results.jsonl").read_text().splitlines())}
+    rows = {r["document"]: r for r in map(json.loads, out.read_text().splitlines())}
     model = LocalModel(source)
     table, same = [], 0
     for d in docs:
@@ -73,7 +108,7 @@ def main() -> int:
         table.append({"document": d.name, "prompt_tokens": len(ids), "slices": row["slices"] if row else None,
                       "equal": equal, "answer": (row or {}).get("answer", "").strip()[:70]})
     result = {"documents": len(docs), "identical": same, "job_s": round(job_s, 2), "failed": summary["failed"],
-              "rows": table}
+              "killed_at_s": killed_at, "recoveries": summary["recoveries"], "rows": table}
     if args.json:
         print(json.dumps(result))
     else:
