@@ -42,9 +42,8 @@ from profiler.reference import (
     time_reference,
     time_stage,
 )
-from runtime.daemon import hoststat
 from runtime.wire.channels import DaemonClient, Security
-from runtime.wire.messages import TO_WIRE, pb
+from runtime.wire.messages import TO_WIRE, cpu_steal, pb
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +222,7 @@ def _host_cpu(client: DaemonClient) -> float:
 
 def _steal(client: DaemonClient) -> float | None:
     """The daemon's CPU steal counter (seconds since boot), or None where it does not know it."""
-    return hoststat.reported(_status(client))
+    return cpu_steal(_status(client))
 
 
 def _group_grids(group, clients, infos, request, key_parts: list, force: bool, concurrent: bool, ref_args: tuple,

@@ -24,7 +24,7 @@ ALLOWED = {
     "runtime.daemon": {"hpipe.core", "hpipe.model", "runtime.wire"},
     "runtime.coordinator": {"hpipe.core", "hpipe.model", "runtime.wire"},
     "runtime.cluster": {"hpipe.core", "runtime.wire"},
-    "profiler": {"hpipe.core", "hpipe.model", "runtime.wire", "runtime.daemon", "runtime.coordinator"},
+    "profiler": {"hpipe.core", "hpipe.model", "runtime.wire", "runtime.daemon"},  # its service runs in a daemon
     "hpipe.app": {"hpipe.core", "hpipe.model", "planner", "profiler", "runtime.wire", "runtime.daemon",
                   "runtime.coordinator", "runtime.cluster"},
 }

@@ -29,8 +29,7 @@ from planner.costs import CostModel, Workload
 from planner.strategies import ideal_seconds, timeline
 from runtime.coordinator.deploy import deploy
 from runtime.coordinator.pipeline import Pipeline, RemoteSequence
-from runtime.daemon import hoststat
-from runtime.wire.messages import pb
+from runtime.wire.messages import cpu_steal, pb
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +152,12 @@ def bench(plan: Plan, cluster: ClusterSpec, *, seq_len: int | None = None, batch
         prefill_once(pipe, ids, mb, slices)
         for _ in range(count):
             status0 = [c.call("Status", pb.StatusRequest(), timeout=10) for c in pipe.clients]
-            steal0 = [hoststat.reported(st) for st in status0]
+            steal0 = [cpu_steal(st) for st in status0]
             e0 = energy() if energy else None
             elapsed, stages = prefill_once(pipe, ids, mb, slices, offsets)
             joules = energy() - e0 if energy else None
             status = [c.call("Status", pb.StatusRequest(), timeout=10) for c in pipe.clients]
-            steal1 = [hoststat.reported(st) for st in status]
+            steal1 = [cpu_steal(st) for st in status]
             steal = {d.name: None if a is None or b is None else round(b - a, 3)
                      for d, a, b in zip(pipe.daemons, steal0, steal1)}
             runs[name].append({"s": elapsed, "j": joules, "stages": stages, "mb": mb, "slices": len(slices),

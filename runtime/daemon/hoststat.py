@@ -43,8 +43,3 @@ def steal_seconds(cpus: Iterable[int] | None = None, stat: str | None = None) ->
         ticks += int(fields[_STEAL_FIELD])
         seen = True
     return ticks / os.sysconf("SC_CLK_TCK") if seen else None
-
-
-def reported(status) -> float | None:
-    """The steal counter in a daemon's ``StatusReply``, or None where the daemon does not know it."""
-    return status.cpu_steal_s if status.HasField("cpu_steal_s") else None

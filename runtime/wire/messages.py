@@ -58,3 +58,9 @@ def stage_to_wire(s: Stage, data_port: int = 0) -> pb.Stage:
 def stage_from_wire(m: pb.Stage) -> Stage:
     """A stage from the wire (its unit range checked: :class:`InputError` if it is not one of the model's)."""
     return Stage(m.daemon, m.address, UnitRange(m.unit_start, m.unit_end, m.num_layers))
+
+
+def cpu_steal(status: pb.StatusReply) -> float | None:
+    """The CPU steal a daemon's ``StatusReply`` reports (:mod:`runtime.daemon.hoststat`), or None
+    where the daemon does not know it."""
+    return status.cpu_steal_s if status.HasField("cpu_steal_s") else None
