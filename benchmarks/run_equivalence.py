@@ -27,8 +27,9 @@ from importlib.resources import files
 from pathlib import Path
 
 from hpipe.app.demo import INSTRUCTION
-from hpipe.app.jobs import JobConfig, build_prompt, run_job
+from hpipe.app.jobs import JobConfig, build_prompt, prompt_limit, run_job
 from hpipe.core.cluster import ClusterSpec
+from hpipe.core.errors import HpipeError
 from hpipe.core.plan import Plan
 from hpipe.model.generate import LocalModel, generate_ids
 from hpipe.model.sources import resolve_model
@@ -99,7 +100,12 @@ def main() -> int:
     model = LocalModel(source)
     table, same = [], 0
     for d in docs:
-        ids, _ = build_prompt(tok, INSTRUCTION, d.read_text(), True, plan.max_len, "none")
+        try:
+            ids, _ = build_prompt(tok, INSTRUCTION, d.read_text(), True, prompt_limit(plan), "none")
+        except HpipeError as e:  # refused by the job too (its row says why)
+            table.append({"document": d.name, "prompt_tokens": None, "slices": None, "equal": False,
+                          "answer": str(e)[:70]})
+            continue
         ref = generate_ids(model.open, tok, ids, context=source.config.max_position_embeddings,
                            eos_ids=source.eos_token_ids(), max_new_tokens=args.max_new_tokens)
         row = rows.get(str(d))
@@ -114,7 +120,7 @@ def main() -> int:
     else:
         print(f"{'document':<10} {'tokens':>6} {'slices':>6}  same  answer")
         for r in table:
-            print(f"{r['document']:<10} {r['prompt_tokens']:>6} {r['slices'] or '-':>6}  {'yes' if r['equal'] else 'NO':<4}  "
+            print(f"{r['document']:<10} {r['prompt_tokens'] or '-':>6} {r['slices'] or '-':>6}  {'yes' if r['equal'] else 'NO':<4}  "
                   f"{r['answer']}")
         print(f"{same}/{len(docs)} documents answered exactly as single-process generation "
               f"(job {job_s:.1f} s on {args.cluster})")

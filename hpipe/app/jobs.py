@@ -28,7 +28,7 @@ from hpipe.core.errors import HpipeError, InputError
 from hpipe.core.plan import Plan, Stage
 from hpipe.model.generate import encode_prompt
 from runtime.coordinator.deploy import deploy
-from runtime.coordinator.engine import Engine, Request
+from runtime.coordinator.engine import Request
 from runtime.coordinator.policies import POLICIES
 from runtime.coordinator.recovery import GRACE_S
 
@@ -78,8 +78,8 @@ def build_prompt(tokenizer, instruction: str, document: str, chat: bool, limit: 
     if len(ids) <= limit:
         return ids, 0
     if truncate == "none":
-        raise InputError(f"the prompt has {len(ids)} tokens; the plan takes at most {limit} and leaves room for "
-                         "the answer (use --truncate head|tail)")
+        raise InputError(f"the prompt has {len(ids)} tokens; at most {limit} fit (the plan's length, with room "
+                         "in the model's context for the answer; use --truncate head|tail)")
     doc_ids = tokenizer(document, add_special_tokens=False)["input_ids"]
     over = len(ids) - limit
     for _ in range(4):  # re-tokenising the cut text can shift the count by a few tokens
@@ -136,8 +136,7 @@ def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], resu
         redeploy = deployed.recovery
         t0 = time.perf_counter()
         bar = tqdm(total=len(prompts), desc="documents", unit="doc", file=sys.stderr, disable=not sys.stderr.isatty())
-        engine = Engine(deployed.session(), POLICIES[job.policy](), depth=len(deployed.pipe.stages),
-                        max_running=max(1, job.parallel), recover=redeploy)
+        engine = deployed.engine(POLICIES[job.policy](), max_running=max(1, job.parallel))
 
         def finished(r: Request) -> None:
             name, key, dropped = r.tag

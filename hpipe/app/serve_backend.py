@@ -98,8 +98,7 @@ class Backend:
         # flight resume where the stages can go on from (runtime.coordinator.recovery)
         self.deployed = deploy(self.plan, self.cluster, grace_s=self.grace_s, max_recoveries=None)
         self.pipe = self.deployed.pipe
-        self.engine = Engine(self.deployed.session(), POLICIES[self.policy](), depth=len(self.pipe.stages),
-                             max_running=self.max_queue, recover=self.deployed.recovery)
+        self.engine = self.deployed.engine(POLICIES[self.policy](), max_running=self.max_queue)
         self._state = "ok"
 
     def _run(self) -> None:

@@ -16,6 +16,7 @@ from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import InputError
 from hpipe.core.plan import Plan, Stage
 from hpipe.model.stage import DTYPES
+from runtime.coordinator.engine import Engine
 from runtime.coordinator.pipeline import Pipeline
 from runtime.coordinator.recovery import GRACE_S, MAX_RECOVERIES, Redeploy
 from runtime.coordinator.session import Session, StageFailure
@@ -34,7 +35,28 @@ class Deployed:
     recovery: Redeploy
 
     def session(self, result_timeout_s: float = 600.0) -> Session:
-        return self.pipe.session(result_timeout_s)
+        """A new session; a daemon lost since the deployment is waited for and the plan deployed
+        again first (the recovery's way), so starting work is a phase that recovers too."""
+        try:
+            return self.pipe.session(result_timeout_s)
+        except StageFailure as e:
+            if e.lasting:
+                raise
+            return self.recovery(str(e))
+
+    def engine(self, policy, max_running: int) -> Engine:
+        """An engine on a new session of this deployment, recovering through :attr:`recovery`
+        (also while it starts: a daemon lost as it asks for the pools is waited for)."""
+        session = self.session()
+        while True:
+            try:
+                return Engine(session, policy, depth=len(self.pipe.stages), max_running=max_running,
+                              recover=self.recovery)
+            except StageFailure as e:
+                session.close()
+                if e.lasting:
+                    raise
+                session = self.recovery(str(e))
 
     def close(self) -> None:
         self.pipe.close()

@@ -65,6 +65,7 @@ class Session:
         self.vocab_size = pipe.vocab_size
         tls = client_context(pipe.security.tls_ca)
         self.conns: list[Connection] = []
+        self._closed = False  # before anything that may fail: close() reads it
         try:
             for d, port in zip(pipe.daemons, pipe.data_ports):
                 host = split_address(d.address, d.name)[0]
@@ -78,7 +79,6 @@ class Session:
         self._done = threading.Condition()
         self._results: dict[int, Result] = {}
         self._broken: str | None = None
-        self._closed = False
         self._reader = threading.Thread(target=self._read_results, name=f"results-{self.id}", daemon=True)
         self._reader.start()
         #: sequence -> stage -> (computed, logged): what the daemons kept of ``resume_from``'s sequences

@@ -94,3 +94,19 @@ def test_the_pools_of_a_pipeline_with_a_dead_daemon_are_a_stage_failure(tiny_dir
     finally:
         pipe.close()
         daemons[0].stop()
+
+
+def test_a_session_whose_daemon_is_gone_is_a_stage_failure():
+    """A daemon lost between a deployment and its session (a job starting): a StageFailure the
+    recovery handles, not an AttributeError of a half-made session (as it was)."""
+    from types import SimpleNamespace
+
+    from hpipe.core.cluster import DaemonSpec
+    from runtime.coordinator.session import Session, StageFailure
+    from runtime.wire.channels import Security
+    from tests.cluster_helpers import free_ports
+
+    gone = SimpleNamespace(stages=[object()], vocab_size=8, security=Security(), clients=[], stage_daemon=[0],
+                           daemons=[DaemonSpec.at("x", "127.0.0.1:1")], data_ports=free_ports(1))
+    with pytest.raises(StageFailure):
+        Session(gone)
