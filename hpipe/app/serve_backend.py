@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 #: the answer budget of a request that names none (``hpipe serve --default-max-tokens``)
 DEFAULT_MAX_TOKENS = 1024
+#: seconds between attempts to deploy or recover after one failed (a daemon that answers and refuses,
+#: a bad model path, fails at once; the recovery's own wait for daemons is its grace)
+RETRY_S = 1.0
 
 
 class NotReady(HpipeError):
@@ -96,9 +99,13 @@ class Backend:
     def _deploy(self) -> None:
         # a stage that dies is waited for (the supervisor restarts it) and redeployed; requests in
         # flight resume where the stages can go on from (runtime.coordinator.recovery)
-        self.deployed = deploy(self.plan, self.cluster, grace_s=self.grace_s, max_recoveries=None)
-        self.pipe = self.deployed.pipe
-        self.engine = self.deployed.engine(POLICIES[self.policy](), max_running=self.max_queue)
+        deployed = deploy(self.plan, self.cluster, grace_s=self.grace_s, max_recoveries=None)
+        try:
+            engine = deployed.engine(POLICIES[self.policy](), max_running=self.max_queue)
+        except BaseException:
+            deployed.close()
+            raise
+        self.deployed, self.pipe, self.engine = deployed, deployed.pipe, engine
         self._state = "ok"
 
     def _run(self) -> None:
@@ -108,6 +115,7 @@ class Backend:
                     self._deploy()
                 except StageFailure as e:
                     self._state = f"deploying: {e}"
+                    self._stop.wait(RETRY_S)  # a daemon that refuses fails at once: do not spin
             while not self._stop.is_set():
                 error = None
                 try:
@@ -143,6 +151,7 @@ class Backend:
                 return
             except StageFailure as e:
                 error = str(e)
+                self._stop.wait(RETRY_S)
 
     def watch(self) -> None:
         """Called by the collector: an idle pipeline whose daemon came back empty is redeployed now,

@@ -227,3 +227,30 @@ def test_an_engine_that_fails_itself_says_so_at_once_and_ends_the_server(tiny_ch
     finally:
         for d in daemons:
             d.stop()
+
+
+def test_a_server_whose_daemon_is_down_at_start_serves_once_it_comes(tiny_chat_model):
+    from hpipe.core.cluster import ClusterSpec, DaemonSpec
+    from tests.cluster_helpers import free_ports
+
+    source = resolve_model(str(tiny_chat_model))
+    first, port = Served("u0"), free_ports(1)[0]
+    late = DaemonSpec.at("u1", f"127.0.0.1:{port}")
+    cluster = ClusterSpec("late", (first.spec(), late))
+    backend = Backend(tiny_plan(source, [first, late]), cluster, source, model_name="tiny", grace_s=1.0)
+    second = None
+    try:
+        with serving(backend) as base:  # the deploy waits out its grace, then goes on trying behind /health
+            health = httpx.get(f"{base}/health")
+            assert health.status_code == 503 and "deploying" in health.json()["status"], health.text
+            assert chat(base).status_code == 503
+            second = Served("u1", port=port)
+            deadline = time.monotonic() + 20
+            while httpx.get(f"{base}/health").status_code != 200:
+                assert time.monotonic() < deadline, httpx.get(f"{base}/health").text
+                time.sleep(0.1)
+            assert chat(base).status_code == 200
+    finally:
+        for d in (first, second):
+            if d is not None:
+                d.stop()
