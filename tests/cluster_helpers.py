@@ -91,3 +91,8 @@ class Served:
 
 def cluster_of(*served: Served) -> ClusterSpec:
     return ClusterSpec("in-process", tuple(s.spec() for s in served))
+
+
+def daemon_pid(cluster: RunningCluster, name: str) -> int:
+    """The pid of daemon ``name`` of a cluster ``hpipe cluster up`` started (its supervisor's latest)."""
+    return int((launcher.state_dir(cluster.spec) / f"{name}.pid").read_text())

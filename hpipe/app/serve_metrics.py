@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -51,7 +50,6 @@ class Metrics:
 class Health:
     """What the collector last saw: whether every daemon answered and holds the model."""
 
-    at: float = 0.0
     ok: bool = True
     why: str = ""
     lost_model: bool = False  # a daemon answers but holds no model (restarted): only a redeploy helps
@@ -107,5 +105,5 @@ class Collector:
                 m.kv_used.labels(str(p.stage)).set(p.used_blocks)
                 m.kv_total.labels(str(p.stage)).set(p.blocks)
         m.daemons_up.set(up)
-        self.health = Health(time.monotonic(), ok, why, lost)
+        self.health = Health(ok, why, lost)
         b.watch()

@@ -29,8 +29,6 @@ log = logging.getLogger(__name__)
 class Deployed:
     """A plan's strategy loaded on a cluster: the pipeline, and how it comes back when a stage dies."""
 
-    plan: Plan
-    strategy: str
     pipe: Pipeline
     recovery: Redeploy
 
@@ -95,4 +93,4 @@ def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_
     except BaseException:
         pipe.close()
         raise
-    return Deployed(plan, name, pipe, recovery)
+    return Deployed(pipe, recovery)

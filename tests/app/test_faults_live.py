@@ -18,9 +18,8 @@ from hpipe.app.jobs import JobConfig, answer_budget, prompt_limit, run_job
 from hpipe.app.serve_backend import Backend
 from hpipe.model.generate import LocalModel, encode_prompt, generate_ids
 from hpipe.model.sources import resolve_model
-from runtime.cluster import launcher
 from tests.app.serve_helpers import free_port, serving, tiny_plan
-from tests.cluster_helpers import RunningCluster, Served, cluster_of, write_cluster
+from tests.cluster_helpers import RunningCluster, Served, cluster_of, daemon_pid, write_cluster
 from tests.helpers import make_tiny_model
 
 INSTRUCTION = "Summarize."
@@ -40,10 +39,6 @@ def live(tmp_path_factory, long_model):
     with RunningCluster(write_cluster(tmp_path_factory.mktemp("live"), 3)) as cluster:
         plan = tiny_plan(long_model, cluster.spec.daemons, max_len=512, cuts=(2, 4))
         yield cluster, plan
-
-
-def pid_of(cluster, name: str) -> int:
-    return int((launcher.state_dir(cluster.spec) / f"{name}.pid").read_text())
 
 
 def documents(folder, n: int) -> list[str]:
@@ -74,7 +69,7 @@ def test_a_daemon_killed_while_a_job_deploys_or_decodes_loses_no_document(live, 
     docs = documents(tmp_path, 6)
     job = JobConfig(instruction=INSTRUCTION, max_new_tokens=NEW_TOKENS, ignore_eos=True, parallel=2)
     # deploying: the middle daemon is killed as the job starts; its supervisor brings it back
-    os.kill(pid_of(cluster, "s1"), signal.SIGKILL)
+    os.kill(daemon_pid(cluster, "s1"), signal.SIGKILL)
     out = tmp_path / "deploy.jsonl"
     summary = run_job(plan, cluster.spec, long_model, docs, out, job)
     assert summary["documents"] == 6 and not summary["failed"], summary
@@ -88,11 +83,11 @@ def test_a_daemon_killed_while_a_job_deploys_or_decodes_loses_no_document(live, 
     while not (out.exists() and out.read_text().count("\n") >= 1):
         assert runner.is_alive() and time.monotonic() < deadline
         time.sleep(0.02)
-    victim = pid_of(cluster, "s1")
+    victim = daemon_pid(cluster, "s1")
     os.kill(victim, signal.SIGKILL)
     runner.join(300)
     assert not runner.is_alive() and result["documents"] == 6 and not result["failed"], result
-    assert result["recoveries"] and pid_of(cluster, "s1") != victim
+    assert result["recoveries"] and daemon_pid(cluster, "s1") != victim
     check_answers(long_model, out, docs)
 
 
@@ -110,7 +105,7 @@ def test_a_stall_past_the_grace_fails_the_stream_and_then_heals(live, long_model
                     events.append((time.monotonic(), line))
                     if len(events) == 3:  # tokens flow: stop the middle daemon
                         stopped_at.append(time.monotonic())
-                        os.kill(pid_of(cluster, "s1"), signal.SIGSTOP)
+                        os.kill(daemon_pid(cluster, "s1"), signal.SIGSTOP)
         reader = threading.Thread(target=stream)
         reader.start()
         try:
@@ -121,7 +116,7 @@ def test_a_stall_past_the_grace_fails_the_stream_and_then_heals(live, long_model
             assert httpx.get(f"{base}/health").status_code == 503  # still stopped: said truthfully
             time.sleep(4.0)  # longer than the grace again: the server keeps trying
         finally:
-            os.kill(pid_of(cluster, "s1"), signal.SIGCONT)
+            os.kill(daemon_pid(cluster, "s1"), signal.SIGCONT)
         resumed = time.monotonic()
         while httpx.get(f"{base}/health").status_code != 200:
             assert time.monotonic() - resumed < 10, httpx.get(f"{base}/health").text

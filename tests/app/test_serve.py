@@ -11,7 +11,7 @@ from hpipe.app.serve_backend import Backend
 from hpipe.model.generate import LocalModel, decode_loop, encode_chat
 from hpipe.model.sampling import Sampler
 from hpipe.model.sources import resolve_model
-from tests.app.serve_helpers import serving, tiny_plan
+from tests.app.serve_helpers import pools_empty, serving, tiny_plan
 from tests.cluster_helpers import Served, cluster_of
 
 KEY = "sk-test-key"
@@ -85,15 +85,6 @@ def test_a_stop_string_cuts_the_answer_and_frees_the_request(server):
     assert pools_empty(pipe)
 
 
-def pools_empty(pipe, within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if all(p.used_blocks == 0 for p in pipe.pools()):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_a_client_that_disconnects_mid_stream_frees_its_kv_on_every_stage(server):
     base, backend, source, pipe, _ = server
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 80, "stream": True, "ignore_eos": True}
@@ -147,7 +138,7 @@ def test_queue_full_is_429_with_retry_after_and_down_stage_is_503(server, monkey
     assert r.status_code == 429 and r.headers["retry-after"] and r.json()["error"]["code"] == "queue_full"
     monkeypatch.setattr(backend.collector, "collect", lambda: None)  # it would see the daemons answer
     with backend.collector.lock:  # after the round in progress, if any
-        backend.collector.health = Health(time.monotonic(), False, "daemon d1 is not responding")
+        backend.collector.health = Health(False, "daemon d1 is not responding")
     assert httpx.get(f"{base}/health").status_code == 503
     r = httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})

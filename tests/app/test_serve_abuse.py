@@ -15,7 +15,7 @@ from hpipe.app.serve_backend import Backend
 from hpipe.model.sampling import SamplingParams
 from hpipe.model.sources import resolve_model
 from runtime.coordinator.request import Request
-from tests.app.serve_helpers import serving, tiny_plan
+from tests.app.serve_helpers import pools_empty, serving, tiny_plan
 from tests.cluster_helpers import Served, cluster_of
 
 HELLO = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
@@ -35,15 +35,6 @@ def served(tiny_chat_model):
 
 def chat(base, **kw) -> httpx.Response:
     return httpx.post(f"{base}/v1/chat/completions", json={**HELLO, **kw}, timeout=60)
-
-
-def pools_empty(backend, within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if all(p.used_blocks == 0 for p in backend.pipe.pools()) and not backend.engine.running:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_temperature_too_small_for_float32_is_answered_and_the_server_goes_on(served):
@@ -131,7 +122,7 @@ def test_an_abandoned_non_streaming_request_is_cancelled_within_a_second(served,
     while backend.metrics.finished.labels("cancelled")._value.get() == before:
         assert time.monotonic() - gone < 2.0, "the abandoned request was not cancelled"
         time.sleep(0.02)
-    assert pools_empty(backend)
+    assert pools_empty(backend.pipe) and not backend.engine.running
 
 
 def test_nothing_blocks_the_event_loop(served, monkeypatch):
@@ -204,7 +195,7 @@ def test_a_bounded_fuzz_leaves_the_server_serving(served):
             assert r.status_code < 500 or r.json()["error"], (i, body, r.text)
             if r.status_code >= 400 and "text/event-stream" not in r.headers.get("content-type", ""):
                 assert r.json()["error"]["message"], (i, body, r.text)
-    assert pools_empty(backend)
+    assert pools_empty(backend.pipe) and not backend.engine.running
     assert chat(base).json()["choices"][0]["message"] == expected
 
 

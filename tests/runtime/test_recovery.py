@@ -28,13 +28,9 @@ from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.policies import POLICIES
 from runtime.coordinator.recovery import Redeploy
 from runtime.wire.messages import pb
-from tests.cluster_helpers import RunningCluster, write_cluster
+from tests.cluster_helpers import RunningCluster, daemon_pid, write_cluster
 
 MODEL = "smollm2-135m"
-
-
-def daemon_pid(cluster, name: str) -> int:
-    return int((launcher.state_dir(cluster.spec) / f"{name}.pid").read_text())
 
 
 def wait_for(condition, timeout_s: float, what: str) -> None:
