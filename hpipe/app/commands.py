@@ -131,7 +131,7 @@ def generate(args: argparse.Namespace) -> int:
     if cluster is not None:
         result = _generate_on_cluster(args, cluster, source, dtype, tokenizer, prompt, sampling)
     else:
-        model = LocalModel(source, dtype=dtype, device=args.device, cuts=args.cuts or ())
+        model = LocalModel(source, dtype=dtype, device=args.device, cuts=args.cuts or (), dequantize=args.dequantize)
         result = local_generate(model.open, tokenizer, prompt, context=source.config.max_position_embeddings,
                                 eos_ids=source.eos_token_ids(), chat=args.chat, max_new_tokens=args.max_new_tokens,
                                 sampling=sampling, slices=args.slices)
@@ -152,6 +152,7 @@ def _generate_on_cluster(args, cluster, source, dtype, tokenizer, prompt, sampli
     cuts = args.cuts if args.cuts is not None else even_cuts(cfg.num_units, min(len(cluster.daemons), cfg.num_units))
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     pipe = pipeline(cluster)
+    pipe.dequantize = args.dequantize
     try:
         pipe.load(model, cut_stages(cluster, cuts, cfg.num_units), dtype)
         return generate_on_cluster(pipe, source, tokenizer, prompt, chat=args.chat,
@@ -291,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = cluster_for(the_plan, args.cluster)
     job = JobConfig(instruction=args.instruction, chat=args.chat, max_new_tokens=args.max_new_tokens,
                     truncate=args.truncate, parallel=args.parallel, policy=args.policy,
-                    ignore_eos=args.ignore_eos, grace_s=args.grace,
+                    ignore_eos=args.ignore_eos, grace_s=args.grace, dequantize=args.dequantize,
                     strategy=args.strategy.replace("-", "_") if args.strategy else None)
     summary = run_job(the_plan, cluster, source, args.documents, output, job,
                       replan=replanner(the_plan, load_profile(args.profile)) if args.profile else None)
@@ -320,7 +321,7 @@ def bench(args: argparse.Namespace) -> int:
     prof = load_profile(args.profile) if args.profile else None
     result = run_bench(the_plan, cluster_for(the_plan, args.cluster), seq_len=args.seq_len,
                        batch=args.batch, strategies=strategies, repeat=args.repeat, interleave=args.interleave,
-                       profile=prof)
+                       profile=prof, dequantize=args.dequantize)
     print(table(result), file=sys.stderr)
     if args.chart:
         from hpipe.app.bench_chart import draw
@@ -346,7 +347,7 @@ def bench_workload(args: argparse.Namespace) -> int:
                          f"{the_plan.model.max_position_embeddings} tokens")
     result = run_workload(the_plan, cluster_for(the_plan, args.cluster), items,
                           [p.strip() for p in args.policies.split(",")], rounds=args.repeat, seed=args.seed,
-                          kv_pool_bytes=(args.kv_pool_mb or 0) << 20)
+                          kv_pool_bytes=(args.kv_pool_mb or 0) << 20, dequantize=args.dequantize)
     print(table(result), file=sys.stderr)
     if args.chart:
         from hpipe.app.workload_chart import draw
@@ -370,7 +371,7 @@ def serve(args: argparse.Namespace) -> int:
     return run_server(the_plan, cluster_for(the_plan, args.cluster), source, host=args.host,
                       port=args.port, api_key=key, policy=args.policy, max_queue=args.max_queue,
                       model_name=args.served_model_name, default_max_tokens=args.default_max_tokens,
-                      grace_s=args.grace, drain_s=args.drain)
+                      grace_s=args.grace, drain_s=args.drain, dequantize=args.dequantize)
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -46,6 +46,7 @@ class JobConfig:
     policy: str = "gllm"     # how micro-batches are formed (runtime.coordinator.policies)
     ignore_eos: bool = False  # decode max_new_tokens whatever the model says (for benchmarks)
     grace_s: float = GRACE_S  # how long a broken pipeline waits for its daemons (runtime.coordinator.recovery)
+    dequantize: bool = False  # a GGUF model's weights as float32, not the file's blocks
 
 
 def read_document(name: str) -> str:
@@ -132,7 +133,8 @@ def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], resu
                 prompts[name] = (ids, dropped, key)
         if skipped:
             log.warning("skipping %d documents already answered in %s", skipped, results)
-        deployed = deploy(plan, cluster, strategy=strategy, grace_s=job.grace_s, replan=replan)
+        deployed = deploy(plan, cluster, strategy=strategy, grace_s=job.grace_s, replan=replan,
+                          dequantize=job.dequantize)
         redeploy = deployed.recovery
         t0 = time.perf_counter()
         bar = tqdm(total=len(prompts), desc="documents", unit="doc", file=sys.stderr, disable=not sys.stderr.isatty())

@@ -62,7 +62,7 @@ class Backend:
     def __init__(self, plan: Plan, cluster: ClusterSpec, source, *, policy: str = "gllm", max_queue: int = 256,
                  api_key: str | None = None, model_name: str | None = None,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, grace_s: float = GRACE_S,
-                 on_fatal: Callable[[], None] | None = None):
+                 on_fatal: Callable[[], None] | None = None, dequantize: bool = False):
         if policy not in POLICIES:
             raise InputError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
         self.plan, self.cluster, self.source, self.policy = plan, cluster, source, policy
@@ -73,6 +73,7 @@ class Backend:
         self.context = plan.model.max_position_embeddings
         self.max_queue, self.api_key = max_queue, api_key
         self.default_max_tokens, self.grace_s, self.on_fatal = default_max_tokens, grace_s, on_fatal
+        self.dequantize = dequantize
         self.model_name = model_name or plan.model_name
         self.started = int(time.time())
         self.metrics = Metrics()
@@ -99,7 +100,8 @@ class Backend:
     def _deploy(self) -> None:
         # a stage that dies is waited for (the supervisor restarts it) and redeployed; requests in
         # flight resume where the stages can go on from (runtime.coordinator.recovery)
-        deployed = deploy(self.plan, self.cluster, grace_s=self.grace_s, max_recoveries=None)
+        deployed = deploy(self.plan, self.cluster, grace_s=self.grace_s, max_recoveries=None,
+                          dequantize=self.dequantize)
         try:
             engine = deployed.engine(POLICIES[self.policy](), max_running=self.max_queue)
         except BaseException:

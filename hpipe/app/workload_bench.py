@@ -100,11 +100,11 @@ def run_once(plan: Plan, pipe: Pipeline, items: list[WorkItem], policy: str, see
 
 
 def run_workload(plan: Plan, cluster: ClusterSpec, items: list[WorkItem], policies: list[str], rounds: int = 1,
-                 seed: int = 0, kv_pool_bytes: int = 0) -> dict:
+                 seed: int = 0, kv_pool_bytes: int = 0, dequantize: bool = False) -> dict:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise HpipeError(f"unknown policies {unknown} (choose from {', '.join(POLICIES)})")
-    with deploy(plan, cluster, kv_pool_bytes=kv_pool_bytes) as deployed:
+    with deploy(plan, cluster, kv_pool_bytes=kv_pool_bytes, dequantize=dequantize) as deployed:
         return _rounds(plan, deployed.pipe, items, policies, rounds, seed)
 
 

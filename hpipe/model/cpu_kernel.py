@@ -38,10 +38,12 @@ from hpipe.core.paths import cache_root
 from hpipe.model import packed
 from hpipe.model.kvpool import Entry, KVPool
 from hpipe.model.layers import Attention, FeedForward
+from hpipe.model.quant import QuantLinear
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "decode.cpp"
+KERNELS = Path(__file__).parent / "kernels"
+SOURCES = (KERNELS / "decode.cpp", KERNELS / "quant.cpp")  # one library; quant.h is part of its key
 ENV = "HPIPE_CPU_KERNEL"  # "off" disables it
 _lock = threading.Lock()
 _enabled = True
@@ -50,7 +52,8 @@ _vector = True  # attention through the AVX-512 loops where the CPU has them
 
 def _name() -> str:
     """The library's name: it changes with the source, PyTorch and Python."""
-    key = f"{SOURCE.read_bytes().hex()}:{torch.__version__}:{sys.version_info[:2]}"
+    code = b"".join(f.read_bytes() for f in (*SOURCES, KERNELS / "quant.h"))
+    key = f"{code.hex()}:openmp:{torch.__version__}:{sys.version_info[:2]}"
     return "hpipe_decode_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -69,7 +72,7 @@ def build(verbose: bool = False) -> Path:
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + bin_dir
     with _lock:
-        load(name=_name(), sources=[str(SOURCE)], build_directory=str(path), extra_cflags=["-O3"],
+        load(name=_name(), sources=[str(f) for f in SOURCES], build_directory=str(path), extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=verbose)
     available.cache_clear()
     return path / f"{_name()}.so"
@@ -158,8 +161,11 @@ _NONE = torch.empty(0)
 
 
 def _linear(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weight, its packed shape stand-in or an empty tensor, bias or an empty tensor)."""
+    """(weight, its packed shape stand-in, its quantized parts or an empty tensor, bias or an empty
+    tensor)."""
     bias = linear.bias if linear.bias is not None else _NONE
+    if isinstance(linear, QuantLinear):
+        return linear.blocks, linear.parts, bias
     if isinstance(linear, packed.PackedLinear):
         return linear.packed, linear.shape, bias
     return linear.weight, _NONE, bias

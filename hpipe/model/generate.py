@@ -160,12 +160,13 @@ class LocalRunner:
 
 
 class LocalModel:
-    """Every unit of the model in this process, optionally as several stages (for testing cuts)."""
+    """Every unit of the model in this process, optionally as several stages (for testing cuts).
+    A GGUF model computes from its stored blocks unless ``dequantize`` (float32 weights)."""
 
     def __init__(self, source: ModelSource, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 cuts: Sequence[int] = ()):
+                 cuts: Sequence[int] = (), dequantize: bool = False):
         self.source, self.cfg = source, source.config
-        store = source.weights()
+        store = source.weights(dequantize=dequantize)
         ranges = ranges_from_cuts(list(cuts), self.cfg.num_layers) if cuts else [UnitRange.full(self.cfg.num_layers)]
         self.stages = [StageModel.from_checkpoint(store, self.cfg, r, dtype=dtype, device=device) for r in ranges]
 

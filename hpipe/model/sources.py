@@ -1,8 +1,12 @@
 """Where a model comes from: a Hugging Face directory, a GGUF file, or a built-in name.
 
-Every source resolves to a directory holding ``config.json``, safetensors weights and the
-tokenizer. A GGUF file is imported once (dequantized by transformers' GGUF reader) into a cache
-directory keyed by the file's identity; later loads reuse it and never touch the GGUF again.
+Every source resolves to a directory holding ``config.json`` and the tokenizer. A Hugging Face
+directory holds its safetensors weights too. A GGUF file is imported once into a cache directory
+keyed by the file's identity: its config, tokenizer and tensor index (seconds, no weights); stages
+then read their own tensors from the GGUF file, in the blocks it stores
+(:mod:`hpipe.model.gguf_weights`). ``weights(dequantize=True)`` instead reads a float32 copy that
+transformers' GGUF reader writes once, on first request: the path hpipe took before it read
+quantized blocks, kept as the reference they are tested against.
 """
 
 from __future__ import annotations
@@ -36,15 +40,25 @@ class ModelSource:
 
     name: str
     path: Path
+    gguf: Path | None = None  # the GGUF file the weights are read from (None: safetensors in path)
 
     @cached_property
     def config(self) -> ModelConfig:
         return ModelConfig.from_file(self.path / "config.json")
 
-    def weights(self):
+    def weights(self, dequantize: bool = False):
+        """The store stages read their tensors from: a GGUF's blocks as stored, or float32 weights
+        (a safetensors checkpoint, or with ``dequantize`` a GGUF's float32 import)."""
         from hpipe.model.weights import WeightStore
 
-        return WeightStore(self.path)
+        if self.gguf is None:
+            return WeightStore(self.path)
+        if dequantize:
+            _dequantized_import(self.gguf, self.path)
+            return WeightStore(self.path)
+        from hpipe.model.gguf_weights import INDEX, GGUFWeights
+
+        return GGUFWeights(self.gguf, self.path / INDEX, self.config)
 
     def tokenizer(self):
         from transformers import AutoTokenizer
@@ -114,52 +128,82 @@ def _file_key(path: Path) -> str:
 
 
 def import_gguf(gguf: Path, name: str | None = None) -> ModelSource:
-    """Import ``gguf`` into the cache (once) and return the cached safetensors source."""
+    """Import ``gguf``'s config, tokenizer and tensor index into the cache (once)."""
+    from hpipe.model.gguf_weights import INDEX, write_index
+
     gguf = gguf.resolve()
     name = name or gguf.stem
     target = cache_root() / "models" / f"{gguf.stem}-{_file_key(gguf)}"
-    if (target / "config.json").exists():
-        return ModelSource(name=name, path=target)
-    log.warning("importing %s into %s (once; later runs reuse it)", gguf.name, target)
+    if not (target / "config.json").exists():
+        log.warning("importing %s's config and tokenizer into %s (once; later runs reuse it)", gguf.name, target)
+        _write_once(target, lambda tmp: _write_import(gguf, tmp))
+    if not (target / INDEX).exists():
+        _write_once(target / INDEX, lambda tmp: write_index(gguf, tmp), file=INDEX)
+    return ModelSource(name=name, path=target, gguf=gguf)
+
+
+def _write_once(target: Path, write, file: str | None = None) -> None:
+    """Run ``write(tmp_dir)`` and move its result to ``target`` (a directory, or ``file`` inside
+    the temporary directory): readers never see a half-written import, and of two processes
+    importing at once one wins."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".import-", dir=target.parent))
     try:
-        _write_import(gguf, tmp)
+        write(tmp)
         try:
-            tmp.rename(target)
+            (tmp / file if file else tmp).rename(target)
         except OSError:
-            if not (target / "config.json").exists():  # not a concurrent import that won
+            if not target.exists():  # not a concurrent import that won
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return ModelSource(name=name, path=target)
 
 
 def _write_import(gguf: Path, out: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        hf_config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except (OSError, ValueError, KeyError) as e:
         raise ModelSourceError(f"{gguf}: cannot read this GGUF file ({e})") from None
-    config = model.config.to_dict()
+    config = hf_config.to_dict()
     config.pop("quantization_config", None)
-    config.pop("_model_name_or_path", None)
-    config["architectures"] = [type(model).__name__]
+    config.pop("_name_or_path", None)
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type", ""))
+    config["architectures"] = [arch] if isinstance(arch, str) else config.get("architectures")
     ModelConfig.from_dict(config)  # refuse unsupported architectures before writing anything
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)  # shares storage with the embedding
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "source": gguf.name})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    gen = model.generation_config.to_dict()
+    gen = GenerationConfig.from_model_config(hf_config).to_dict()
     (out / "generation_config.json").write_text(
         json.dumps({k: gen[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if gen.get(k) is not None}, indent=2)
     )
     tok.save_pretrained(str(out))
+
+
+def _dequantized_import(gguf: Path, target: Path) -> None:
+    """Write ``target/model.safetensors``: the GGUF's weights as float32, dequantized by
+    transformers' GGUF reader (once; ``--dequantize`` and the tests' reference read it)."""
+    if (target / "model.safetensors").exists():
+        return
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    log.warning("writing a float32 copy of %s into %s (once, for --dequantize)", gguf.name, target)
+
+    def write(tmp: Path) -> None:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelSourceError(f"{gguf}: cannot read this GGUF file ({e})") from None
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # shares storage with the embedding
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf.name})
+
+    _write_once(target / "model.safetensors", write, file="model.safetensors")
 
 
 def model_shape(spec: str) -> tuple[str, ModelConfig]:

@@ -21,6 +21,7 @@ from hpipe.model import cpu_kernel, packed
 from hpipe.model.kvcache import StageCache
 from hpipe.model.kvpool import BatchKV, Entry, KVPool
 from hpipe.model.layers import Attention, FeedForward, Head, build_unit, checkpoint_names, fused_rows
+from hpipe.model.quant import QuantEmbedding, QuantizedWeight, QuantLinear
 from hpipe.model.rope import cos_sin, inverse_frequencies
 from hpipe.model.weights import WeightStore
 
@@ -65,10 +66,26 @@ class StageModel(nn.Module):
         stage = cls(cfg, units, dtype=dtype, device=device)
         for u, module in stage.blocks.items():
             names = checkpoint_names(cfg, int(u), module)
-            state = {p: store.load_stacked(list(parts)).to(device=stage.device, dtype=dtype)
-                     for p, parts in names.items()}
-            module.load_state_dict(state, assign=True, strict=True)
+            state = {p: store.load_stacked(list(parts)) for p, parts in names.items()}
+            for p, weight in list(state.items()):
+                if isinstance(weight, QuantizedWeight):
+                    state.pop(p)
+                    stage._place_quantized(module, p.rpartition(".")[0], weight, state)
+            module.load_state_dict({p: t.to(device=stage.device, dtype=dtype) for p, t in state.items()},
+                                   assign=True, strict=True)
         return stage._finish(pack)
+
+    def _place_quantized(self, module: nn.Module, child: str, weight: QuantizedWeight, state: dict) -> None:
+        """The linear or embedding ``child`` of ``module`` computes from ``weight``'s blocks (float32
+        on the CPU), or, for a stage in another dtype or on another device, from ``weight``
+        dequantized once into it (and its bias, popped from ``state``, goes with it)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            state[f"{child}.weight"] = weight.dequantize()
+            return
+        if isinstance(getattr(module, child), nn.Embedding):
+            setattr(module, child, QuantEmbedding(weight))
+        else:
+            setattr(module, child, QuantLinear(weight, state.pop(f"{child}.bias", None)))
 
     def _finish(self, pack: bool | None) -> "StageModel":
         # weights are in place: tie the embedding to the head, pack, switch to inference
@@ -97,8 +114,11 @@ class StageModel(nn.Module):
     def _tie_embeddings(self) -> None:
         # One tensor for embedding and LM head when the model ties them and this stage has both.
         if self.cfg.tie_word_embeddings and self.units.has_embed and self.units.has_head:
-            head = self.blocks[str(self.units.end - 1)]
-            head.lm_head.weight = self.blocks["0"].embed_tokens.weight
+            head, embed = self.blocks[str(self.units.end - 1)], self.blocks["0"].embed_tokens
+            if isinstance(embed, QuantEmbedding):
+                head.lm_head = QuantLinear(embed.quantized)
+            else:
+                head.lm_head.weight = embed.weight
 
     @classmethod
     def random(cls, cfg: ModelConfig, units: UnitRange, *, dtype: torch.dtype = torch.float32,
@@ -226,12 +246,24 @@ class StageModel(nn.Module):
         return self.blocks[str(self.units.end - 1)](x[rows] if len(rows) < len(x) else x)
 
     def parameter_count(self) -> int:
-        """Parameters of the stage's units, packed weights included."""
+        """Parameters of the stage's units, packed and quantized weights included."""
         packed_numel = sum(m.weight_numel for m in self.modules() if isinstance(m, packed.PackedLinear))
-        return sum(p.numel() for p in self.parameters()) + packed_numel
+        return sum(p.numel() for p in self.parameters()) + packed_numel + sum(
+            w.rows * w.in_features for w in self._quantized())
 
     def weight_bytes(self) -> int:
-        return self.parameter_count() * self.dtype.itemsize
+        """Bytes the stage's weights take: quantized ones as stored, the others in its dtype."""
+        quantized = self._quantized()
+        dense = self.parameter_count() - sum(w.rows * w.in_features for w in quantized)
+        return dense * self.dtype.itemsize + sum(w.nbytes for w in quantized)
+
+    def _quantized(self) -> list[QuantizedWeight]:
+        """The stage's quantized weights, each once (a tied embedding and head share theirs)."""
+        seen: dict[int, QuantizedWeight] = {}
+        for m in self.modules():
+            if isinstance(m, (QuantLinear, QuantEmbedding)):
+                seen.setdefault(m.blocks.data_ptr(), m.quantized)
+        return list(seen.values())
 
 
 def logit_rows(entries: list[Entry]) -> list[int] | None:

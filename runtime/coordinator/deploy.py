@@ -68,18 +68,20 @@ class Deployed:
 
 def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_pool_bytes: int = 0,
            grace_s: float = GRACE_S, replan: Callable[[list[str], list[Stage]], list[Stage]] | None = None,
-           security: Security | None = None, max_recoveries: int | None = MAX_RECOVERIES) -> Deployed:
+           security: Security | None = None, max_recoveries: int | None = MAX_RECOVERIES,
+           dequantize: bool = False) -> Deployed:
     """Load ``strategy`` (default: the plan's) of ``plan`` onto ``cluster``; each daemon's KV pools
     ``kv_pool_bytes`` in all (0: the daemon sizes them). ``grace_s`` and ``replan`` say how the
     recovery waits for a lost daemon and what it does when one stays away, ``max_recoveries`` how
     often it may (None: always, for a server; :mod:`runtime.coordinator.recovery`). A daemon that
     is down or dies while the plan loads is waited for in the same way: deploying is a phase that
-    recovers like the others."""
+    recovers like the others. ``dequantize``: a GGUF model's daemons hold float32 weights, not the
+    blocks the file stores (the reference the quantized path is tested against)."""
     name = strategy or plan.strategy
     if name not in plan.strategies:
         raise InputError(f"the plan has no strategy {name!r} (it has {', '.join(plan.strategies)})")
     stages, dtype = plan.strategies[name].stages, DTYPES[plan.dtype]
-    pipe = Pipeline(cluster, security)
+    pipe = Pipeline(cluster, security, dequantize)
     recovery = Redeploy(pipe, plan.model_name, stages, dtype, kv_pool_bytes, grace_s=grace_s, replan=replan,
                         max_times=max_recoveries)
     try:

@@ -66,8 +66,9 @@ class Pipeline:
     ``daemons`` are the daemons in use, in order of their first stage, with one client each in
     ``clients``; ``stage_daemon[i]`` is the index of stage i's daemon there."""
 
-    def __init__(self, cluster: ClusterSpec, security: Security | None = None):
+    def __init__(self, cluster: ClusterSpec, security: Security | None = None, dequantize: bool = False):
         self.cluster = cluster
+        self.dequantize = dequantize  # every load asks for a GGUF model's weights as float32
         self.security = security if security is not None else Security.of(cluster)
         self.stages: list[Stage] = []
         self.daemons: list[DaemonSpec] = []
@@ -117,6 +118,7 @@ class Pipeline:
                     from None
         wire = [stage_to_wire(s, ports[stage_daemon[i]]) for i, s in enumerate(stages)]
         requests = [pb.LoadRequest(model=model, dtype=dtype_to_wire(dtype), stages=wire, kv_pool_bytes=kv_pool_bytes,
+                                   dequantize=self.dequantize,
                                    held=[i for i, dd in enumerate(stage_daemon) if dd == d])
                     for d in range(len(daemons))]
 

@@ -36,9 +36,10 @@ from hpipe.core.plan import Stage
 from hpipe.core.shapes import RANDOM_PREFIX, is_random, random_config
 from hpipe.core.units import UnitRange
 from hpipe.model import StageModel
+from hpipe.model.gguf_weights import GGUFWeights
 from hpipe.model.graphs import DecodeGraphs
 from hpipe.model.kvpool import BLOCK_SIZE, KVPool
-from hpipe.model.layers import build_unit
+from hpipe.model.layers import build_unit, checkpoint_names
 from hpipe.model.sources import BUILTIN_MODELS, resolve_model
 from runtime.daemon import memory
 
@@ -60,6 +61,7 @@ class Deployment:
     held: tuple[int, ...]      # indices of the stages this daemon holds
     data_ports: tuple[int, ...] = ()  # each stage's daemon's data port
     pool_bytes: int = 0        # for the held stages' KV pools together; 0: sized here
+    dequantize: bool = False   # a GGUF model's weights as float32, not as the file's blocks
 
 
 @dataclass
@@ -108,7 +110,7 @@ def take_over(stages: dict[int, LoadedStage], added: dict[int, LoadedStage], dep
 
 def _same_pipeline(a: Deployment | None, b: Deployment) -> bool:
     """The same model, dtype, pool size and stage units (daemons, addresses and ports may differ)."""
-    if a is None or (a.model, a.dtype, a.pool_bytes) != (b.model, b.dtype, b.pool_bytes):
+    if a is None or (a.model, a.dtype, a.pool_bytes, a.dequantize) != (b.model, b.dtype, b.pool_bytes, b.dequantize):
         return False
     return [s.units for s in a.stages] == [s.units for s in b.stages]
 
@@ -203,25 +205,41 @@ def load(dep: Deployment, device: torch.device, budget: int | None, check: Calla
     held = dep.held
     if only is not None:
         held, ranges = zip(*[(i, u) for i, u in zip(dep.held, ranges) if i in only])
-    weights = sum(p.numel() for u in ranges for p in unit_params(cfg, u)) * dep.dtype.itemsize
+    source = None if is_random(dep.model) else resolve_model(dep.model)
+    store = source.weights(dequantize=dep.dequantize) if source is not None else None
+    weights = sum(weight_bytes(cfg, u, dep.dtype, device, store) for u in ranges)
     if blocks is None:
         blocks = pool_blocks(dep, cfg, ranges, weights, device, budget)
     pools = blocks * sum(KVPool.block_bytes(len(u.attention_layers()), cfg.num_kv_heads, cfg.head_dim, dep.dtype)
                          for u in ranges)
     check(weights + pools, f"the weights of units {', '.join(map(str, ranges))} and their KV pools "
                            f"({blocks} blocks of {BLOCK_SIZE} tokens)")
-    source = None if is_random(dep.model) else resolve_model(dep.model)
     loaded = {}
     for i, units in zip(held, ranges):
-        if source is None:  # random:NAME: this daemon creates its own units' weights
+        if store is None:  # random:NAME: this daemon creates its own units' weights
             model = StageModel.random(cfg, units, dtype=dep.dtype, device=device)
         else:
-            model = StageModel.from_checkpoint(source.weights(), cfg, units, dtype=dep.dtype, device=device)
+            model = StageModel.from_checkpoint(store, cfg, units, dtype=dep.dtype, device=device)
         successor = successor_of(dep, i)
         pool = model.new_pool(blocks) if blocks else None
         graphs = DecodeGraphs(model, pool, graph=decode_steps == "graphs") if decode_steps != "off" else None
         loaded[i] = LoadedStage(i, dep.stages[i], model, pool, successor, graphs)
     return loaded
+
+
+def weight_bytes(cfg: ModelConfig, units: UnitRange, dtype: torch.dtype, device: torch.device, store) -> int:
+    """Bytes the weights of ``units`` will take: as the GGUF file stores them where the stage
+    computes from its blocks (float32 on the CPU), else in ``dtype``."""
+    dense = sum(p.numel() for p in unit_params(cfg, units)) * dtype.itemsize
+    if not isinstance(store, GGUFWeights) or device.type != "cpu" or dtype != torch.float32:
+        return dense
+    names = {n for u in units for parts in checkpoint_names(cfg, u, build_unit_meta(cfg, u)).values() for n in parts}
+    return sum(store.nbytes(n) for n in names)
+
+
+def build_unit_meta(cfg: ModelConfig, unit: int):
+    with torch.device("meta"):
+        return build_unit(cfg, unit)
 
 
 def unit_params(cfg: ModelConfig, units: UnitRange) -> list:

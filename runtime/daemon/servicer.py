@@ -76,7 +76,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
             raise StatusError("INVALID_ARGUMENT", f"kv_pool_bytes must be >= 0, got {request.kv_pool_bytes}")
         dep = Deployment(request.model, compute_dtype(request.dtype, self.server.device),
                          tuple(stage_from_wire(s) for s in request.stages), tuple(request.held),
-                         tuple(s.data_port for s in request.stages), request.kv_pool_bytes)
+                         tuple(s.data_port for s in request.stages), request.kv_pool_bytes,
+                         request.dequantize)
         info = self.server.load(dep)
         pools = [pb.Pool(**p) for p in info.pop("pools")]
         return pb.LoadReply(pools=pools, **info)

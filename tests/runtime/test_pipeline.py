@@ -153,3 +153,22 @@ def _all_freed(pipe, within_s=5.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
+
+
+def test_daemons_hold_the_gguf_blocks(cluster3, smollm2, reference):
+    """Daemons read their units' blocks from the GGUF and report those bytes; the float32 import
+    (dequantize) over the same cuts gives the same tokens with about five times the bytes."""
+    # the file's bytes, and the tied embedding once more: the last stage's LM head reads it too
+    stored = smollm2.gguf.stat().st_size + smollm2.weights().nbytes("model.embed_tokens.weight")
+    held = {}
+    for dequantize in (False, True):
+        pipe = Pipeline(cluster3.spec, dequantize=dequantize)
+        try:
+            pipe.load("smollm2-135m", cut_stages(pipe.cluster, [9, 40], smollm2.config.num_units), torch.float32)
+            prompt = PROMPTS[1]
+            assert run(pipe, smollm2, prompt).token_ids == reference[prompt][0], dequantize
+            held[dequantize] = sum(load.weight_bytes for load in pipe.loads)
+        finally:
+            pipe.close()
+    assert abs(held[False] - stored) <= 0.1 * stored
+    assert held[True] > 4 * held[False]

@@ -9,8 +9,11 @@
 // spends about a third of its time between kernels) and, in attention, MKL's copies of the keys.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include "quant.h"
 
 #include <algorithm>
 #include <cmath>
@@ -30,9 +33,10 @@ std::optional<Tensor> maybe(const Tensor& t) {
   return t.numel() ? std::optional<Tensor>(t) : std::nullopt;
 }
 
-// x @ w.T + b, with w packed for MKL (shape: the original weight's zero-byte stand-in) or plain
-// (shape empty)
+// x @ w.T + b, with w packed for MKL (shape: the original weight's zero-byte stand-in), plain
+// (shape empty) or GGUF's quantized blocks (uint8; shape: their parts, quant.h)
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& shape, const Tensor& bias) {
+  if (w.scalar_type() == at::kByte) return hpipe::qlinear(x, w, shape, bias);
   if (shape.numel() == 0) return at::linear(x, w, maybe(bias));
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkl::_mkl_linear", "")
@@ -203,8 +207,11 @@ Tensor attention_unit(const Tensor& x, const std::vector<Tensor>& p, const Tenso
                   row + (heads + kv_heads + h) * head_dim, head_dim * sizeof(float));
     }
   }
-  // each row over its own prefix; rows spread over the intra-op threads (reading keys is memory-bound)
+  // each row over its own prefix; rows spread over the intra-op threads (reading keys is memory-bound),
+  // each thread in the caller's inference mode (the pools are inference tensors)
+  const at::ThreadLocalState caller;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard as_caller(caller);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t pos = rows.position[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;

@@ -1,0 +1,159 @@
+"""Read a stage's own tensors straight out of a GGUF file, in the blocks the file stores.
+
+The file's tensor index (name, ggml type, shape, offset, bytes) is read once with the ``gguf``
+package when the file is imported (:func:`write_index`: parsing the whole header takes seconds
+and a few hundred MB for a 49k-token vocabulary) and kept as ``tensors.json`` beside the
+imported config; a stage then reads only its own tensors, with plain file reads into memory it
+owns (for the reasons :mod:`hpipe.model.weights` gives).
+
+Tensors are named as Hugging Face names them (``model.layers.3.self_attn.q_proj.weight``), so a
+stage loads a GGUF exactly as it loads a safetensors checkpoint. Two differences are undone here:
+llama.cpp's converter reorders the rows of a Llama model's query and key projections (its rotary
+embedding pairs neighbouring dimensions, Hugging Face's pairs the two halves of a head), and the
+matrices come back as :class:`QuantizedWeight` unless the file stores them as float32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from hpipe.core.config import ModelConfig
+from hpipe.core.errors import ModelSourceError
+from hpipe.model.quant import TYPES, QuantizedWeight
+
+INDEX = "tensors.json"
+
+#: the architectures whose GGUF tensors hpipe maps, and whether the converter permuted Q and K
+ARCHITECTURES = {"llama": True, "qwen2": False}
+
+_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor (None: a tensor hpipe does not use, e.g. rope_freqs)."""
+    base, _, param = gguf_name.rpartition(".")
+    if base in _GLOBAL:
+        return f"{_GLOBAL[base]}.{param}"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _BLOCK:
+        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{param}"
+    return None
+
+
+def write_index(gguf: Path, out: Path) -> None:
+    """Write ``out/tensors.json``: the architecture and, per tensor hpipe uses, its Hugging Face
+    name, ggml type, shape ``[rows, in]`` (or ``[n]``), absolute offset and bytes."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf))
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else ""
+    tensors = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        tensors[name] = {"gguf": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in reversed(t.shape)],
+                         "offset": int(t.data_offset), "bytes": int(t.n_bytes)}
+    (out / INDEX).write_text(json.dumps({"architecture": arch, "tensors": tensors}))
+
+
+class GGUFWeights:
+    """A :class:`~hpipe.model.weights.WeightStore` over a GGUF file: the same names, the stored blocks."""
+
+    def __init__(self, gguf: Path, index: Path, cfg: ModelConfig):
+        self.path, self.cfg = Path(gguf), cfg
+        try:
+            meta = json.loads(index.read_text())
+            self.architecture, self._tensors = meta["architecture"], meta["tensors"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelSourceError(f"{index}: not a GGUF tensor index ({e})") from None
+        if self.architecture not in ARCHITECTURES:
+            raise ModelSourceError(f"{gguf.name}: GGUF architecture {self.architecture!r} is not supported for "
+                                   f"quantized weights (supported: {', '.join(ARCHITECTURES)})")
+        self._size = self.path.stat().st_size
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def nbytes(self, name: str) -> int:
+        """Bytes the file stores ``name`` in."""
+        return int(self._entry(name)["bytes"])
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor | QuantizedWeight]:
+        with open(self.path, "rb") as f:
+            return {n: self._read(f, n) for n in names}
+
+    def load_stacked(self, names: list[str]) -> torch.Tensor | QuantizedWeight:
+        """Tensors stacked along dim 0 (a fused projection); a quantized stack keeps its blocks."""
+        pieces = list(self.load(names).values())
+        if all(isinstance(p, QuantizedWeight) for p in pieces):
+            return QuantizedWeight.stack(pieces)
+        return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in pieces])
+
+    def _entry(self, name: str) -> dict:
+        entry = self._tensors.get(name)
+        if entry is None:
+            raise ModelSourceError(f"{self.path.name}: has no tensor for {name!r}")
+        return entry
+
+    def _read(self, f, name: str) -> torch.Tensor | QuantizedWeight:
+        e = self._entry(name)
+        t, shape, offset, nbytes = e["type"], e["shape"], e["offset"], e["bytes"]
+        if t not in TYPES:
+            raise ModelSourceError(f"{self.path.name}: tensor {e['gguf']} is stored as ggml type {_type_name(t)}, "
+                                   f"which hpipe cannot read (it reads {', '.join(v[0] for v in TYPES.values())}); "
+                                   "requantize the file, e.g. llama-quantize ... Q4_K_M")
+        if offset < 0 or offset + nbytes > self._size:
+            raise ModelSourceError(f"{self.path.name}: truncated (tensor {e['gguf']} runs past the end of the file)")
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        f.seek(offset)
+        if f.readinto(memoryview(buf.numpy())) != nbytes:
+            raise ModelSourceError(f"{self.path.name}: truncated (tensor {e['gguf']})")
+        if t == 0:  # float32, as it is
+            return buf.view(torch.float32).reshape(shape)
+        if len(shape) == 1:  # a norm's or a bias's vector stored in 16 bits
+            return QuantizedWeight.of(t, 1, shape[0], buf).dequantize().reshape(shape)
+        rows, width = shape[0], math.prod(shape[1:])
+        weight = QuantizedWeight.of(t, rows, width, buf)
+        return self._unpermute(name, weight)
+
+    def _unpermute(self, name: str, weight: QuantizedWeight) -> QuantizedWeight:
+        # llama.cpp's converter interleaves the two halves of each head's rows in Q and K
+        if not ARCHITECTURES[self.architecture]:
+            return weight
+        if name.endswith("q_proj.weight"):
+            return weight.take_rows(head_order(weight.rows, self.cfg.num_heads))
+        if name.endswith("k_proj.weight"):
+            return weight.take_rows(head_order(weight.rows, self.cfg.num_kv_heads))
+        return weight
+
+
+def head_order(rows: int, heads: int) -> torch.Tensor:
+    """The stored row each Hugging Face row of a Q or K projection is (transformers'
+    ``reverse_permute_weights`` applied to the row indices)."""
+    dim = rows // heads // 2
+    return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+def _type_name(t: int) -> str:
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(t).name
+    except (ImportError, ValueError):
+        return str(t)

@@ -1,0 +1,308 @@
+// Linear layers and embedding lookups over GGUF's quantized blocks, on the CPU. Python reaches
+// them as torch.ops.hpipe.qlinear / qembedding / dequantize (hpipe/model/quant.py); decode.cpp calls
+// qlinear for a weight stored as blocks.
+//
+// How it computes (docs/decisions/quantized-kernels.md): activations stay float32. A decode
+// micro-batch (a few rows) dequantizes each weight row once into a buffer in L1 and multiplies it
+// by every activation row there: the weights are read from memory once, as stored. A prefill slice
+// (many rows) dequantizes a panel of weight rows at a time and hands it to MKL's float32 GEMM, so
+// the arithmetic runs at GEMM speed and the float32 copy of a panel is all that exists at once.
+//
+// The hot loops are written once, plainly, and compiled three times, for AVX-512, for AVX2 with
+// FMA and for any x86-64 (or other) CPU; the first call picks the widest the CPU has.
+#include "quant.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+using at::Tensor;
+
+namespace {
+
+// ggml's type ids (ggml.h) and their blocks: values per block, bytes per block
+enum GgmlType : int64_t {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
+};
+
+struct Format {
+  int64_t values, bytes;
+};
+
+Format format_of(int64_t type) {
+  switch (type) {
+    case F32: return {1, 4};
+    case F16: return {1, 2};
+    case BF16: return {1, 2};
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+    default: TORCH_CHECK(false, "ggml type ", type, " is not supported by hpipe's quantized kernels");
+  }
+}
+
+#define HPIPE_INLINE inline __attribute__((always_inline))
+
+HPIPE_INLINE float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    const float f = static_cast<float>(mant) * (1.0f / 16777216.0f);  // subnormal: mant * 2^-24
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+HPIPE_INLINE float bfloat(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// the 6-bit scale and min of sub-block j of a Q4_K / Q5_K block (ggml's get_scale_min_k4)
+HPIPE_INLINE void scale_min(int j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// 16 bytes and 16 floats as vectors (GCC's vector extensions: one zmm, two ymm or four xmm,
+// whichever the function they are inlined into is compiled for)
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef float f32x16 __attribute__((vector_size(64)));
+
+// a vector of V floats
+template <int V>
+struct Floats;
+template <>
+struct Floats<16> {
+  typedef float type __attribute__((vector_size(64)));
+};
+template <>
+struct Floats<8> {
+  typedef float type __attribute__((vector_size(32)));
+};
+template <>
+struct Floats<4> {
+  typedef float type __attribute__((vector_size(16)));
+};
+
+// the hot loops compiled for each instruction set (quant_loops.h)
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#define HPIPE_V 16
+namespace avx512 {
+#include "quant_loops.h"
+}  // namespace avx512
+#undef HPIPE_V
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define HPIPE_V 8
+namespace avx2 {
+#include "quant_loops.h"
+}  // namespace avx2
+#undef HPIPE_V
+#pragma GCC pop_options
+#endif
+#define HPIPE_V 4
+namespace portable {
+#include "quant_loops.h"
+}  // namespace portable
+#undef HPIPE_V
+
+using RowsTimesX = void (*)(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
+                            float*, int64_t, float*);
+using DequantRows = void (*)(int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
+
+struct Variant {
+  const char* name;
+  RowsTimesX rows_times_x;
+  DequantRows dequant_rows;
+};
+
+const Variant& variant() {
+  static const Variant chosen = [] {
+    // HPIPE_CPU_ISA=avx2 or portable caps the choice (to test and measure the narrower paths)
+    const char* cap_env = std::getenv("HPIPE_CPU_ISA");
+    const std::string cap = cap_env ? cap_env : "";
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (cap != "avx2" && cap != "portable" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+      return Variant{"avx512", avx512::rows_times_x, avx512::dequant_rows};
+    if (cap != "portable" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+      return Variant{"avx2", avx2::rows_times_x, avx2::dequant_rows};
+#endif
+    return Variant{"portable", portable::rows_times_x, portable::dequant_rows};
+  }();
+  return chosen;
+}
+
+struct Part {
+  int64_t type, rows, row_bytes, offset;
+};
+
+std::vector<Part> parts_of(const Tensor& blocks, const Tensor& parts, int64_t k) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.dim() == 1,
+              "quantized blocks are one contiguous uint8 tensor");
+  TORCH_CHECK(parts.scalar_type() == at::kLong && parts.dim() == 2 && parts.size(1) == 4 && parts.is_contiguous(),
+              "parts is int64 [P, 4]: (type, rows, bytes per row, offset)");
+  std::vector<Part> out;
+  const int64_t* p = parts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < parts.size(0); ++i) {
+    Part part{p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]};
+    const Format f = format_of(part.type);
+    TORCH_CHECK(k % f.values == 0 && part.row_bytes == k / f.values * f.bytes,
+                "a row of ", k, " values of ggml type ", part.type, " is not ", part.row_bytes, " bytes");
+    TORCH_CHECK(part.offset >= 0 && part.offset + part.rows * part.row_bytes <= blocks.numel(),
+                "a part runs past the end of its blocks");
+    out.push_back(part);
+  }
+  return out;
+}
+
+int64_t total_rows(const std::vector<Part>& parts) {
+  int64_t n = 0;
+  for (const Part& p : parts) n += p.rows;
+  return n;
+}
+
+// rows of x from which a panel of dequantized weights and MKL's GEMM beat one pass over the blocks
+constexpr int64_t kGemmRows = 24;
+constexpr int64_t kPanelValues = 1 << 18;  // a panel: 1 MiB of float32 weights
+
+}  // namespace
+
+namespace hpipe {
+
+Tensor qlinear(const Tensor& x_in, const Tensor& blocks, const Tensor& parts_t, const Tensor& bias) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "qlinear takes float32 CPU activations");
+  const int64_t k = x_in.size(-1);
+  const Tensor x = x_in.reshape({-1, k}).contiguous();
+  const int64_t m = x.size(0);
+  const std::vector<Part> parts = parts_of(blocks, parts_t, k);
+  const int64_t n_out = total_rows(parts);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = n_out;
+  Tensor out = at::empty({m, n_out}, x.options());
+  const Variant& v = variant();
+  const uint8_t* base = blocks.data_ptr<uint8_t>();
+  int64_t col = 0;
+  for (const Part& p : parts) {
+    const uint8_t* b = base + p.offset;
+    if (m >= kGemmRows) {
+      const int64_t panel_rows = std::max<int64_t>(16, kPanelValues / k);
+      Tensor panel = at::empty({std::min(panel_rows, p.rows), k}, x.options());
+      for (int64_t n0 = 0; n0 < p.rows; n0 += panel_rows) {
+        const int64_t rows = std::min(panel_rows, p.rows - n0);
+        float* dst = panel.data_ptr<float>();
+        at::parallel_for(0, rows, 8, [&](int64_t a, int64_t z) {
+          v.dequant_rows(p.type, b + n0 * p.row_bytes, p.row_bytes, a, z, k, dst + a * k);
+        });
+        Tensor cols = out.narrow(1, col + n0, rows);
+        at::mm_out(cols, x, panel.narrow(0, 0, rows).t());
+      }
+    } else if (m > 0) {
+      float* o = out.data_ptr<float>() + col;
+      const float* xp = x.data_ptr<float>();
+      at::parallel_for(0, p.rows, 16, [&](int64_t a, int64_t z) {
+        std::vector<float> w(k);
+        v.rows_times_x(p.type, b, p.row_bytes, a, z, xp, m, k, o, n_out, w.data());
+      });
+    }
+    col += p.rows;
+  }
+  if (bias.numel()) out.add_(bias);
+  return out.view(shape);
+}
+
+}  // namespace hpipe
+
+namespace {
+
+Tensor qlinear_op(const Tensor& x, const Tensor& blocks, const Tensor& parts, const Tensor& bias) {
+  return hpipe::qlinear(x, blocks, parts, bias);
+}
+
+// rows `ids` of the matrix [rows, k] the parts hold, dequantized: an embedding lookup
+Tensor qembedding(const Tensor& ids_in, const Tensor& blocks, const Tensor& parts_t, int64_t k) {
+  const std::vector<Part> parts = parts_of(blocks, parts_t, k);
+  TORCH_CHECK(parts.size() == 1, "an embedding table is one part");
+  const Part& p = parts[0];
+  const Tensor ids = ids_in.reshape({-1}).to(at::kLong).contiguous();
+  const int64_t n = ids.numel();
+  Tensor out = at::empty({n, k}, at::TensorOptions().dtype(at::kFloat));
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < p.rows, "token id ", id[i], " is outside the table of ", p.rows, " rows");
+  const uint8_t* b = blocks.data_ptr<uint8_t>() + p.offset;
+  float* o = out.data_ptr<float>();
+  const Variant& v = variant();
+  at::parallel_for(0, n, 64, [&](int64_t a, int64_t z) {
+    for (int64_t i = a; i < z; ++i) v.dequant_rows(p.type, b + id[i] * p.row_bytes, p.row_bytes, 0, 1, k, o + i * k);
+  });
+  std::vector<int64_t> shape(ids_in.sizes().begin(), ids_in.sizes().end());
+  shape.push_back(k);
+  return out.view(shape);
+}
+
+// every row of the parts as float32 [rows, k] (tests, and stages that compute in another dtype)
+Tensor dequantize(const Tensor& blocks, const Tensor& parts_t, int64_t k) {
+  const std::vector<Part> parts = parts_of(blocks, parts_t, k);
+  Tensor out = at::empty({total_rows(parts), k}, at::TensorOptions().dtype(at::kFloat));
+  const Variant& v = variant();
+  int64_t row = 0;
+  for (const Part& p : parts) {
+    float* o = out.data_ptr<float>() + row * k;
+    const uint8_t* b = blocks.data_ptr<uint8_t>() + p.offset;
+    at::parallel_for(0, p.rows, 16, [&](int64_t a, int64_t z) { v.dequant_rows(p.type, b, p.row_bytes, a, z, k, o + a * k); });
+    row += p.rows;
+  }
+  return out;
+}
+
+std::string quant_variant() { return variant().name; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hpipe, m) {
+  m.def("qlinear(Tensor x, Tensor blocks, Tensor parts, Tensor bias) -> Tensor", &qlinear_op);
+  m.def("qembedding(Tensor ids, Tensor blocks, Tensor parts, int k) -> Tensor", &qembedding);
+  m.def("dequantize(Tensor blocks, Tensor parts, int k) -> Tensor", &dequantize);
+  m.def("quant_variant() -> str", &quant_variant);
+}

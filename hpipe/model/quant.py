@@ -1,0 +1,142 @@
+"""Weights kept in GGUF's quantized block formats, and the layers that compute on them.
+
+A :class:`QuantizedWeight` is a matrix ``[rows, in_features]`` as the file stores it: the bytes
+of its blocks and, for a fused projection whose pieces the file stores in different types (a
+Q4_K_M file keeps some value projections at Q6_K), one part per piece. :class:`QuantLinear` and
+:class:`QuantEmbedding` compute from those bytes through the C++ kernels
+(``kernels/quant.cpp``, decision: docs/decisions/quantized-kernels.md); nothing dequantizes a
+whole matrix except a stage that computes in another dtype or on another device, which
+dequantizes its own weights once at load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hpipe.core.errors import ModelSourceError
+
+#: ggml type id -> (name, values per block, bytes per block) of the types the kernels read
+TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+}
+
+
+def row_bytes(ggml_type: int, in_features: int) -> int:
+    _, values, nbytes = TYPES[ggml_type]
+    return in_features // values * nbytes
+
+
+@dataclass
+class QuantizedWeight:
+    """``[rows, in_features]`` as stored: ``data`` (uint8, 1-D) holds the parts one after the other;
+    ``parts`` (int64 ``[P, 4]``) each part's (ggml type, rows, bytes per row, byte offset)."""
+
+    data: torch.Tensor
+    parts: torch.Tensor
+    in_features: int
+
+    @classmethod
+    def of(cls, ggml_type: int, rows: int, in_features: int, data: torch.Tensor) -> "QuantizedWeight":
+        rb = row_bytes(ggml_type, in_features)
+        if data.numel() != rows * rb:
+            raise ModelSourceError(f"{rows} rows of {in_features} {TYPES[ggml_type][0]} values are {rows * rb} bytes, "
+                                   f"not {data.numel()}")
+        return cls(data.reshape(-1), torch.tensor([[ggml_type, rows, rb, 0]], dtype=torch.int64), in_features)
+
+    @classmethod
+    def stack(cls, pieces: list["QuantizedWeight"]) -> "QuantizedWeight":
+        """The pieces stacked along the rows (a fused projection), one part per run of one type."""
+        if len(pieces) == 1:
+            return pieces[0]
+        if len({p.in_features for p in pieces}) != 1:
+            raise ModelSourceError("stacked weights differ in their input width")
+        rows: list[list[int]] = []
+        offset = 0
+        for piece in pieces:
+            for t, n, rb, _ in piece.parts.tolist():
+                if rows and rows[-1][0] == t:
+                    rows[-1][1] += n
+                else:
+                    rows.append([t, n, rb, offset])
+                offset += n * rb
+        return cls(torch.cat([p.data for p in pieces]), torch.tensor(rows, dtype=torch.int64), pieces[0].in_features)
+
+    @property
+    def rows(self) -> int:
+        return int(self.parts[:, 1].sum())
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @property
+    def type_names(self) -> list[str]:
+        return [TYPES[int(t)][0] for t in self.parts[:, 0]]
+
+    def take_rows(self, order: torch.Tensor) -> "QuantizedWeight":
+        """The rows in ``order`` (a permutation of a one-part weight's rows)."""
+        if len(self.parts) != 1:
+            raise ValueError("only a one-part weight's rows can be reordered")
+        rb = int(self.parts[0, 2])
+        data = self.data.view(-1, rb)[order].reshape(-1)
+        return QuantizedWeight(data, self.parts.clone(), self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole matrix as float32 ``[rows, in_features]`` (bit for bit ggml's dequantization)."""
+        return torch.ops.hpipe.dequantize(self.data, self.parts, self.in_features)
+
+
+class QuantLinear(nn.Module):
+    """``nn.Linear``'s forward, float32 on the CPU, over a :class:`QuantizedWeight`."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features, self.out_features = weight.in_features, weight.rows
+        self.quantized = weight
+        # buffers, not parameters: not in a state dict, and the bytes move with the module
+        self.register_buffer("blocks", weight.data, persistent=False)
+        self.register_buffer("parts", weight.parts, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.blocks.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.bias is not None else _NONE
+        return torch.ops.hpipe.qlinear(x, self.blocks, self.parts, bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"types={'+'.join(self.quantized.type_names)}, bias={self.bias is not None}")
+
+
+class QuantEmbedding(nn.Module):
+    """``nn.Embedding`` over a :class:`QuantizedWeight`: the rows looked up are dequantized."""
+
+    def __init__(self, weight: QuantizedWeight):
+        super().__init__()
+        if len(weight.parts) != 1:
+            raise ModelSourceError("an embedding table is stored in one type")
+        self.num_embeddings, self.embedding_dim = weight.rows, weight.in_features
+        self.quantized = weight
+        self.register_buffer("blocks", weight.data, persistent=False)
+        self.register_buffer("parts", weight.parts, persistent=False)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.blocks.numel()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.hpipe.qembedding(ids, self.blocks, self.parts, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.quantized.type_names[0]}"
+
+
+_NONE = torch.empty(0)

@@ -1,0 +1,169 @@
+"""GGUF's quantized blocks: the kernels against the gguf package's own dequantization, on every
+instruction set this CPU has, and the real SmolLM2 Q4_1 file against its float32 import."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from hpipe.core.errors import ModelSourceError
+from hpipe.core.units import UnitRange, ranges_from_cuts
+from hpipe.model import StageModel, cpu_kernel
+from hpipe.model.generate import LocalModel, encode_prompt, generate
+from hpipe.model.gguf_weights import INDEX, GGUFWeights, head_order
+from hpipe.model.quant import TYPES, QuantEmbedding, QuantizedWeight, QuantLinear
+from tests.helpers import max_rel_diff
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernels are not built")
+
+#: a program that checks every type at several row counts on the instruction set HPIPE_CPU_ISA caps
+CHECK = textwrap.dedent("""
+    import json, sys
+    import numpy as np, torch
+    from gguf import GGMLQuantizationType as T, quants
+    from hpipe.model import cpu_kernel
+    from hpipe.model.quant import TYPES, QuantizedWeight
+    assert cpu_kernel.available()
+    rng = np.random.default_rng(0)
+    rows, width, report = 40, 512, {"isa": torch.ops.hpipe.quant_variant()}
+
+    def blocks(t):
+        w = rng.standard_normal((rows, width)).astype(np.float32)
+        try:
+            return np.ascontiguousarray(quants.quantize(w, t)).view(np.uint8).reshape(rows, -1)
+        except NotImplementedError:  # the K-quants: random blocks with small scales
+            _, values, nbytes = TYPES[int(t)]
+            raw = rng.integers(0, 256, size=(rows, width // values, nbytes), dtype=np.uint8)
+            scale = np.array([0.01, 0.003], dtype=np.float16).view(np.uint8)
+            raw[:, :, (208 if t == T.Q6_K else 0):][:, :, :len(scale) if t == T.Q6_K else 4] = \
+                scale[:2] if t == T.Q6_K else scale
+            return raw.reshape(rows, -1)
+
+    for t in [T(i) for i in TYPES]:
+        raw = blocks(t)
+        ref = torch.from_numpy(quants.dequantize(raw, t).reshape(rows, width).astype(np.float32))
+        w = QuantizedWeight.of(int(t), rows, width, torch.from_numpy(raw).reshape(-1))
+        worst = 0.0
+        for m in (1, 3, 4, 5, 16, 23, 24, 40):
+            x = torch.randn(m, width)
+            out = torch.ops.hpipe.qlinear(x, w.data, w.parts, torch.empty(0))
+            expect = x @ ref.T
+            worst = max(worst, float((out - expect).abs().max() / expect.abs().max()))
+        report[t.name] = {"exact": bool(torch.equal(w.dequantize(), ref)), "rel": worst}
+    print(json.dumps(report))
+""")
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(flag in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_every_type_on_every_instruction_set(isa):
+    """Dequantization is ggml's bit for bit, and products equal float32 ones over the dequantized
+    matrix (1e-5), through both paths (per-row dots under 24 rows, panels and GEMM from 24)."""
+    if isa == "avx512" and not _cpu_has("avx512bw"):
+        pytest.skip("this CPU has no AVX-512")
+    if isa == "avx2" and not _cpu_has("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    env = dict(os.environ, HPIPE_CPU_ISA=isa)
+    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report.pop("isa") == isa
+    assert set(report) == {v[0] for v in TYPES.values()}
+    for name, r in report.items():
+        assert r["exact"], name
+        assert r["rel"] <= 1e-5, (name, r)
+
+
+def test_parts_of_different_types_stack():
+    """A fused projection whose pieces the file stores in different types (Q4_K_M keeps some
+    value projections at Q6_K) computes each piece from its own blocks."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    rng = np.random.default_rng(1)
+    pieces, dense = [], []
+    for t, rows in ((T.Q4_0, 48), (T.Q8_0, 16), (T.Q8_0, 16), (T.Q4_1, 8)):
+        w = rng.standard_normal((rows, 256)).astype(np.float32)
+        raw = torch.from_numpy(quants.quantize(w, t).reshape(-1))
+        pieces.append(QuantizedWeight.of(int(t), rows, 256, raw))
+        dense.append(pieces[-1].dequantize())
+    stacked = QuantizedWeight.stack(pieces)
+    assert stacked.type_names == ["Q4_0", "Q8_0", "Q4_1"]  # the two Q8_0 pieces are one part
+    layer = QuantLinear(stacked, bias=torch.arange(88, dtype=torch.float32))
+    for m in (1, 7, 64):
+        x = torch.randn(m, 256)
+        assert max_rel_diff(layer(x), x @ torch.cat(dense).T + torch.arange(88.0)) <= 1e-5
+    embed = QuantEmbedding(pieces[0])
+    ids = torch.tensor([[0, 47, 3]])
+    assert torch.equal(embed(ids), dense[0][ids])
+    with pytest.raises(RuntimeError, match="outside the table"):
+        embed(torch.tensor([48]))
+
+
+def test_head_order_undoes_the_converters_permutation():
+    """llama.cpp's converter (convert_hf_to_gguf.py's permute) and our order are inverses."""
+    rows, heads = 48, 3
+    hf = torch.arange(rows * 2).reshape(rows, 2)
+    converted = hf.reshape(heads, 2, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows, 2)
+    assert torch.equal(converted[head_order(rows, heads)], hf)
+
+
+def test_an_unsupported_type_names_the_tensor(smollm2, tmp_path):
+    index = json.loads((smollm2.path / INDEX).read_text())
+    index["tensors"]["model.layers.0.mlp.down_proj.weight"]["type"] = 10  # Q2_K
+    (tmp_path / INDEX).write_text(json.dumps(index))
+    store = GGUFWeights(smollm2.gguf, tmp_path / INDEX, smollm2.config)
+    with pytest.raises(ModelSourceError, match=r"blk\.0\.ffn_down\.weight is stored as ggml type Q2_K"):
+        StageModel.from_checkpoint(store, smollm2.config, UnitRange(0, 4, smollm2.config.num_layers))
+
+
+def test_stage_holds_the_files_bytes(smollm2):
+    """A stage's weights are the GGUF bytes of its units' tensors (within 10%; the float32 norms
+    are the same bytes either way), not a float32 copy."""
+    cfg, store = smollm2.config, smollm2.weights()
+    assert isinstance(store, GGUFWeights)
+    for units in ranges_from_cuts([7, 40], cfg.num_layers):
+        stage = StageModel.from_checkpoint(store, cfg, units)
+        names = {n for u in units for n in _names(cfg, u)}
+        stored = sum(store.nbytes(n) for n in names)
+        assert abs(stage.weight_bytes() - stored) <= 0.1 * stored, units
+        assert stage.weight_bytes() < 0.3 * stage.parameter_count() * 4
+
+
+def _names(cfg, unit: int) -> list[str]:
+    from hpipe.model.layers import build_unit, checkpoint_names
+
+    with torch.device("meta"):
+        module = build_unit(cfg, unit)
+    return [n for parts in checkpoint_names(cfg, unit, module).values() for n in parts]
+
+
+def test_quantized_equals_dequantized_smollm2(smollm2):
+    """The Q4_1 blocks computed as stored give the float32 import's logits (1e-4, activations stay
+    float32) and its greedy tokens, whole and cut inside blocks with sliced prefill."""
+    tok = smollm2.tokenizer()
+    reference = LocalModel(smollm2, dequantize=True)
+    for cuts in ((), (5, 33, 61)):
+        quantized = LocalModel(smollm2, cuts=cuts)
+        assert any(isinstance(m, QuantLinear) for s in quantized.stages for m in s.modules())
+        for prompt in ("Summarise the causes of the French Revolution in three sentences.",
+                       "def fibonacci(n):\n    "):
+            a = generate(quantized.open, tok, prompt, context=2048, eos_ids=[], max_new_tokens=24,
+                         slices=[5, len(encode_prompt(tok, prompt, False)) - 5])
+            b = generate(reference.open, tok, prompt, context=2048, eos_ids=[], max_new_tokens=24)
+            assert a.token_ids == b.token_ids, (cuts, prompt)
+        ids = torch.tensor([encode_prompt(tok, "The committee met on Tuesday to decide", False)])
+        ours, ref = quantized.open(ids.shape[1]), reference.open(ids.shape[1])
+        assert max_rel_diff(ours.prefill(ids, [ids.shape[1]]), ref.prefill(ids, [ids.shape[1]])) <= 1e-4
