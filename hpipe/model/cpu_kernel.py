@@ -8,12 +8,14 @@ about twenty-five PyTorch calls per layer from Python; on a 2-core Xeon, SmolLM2
 same per-row attention products from C++, with norms, the rotary embedding and the KV writes as
 plain loops.
 
-It is built ahead of use, not on first use: compiling takes half a minute, which a daemon's first
-decode micro-batch must not wait for. ``python -m hpipe.model.kernels`` (run by
+It is built ahead of use where it can be: ``python -m hpipe.model.kernels`` (run by
 ``scripts/setup.sh``) builds it into the cache (``$HPIPE_CACHE_DIR/kernels``, one directory per
-source, PyTorch and Python version); :func:`available` loads it from there. Where it is not built
-(no compiler), or ``HPIPE_CPU_KERNEL=off``, stages run the eager path, which gives the same
-results up to float rounding (tests/model/test_cpu_kernel.py).
+source, PyTorch and Python version); a plain ``pip install`` leaves that to the first stage that
+asks (:func:`available` builds it then, about a minute, logged), so a daemon's first load waits
+for it, never its first decode. Where it cannot be built (no compiler), float32 stages run the
+eager path, which gives the same results up to float rounding (tests/model/test_cpu_kernel.py),
+with an error logged; quantized stages refuse to load (:func:`require`) rather than crawl. With
+``HPIPE_CPU_KERNEL=off`` stages do not use it.
 
 It takes micro-batches whose entries are all one live decode token over consecutive KV blocks
 (the allocator keeps sequences consecutive unless the pool is under pressure); others, and every
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 
 from hpipe.core.config import ModelConfig
+from hpipe.core.errors import ModelSourceError
 from hpipe.core.paths import cache_root
 from hpipe.model import packed
 from hpipe.model.kvpool import Entry, KVPool
@@ -48,6 +51,7 @@ ENV = "HPIPE_CPU_KERNEL"  # "off" disables it
 _lock = threading.Lock()
 _enabled = True
 _vector = True  # attention through the AVX-512 loops where the CPU has them
+_build_error = ""  # why the kernels could not be built or loaded here, if they could not
 
 
 def _name() -> str:
@@ -80,19 +84,37 @@ def build(verbose: bool = False) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """Whether the kernel is built here and loaded into this process (loading it on first ask)."""
+    """Whether the kernels are loaded into this process: loaded from the cache on first ask, and
+    built into it first where they are not yet (once per source and PyTorch; about a minute)."""
+    global _build_error
     if hasattr(torch.ops.hpipe, "decode_units"):
         return True
     library = build_dir() / f"{_name()}.so"
     if not library.exists():
-        log.info("the CPU decode kernel is not built (python -m hpipe.model.kernels); decode runs eagerly")
-        return False
+        log.warning("building hpipe's CPU kernels into %s (once, about a minute)", build_dir())
+        try:
+            build()
+        except (OSError, RuntimeError, ImportError) as err:
+            _build_error = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            log.error("hpipe's CPU kernels could not be built (%s): float32 stages decode eagerly, several times "
+                      "slower, and quantized weights cannot load", _build_error)
+            return False
+        return hasattr(torch.ops.hpipe, "decode_units")
     try:
         torch.ops.load_library(str(library))
     except (OSError, RuntimeError) as err:  # a broken build: decode eagerly rather than fail
-        log.warning("the CPU decode kernel at %s does not load (%s); decode runs eagerly", library, err)
+        _build_error = str(err)
+        log.warning("the CPU kernels at %s do not load (%s); decode runs eagerly", library, err)
         return False
     return True
+
+
+def require(what: str) -> None:
+    """Raise a clear error when the kernels cannot be had here (``what`` needs them)."""
+    if not available():
+        raise ModelSourceError(f"{what} needs hpipe's C++ CPU kernels, which could not be built here "
+                               f"({_build_error or 'unknown error'}): install a C++ compiler (g++) and rerun, or "
+                               "pass --dequantize to compute from float32 weights instead")
 
 
 def enable(flag: bool) -> None:

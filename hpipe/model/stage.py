@@ -79,6 +79,7 @@ class StageModel(nn.Module):
         """The linear or embedding ``child`` of ``module`` computes from ``weight``'s blocks (float32
         on the CPU), or, for a stage in another dtype or on another device, from ``weight``
         dequantized once into it (and its bias, popped from ``state``, goes with it)."""
+        cpu_kernel.require("a stage of quantized weights")
         if self.device.type != "cpu" or self.dtype != torch.float32:
             state[f"{child}.weight"] = weight.dequantize()
             return

@@ -169,6 +169,32 @@ def test_a_library_that_does_not_load_means_eager(tmp_path, monkeypatch):
         cpu_kernel.available.cache_clear()
 
 
+def test_missing_kernels_are_built_on_first_use_and_fail_loudly(tmp_path, monkeypatch, smollm2):
+    """Not built yet: the first ask builds them; a build that cannot work leaves float32 stages
+    eager and makes a quantized stage a clear error that names the way out, not a slow path."""
+    from hpipe.core.errors import ModelSourceError
+    from hpipe.core.units import UnitRange
+
+    builds = []
+
+    def no_compiler(verbose=False):
+        builds.append(1)
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr(cpu_kernel, "build_dir", lambda: tmp_path)
+    monkeypatch.setattr(cpu_kernel, "build", no_compiler)
+    monkeypatch.setattr(cpu_kernel.torch.ops, "hpipe", type("NoOps", (), {})())
+    cpu_kernel.available.cache_clear()
+    try:
+        assert not cpu_kernel.available() and builds == [1]
+        cfg = smollm2.config
+        with pytest.raises(ModelSourceError, match="c\\+\\+: command not found.*--dequantize"):
+            StageModel.from_checkpoint(smollm2.weights(), cfg, UnitRange(0, 3, cfg.num_layers))
+        StageModel.from_checkpoint(smollm2.weights(dequantize=True), cfg, UnitRange(0, 3, cfg.num_layers))
+    finally:
+        cpu_kernel.available.cache_clear()
+
+
 def test_a_cpu_daemon_says_how_it_decodes(kernel, monkeypatch):
     from hpipe.app.daemon import _decode_path
 
