@@ -95,7 +95,8 @@ def available() -> bool:
         try:
             build()
         except (OSError, RuntimeError, ImportError) as err:
-            _build_error = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            lines = str(err).strip().splitlines() or [type(err).__name__]
+            _build_error = next((line.strip() for line in lines if "error" in line.lower()), lines[-1])
             log.error("hpipe's CPU kernels could not be built (%s): float32 stages decode eagerly, several times "
                       "slower, and quantized weights cannot load", _build_error)
             return False

@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -57,6 +58,7 @@ Format format_of(int64_t type) {
 }
 
 #define HPIPE_INLINE inline __attribute__((always_inline))
+#define HPIPE_LAMBDA_INLINE __attribute__((always_inline))
 
 HPIPE_INLINE float half(const uint8_t* p) {
   uint16_t h;
@@ -101,8 +103,6 @@ HPIPE_INLINE void scale_min(int j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
 // whichever the function they are inlined into is compiled for)
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef float f32x16 __attribute__((vector_size(64)));
 
 // a vector of V floats
 template <int V>
