@@ -207,28 +207,30 @@ Tensor attention_unit(const Tensor& x, const std::vector<Tensor>& p, const Tenso
                   row + (heads + kv_heads + h) * head_dim, head_dim * sizeof(float));
     }
   }
-  // each row over its own prefix; rows spread over the intra-op threads (reading keys is memory-bound),
-  // each thread in the caller's inference mode (the pools are inference tensors)
+  // each row's KV heads over its own prefix, (row, KV head) pairs spread over the intra-op threads
+  // (reading keys is memory-bound: one sequence's step leaves no thread idle), each thread in the
+  // caller's inference mode (the pools are inference tensors)
   const at::ThreadLocalState caller;
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     const at::ThreadLocalStateGuard as_caller(caller);
-    for (int64_t r = begin; r < end; ++r) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / kv_heads, h = item % kv_heads;
       const int64_t pos = rows.position[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
       const int64_t len = pos + 1 - first;
+      const float* q = qkv.data_ptr<float>() + (r * (heads + 2 * kv_heads) + h * group) * head_dim;
+      float* o = out.data_ptr<float>() + (r * heads + h * group) * head_dim;
       if (vector) {
-        const int64_t at = (rows.base[r] + first) * head_dim;
-        attend_row(qkv.data_ptr<float>() + r * (heads + 2 * kv_heads) * head_dim, k_pool.data_ptr<float>() + at,
-                   v_pool.data_ptr<float>() + at, slots, len, kv_heads, group, head_dim,
-                   out.data_ptr<float>() + r * heads * head_dim, x.options());
+        const int64_t at = (h * slots + rows.base[r] + first) * head_dim;
+        attend_row(q, k_pool.data_ptr<float>() + at, v_pool.data_ptr<float>() + at, slots, len, 1, group, head_dim,
+                   o, x.options());
         continue;
       }
-      Tensor keys = k_pool.narrow(1, rows.base[r] + first, len);
-      Tensor values = v_pool.narrow(1, rows.base[r] + first, len);
-      Tensor q = qkv.select(0, r).narrow(0, 0, heads).view({kv_heads, group, head_dim});
-      Tensor scores = at::bmm(q, keys.transpose(1, 2));
-      Tensor into = out.select(0, r).view({kv_heads, group, head_dim});
-      at::bmm_out(into, at::_softmax(scores, -1, false), values);
+      Tensor keys = k_pool.select(0, h).narrow(0, rows.base[r] + first, len);
+      Tensor values = v_pool.select(0, h).narrow(0, rows.base[r] + first, len);
+      Tensor qg = qkv.select(0, r).narrow(0, h * group, group);
+      Tensor into = out.select(0, r).narrow(0, h * group, group);
+      at::mm_out(into, at::_softmax(at::mm(qg, keys.t()), -1, false), values);
     }
   });
   return x + linear(out.view({n, heads * head_dim}), p[A_O], p[A_O_SHAPE], p[A_O_BIAS]);

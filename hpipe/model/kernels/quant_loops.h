@@ -94,11 +94,17 @@ HPIPE_INLINE void prefetch_row(const uint8_t* row, int64_t bytes) {
   for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c);
 }
 
-// bit j of `bits` (j < 16) as 16 or 0, in byte j
-HPIPE_INLINE u8x16 high_bits(uint32_t bits) {
-  static const u8x16 mask = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
-  const uint8_t lo = bits & 0xff, hi = (bits >> 8) & 0xff;
-  const u8x16 spread = {lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi};
+// bit 16 H + j of the 32 bits at qh (j < 16) as 16 or 0, in byte j
+// (a byte shuffle spreads the bits' two bytes over the lanes: built lane by lane from scalars,
+// Q5_0 decoded at half the speed)
+template <int H>
+HPIPE_INLINE u8x16 high_bits(const uint8_t* qh) {
+  const u8x16 mask = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  u8x16 bytes = {};
+  std::memcpy(&bytes, qh, 4);
+  const u8x16 spread = __builtin_shufflevector(bytes, bytes, 2 * H, 2 * H, 2 * H, 2 * H, 2 * H, 2 * H, 2 * H, 2 * H,
+                                               2 * H + 1, 2 * H + 1, 2 * H + 1, 2 * H + 1, 2 * H + 1, 2 * H + 1,
+                                               2 * H + 1, 2 * H + 1);
   return reinterpret_cast<u8x16>((spread & mask) != 0) & 16;
 }
 
@@ -146,19 +152,16 @@ HPIPE_INLINE void each32(int64_t type, const uint8_t* src, int64_t k, F&& f) {
     case Q5_0:
       for (int64_t i = 0; i < k; i += 32, src += 22) {
         const float d = f16(src);
-        uint32_t qh;
-        std::memcpy(&qh, src + 2, 4);
         const u8x16 q = load16(src + 6);
-        f(i, centred((q & 0xF) | high_bits(qh), d, 16), i + 16, centred((q >> 4) | high_bits(qh >> 16), d, 16));
+        f(i, centred((q & 0xF) | high_bits<0>(src + 2), d, 16), i + 16, centred((q >> 4) | high_bits<1>(src + 2), d, 16));
       }
       return;
     case Q5_1:
       for (int64_t i = 0; i < k; i += 32, src += 24) {
         const float d = f16(src), m = f16(src + 2);
-        uint32_t qh;
-        std::memcpy(&qh, src + 4, 4);
         const u8x16 q = load16(src + 8);
-        f(i, to_floats((q & 0xF) | high_bits(qh)) * d + m, i + 16, to_floats((q >> 4) | high_bits(qh >> 16)) * d + m);
+        f(i, to_floats((q & 0xF) | high_bits<0>(src + 4)) * d + m, i + 16,
+          to_floats((q >> 4) | high_bits<1>(src + 4)) * d + m);
       }
       return;
     case Q4_K:

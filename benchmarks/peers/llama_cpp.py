@@ -1,0 +1,177 @@
+"""hpipe against llama.cpp on the same GGUF file, side by side in interleaved rounds.
+
+    python benchmarks/peers/llama_cpp.py [--model smollm2-135m] [--also Q8_0,Q4_K_M]
+                                         [--rounds 3] [--threads 2] [--json]
+
+llama.cpp is built once from the ``llama-cpp-python==0.3.36`` sdist on the package index (its
+``vendor/llama.cpp``; cmake and a C++ compiler; about five minutes on two cores) into
+``~/.cache/hpipe-peers``. The build names the instruction sets itself rather than asking for the
+build machine's (``GGML_NATIVE=OFF``): on a Xeon whose VM hides AMX, ggml's native build crashed
+with SIGILL in its AMX kernels. ``--also`` makes more files from the model with
+``llama-quantize`` (cached beside the build).
+
+Each round runs, for every file, ``llama-batched-bench`` (a 512-token prompt, 64 new tokens; one
+sequence and 16) and a 2,048-token prefill, then hpipe's :func:`hpipe_side.measure` of the same
+shapes on the same threads. The table gives each figure's median over the rounds, hpipe's ratio
+to llama.cpp's per round, and the ratios' range (this VM drifts 10-20% over minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hpipe_side import load, measure  # noqa: E402
+
+VERSION = "0.3.36"
+TARGETS = ["llama-batched-bench", "llama-quantize", "llama-perplexity"]
+SHAPES = [("decode_1", 512, 64, 1), ("decode_16", 512, 64, 16), ("prefill_512", 512, 1, 1),
+          ("prefill_2048", 2048, 1, 1)]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def cpu_model() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+
+
+def build() -> Path:
+    """llama.cpp's tools, built once for this CPU's instruction sets (AMX off); their folder."""
+    flags = cpu_flags()
+    isa = {"GGML_AVX": "avx" in flags, "GGML_AVX2": "avx2" in flags, "GGML_FMA": "fma" in flags,
+           "GGML_F16C": "f16c" in flags, "GGML_AVX512": "avx512f" in flags and "avx512bw" in flags,
+           "GGML_AVX512_VNNI": "avx512_vnni" in flags, "GGML_AVX512_BF16": "avx512_bf16" in flags,
+           "GGML_AVX_VNNI": "avx_vnni" in flags}
+    tag = "-".join(k[5:].lower() for k, on in isa.items() if on) or "portable"
+    dest = Path.home() / ".cache" / "hpipe-peers" / f"llama.cpp-{VERSION}-{tag}"
+    bin_dir = dest / "build" / "bin"
+    if all((bin_dir / t).exists() for t in TARGETS):
+        return bin_dir
+    print(f"building llama.cpp {VERSION} into {dest} (once, about five minutes)", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as work:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d",
+                        work, f"llama-cpp-python=={VERSION}"], check=True)
+        subprocess.run(["tar", "-xzf", f"{work}/llama_cpp_python-{VERSION}.tar.gz", "-C", work], check=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["rm", "-rf", str(dest)], check=True)
+        os.rename(f"{work}/llama_cpp_python-{VERSION}/vendor/llama.cpp", dest)
+    options = [f"-D{k}={'ON' if on else 'OFF'}" for k, on in isa.items()]
+    subprocess.run(["cmake", "-S", str(dest), "-B", str(dest / "build"), "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF",
+                    "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release",
+                    *options], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(dest / "build"), f"-j{os.cpu_count() or 2}", "--target", *TARGETS],
+                   check=True, stdout=subprocess.DEVNULL)
+    return bin_dir
+
+
+def quantized(bin_dir: Path, source: Path, kind: str) -> Path:
+    """``source`` requantized to ``kind`` by llama-quantize (cached beside the build)."""
+    out = bin_dir.parent.parent / "models" / f"{source.stem}.{kind}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(source), str(tmp), kind],
+                       check=True, capture_output=True)
+        tmp.rename(out)
+    return out
+
+
+ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*\d+\s*\|\s*[\d.]+\s*\|\s*([\d.]+)\s*\|\s*[\d.]+\s*\|"
+                 r"\s*([\d.]+)\s*\|")
+
+
+def llama_round(bin_dir: Path, gguf: Path, threads: int) -> dict[str, float]:
+    """llama-batched-bench's prefill and decode tokens/s for SHAPES."""
+    out = {}
+    runs = [(["-npp", "512", "-ntg", "64", "-npl", "1,16", "-c", "9216"], {(512, 64, 1): ("decode_1", "prefill_512"),
+                                                                            (512, 64, 16): ("decode_16", None)}),
+            (["-npp", "2048", "-ntg", "1", "-npl", "1", "-c", "2560"], {(2048, 1, 1): (None, "prefill_2048")})]
+    for args, wanted in runs:
+        text = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-b", "2048",
+                               "-ub", "512", *args], capture_output=True, text=True, check=True).stdout
+        for line in text.splitlines():
+            m = ROW.match(line)
+            if m and (int(m[1]), int(m[2]), int(m[3])) in wanted:
+                decode, prefill = wanted[(int(m[1]), int(m[2]), int(m[3]))]
+                if decode:
+                    out[decode] = float(m[5])
+                if prefill:
+                    out[prefill] = float(m[4])
+    return out
+
+
+def hpipe_round(stage, seed: int) -> dict[str, float]:
+    out = {}
+    for name, npp, ntg, npl in SHAPES:
+        r = measure(stage, npp, ntg, npl, seed=seed)
+        out[name] = r["prefill_tok_s"] if name.startswith("prefill") else r["decode_tok_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m", help="a built-in name or a .gguf file")
+    ap.add_argument("--also", default="", help="more files made from it with llama-quantize, e.g. Q8_0,Q4_K_M")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    from hpipe.model.sources import resolve_model
+
+    torch.set_num_threads(args.threads)
+    bin_dir = build()
+    base = resolve_model(args.model).gguf
+    if base is None:
+        raise SystemExit(f"{args.model} is not a GGUF model")
+    files = {"as shipped": base} | {k: quantized(bin_dir, base, k) for k in filter(None, args.also.split(","))}
+    stages = {name: load(str(path), dequantize=False) for name, path in files.items()}
+    rounds: dict[str, list[dict]] = {name: [] for name in files}
+    for r in range(args.rounds):
+        for name, path in files.items():
+            theirs = llama_round(bin_dir, path, args.threads)
+            ours = hpipe_round(stages[name], seed=r)
+            rounds[name].append({"llama.cpp": theirs, "hpipe": ours})
+            print(f"round {r + 1} {name}: " + ", ".join(f"{k} {ours[k]:.0f}/{theirs.get(k, 0):.0f}" for k in ours),
+                  file=sys.stderr)
+    report = {"cpu": cpu_model(), "threads": args.threads, "isa": torch.ops.hpipe.quant_variant(),
+              "files": {}}
+    for name, rs in rounds.items():
+        rows = {}
+        for shape, *_ in SHAPES:
+            ratios = [x["hpipe"][shape] / x["llama.cpp"][shape] for x in rs if x["llama.cpp"].get(shape)]
+            rows[shape] = {"hpipe": statistics.median(x["hpipe"][shape] for x in rs),
+                           "llama.cpp": statistics.median(x["llama.cpp"].get(shape, 0.0) for x in rs),
+                           "ratio": statistics.median(ratios) if ratios else None,
+                           "ratio_range": [min(ratios), max(ratios)] if ratios else None}
+        report["files"][f"{name} ({files[name].name})"] = rows
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"{report['cpu']}, {args.threads} threads, hpipe kernels: {report['isa']}; tokens/s, medians of "
+          f"{args.rounds} interleaved rounds")
+    for name, rows in report["files"].items():
+        print(f"\n{name}\n  {'':14}{'hpipe':>9}{'llama.cpp':>11}{'ratio':>8}  range")
+        for shape, row in rows.items():
+            lo, hi = row["ratio_range"] or (0, 0)
+            print(f"  {shape:14}{row['hpipe']:9.1f}{row['llama.cpp']:11.1f}{row['ratio'] or 0:8.2f}  {lo:.2f}-{hi:.2f}")
+
+
+if __name__ == "__main__":
+    main()
