@@ -1,0 +1,82 @@
+"""``hpipe run`` with a GGUF's quantized blocks against ``--dequantize``, side by side.
+
+    python benchmarks/quantized_job.py --plan plan.json --cluster clusters/local-3.yaml \
+        [--documents 16] [--rounds 2] [--max-new-tokens 32]
+
+The same documents (1k-3k tokens, built from the bundled sample report as in
+``run_equivalence.py``) as one job with the daemons holding the file's blocks and one with them
+holding float32 weights, the order swapped every round (each job deploys afresh). Prints each
+side's job seconds (median over rounds), the ratio quantized / dequantized per round, and whether
+every document got the same answer from both (greedy; activations stay float32 either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from run_equivalence import documents
+
+from hpipe.app.demo import INSTRUCTION
+from hpipe.app.jobs import JobConfig, run_job
+from hpipe.core.cluster import ClusterSpec
+from hpipe.core.plan import Plan
+from hpipe.model.sources import resolve_model
+from runtime.coordinator.pipeline import coordinate_on_one_thread
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--cluster", required=True)
+    ap.add_argument("--documents", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    plan = Plan.from_json(Path(args.plan).read_text())
+    source = resolve_model(plan.model_name)
+    work = Path(tempfile.mkdtemp(prefix="hpipe-quantized-"))
+    docs = [str(d) for d in documents(source.tokenizer(), args.documents, 1000, 3000, work)]
+    coordinate_on_one_thread()  # as hpipe run does
+    cluster = ClusterSpec.load(args.cluster)
+    sides = {"quantized": False, "dequantized": True}
+    times: dict[str, list[float]] = {s: [] for s in sides}
+    answers: dict[str, dict[str, list[int]]] = {}
+    same, failed = True, {}
+    for r in range(args.rounds):
+        for side in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            out = work / f"{side}-r{r}.jsonl"
+            t0 = time.perf_counter()
+            summary = run_job(plan, cluster, source, docs, out,
+                              JobConfig(instruction=INSTRUCTION, chat=True, max_new_tokens=args.max_new_tokens,
+                                        dequantize=sides[side]))
+            times[side].append(time.perf_counter() - t0)
+            failed.update(summary["failed"])
+            got = {row["document"]: row["token_ids"] for row in map(json.loads, out.read_text().splitlines())}
+            same = same and len(got) == len(docs) and all(a == got for a in answers.values())
+            answers[side] = got
+            print(f"round {r + 1}, {side}: {times[side][-1]:.1f} s", file=sys.stderr)
+    ratios = [q / d for q, d in zip(times["quantized"], times["dequantized"])]
+    report = {"documents": len(docs), "max_new_tokens": args.max_new_tokens, "same_answers": same, "failed": failed,
+              "job_s": {s: round(statistics.median(t), 2) for s, t in times.items()},
+              "runs_s": {s: [round(x, 2) for x in t] for s, t in times.items()},
+              "ratio": round(statistics.median(ratios), 3), "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)]}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"{len(docs)} documents, {args.max_new_tokens} new tokens each; job seconds, median of {args.rounds}")
+        for s in sides:
+            print(f"  {s:12} {report['job_s'][s]:8.1f}  runs {', '.join(f'{t:.1f}' for t in times[s])}")
+        print(f"  quantized / dequantized: {report['ratio']:.2f} (rounds {report['ratio_range'][0]:.2f}-"
+              f"{report['ratio_range'][1]:.2f}); " + ("same answers" if same else "ANSWERS DIFFER"))
+    return 0 if same and not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
