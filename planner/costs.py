@@ -156,7 +156,7 @@ class CostModel:
         weights = (e * p.unit_weight_bytes("embed") + at * p.unit_weight_bytes("attn")
                    + ml * p.unit_weight_bytes("mlp") + h * p.unit_weight_bytes("head"))
         if e and h and p.model.tie_word_embeddings:
-            weights -= p.model.vocab_size * p.model.hidden_size * p.itemsize
+            weights -= p.matrix_bytes(p.model.vocab_size * p.model.hidden_size)
         kv = at * p.kv_bytes_per_token_per_layer() * work.kv_len * work.batch
         return weights + kv + working_bytes(p, work.batch, slice_tokens or work.seq_len, bool(h)) + FIXED_STAGE_BYTES
 

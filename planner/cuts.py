@@ -58,7 +58,7 @@ def stage_table(cost: CostModel, work: Workload) -> np.ndarray:
     weights = (e * p.unit_weight_bytes("embed") + at * p.unit_weight_bytes("attn") + ml * p.unit_weight_bytes("mlp")
                + h * p.unit_weight_bytes("head"))
     if p.model.tie_word_embeddings:
-        weights = weights - e * h * p.model.vocab_size * p.model.hidden_size * p.itemsize
+        weights = weights - e * h * p.matrix_bytes(p.model.vocab_size * p.model.hidden_size)
     memory = (weights + at * p.kv_bytes_per_token_per_layer() * work.kv_len * work.batch
               + working_bytes(p, work.batch, work.seq_len, False)
               + h * working_bytes(p, work.batch, 0, True) + FIXED_STAGE_BYTES)

@@ -55,9 +55,10 @@ LOAD_CHUNK_S = 1.0
 def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, dtype: str = "float32",
                     max_len: int | None = None, batch: int = 1, repeats: int = SWEEPS, force: bool = False,
                     link_repeats: int = 21, colocation: bool = True,
-                    colocation_rounds: int = COLOCATION_ROUNDS, say=log.info) -> Profile:
+                    colocation_rounds: int = COLOCATION_ROUNDS, say=log.info, weight_bits: float = 0.0) -> Profile:
     """Measure every daemon of ``cluster`` and every link between them. ``say`` receives one line
-    before measuring: about how long it will take."""
+    before measuring: about how long it will take. ``weight_bits``: the bits per weight the daemons
+    hold the matrices at (a GGUF's blocks; 0: ``dtype``), which the planner's memory check uses."""
     max_len = max_len or min(cfg.max_position_embeddings, DEFAULT_MAX_LEN)
     if max_len > cfg.max_position_embeddings:
         raise HpipeError(f"--max-len {max_len} exceeds the model's context of {cfg.max_position_embeddings}")
@@ -157,7 +158,8 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
             "reference": {**ref, "seconds": {k: round(v, 7) for k, v in alone.items()}},
             "cached": sorted(from_cache, key=[d.name for d in cluster.daemons].index),
             "measured_together": together, "steal_s": steal}
-    return Profile(cfg, model_name, dtype, tuple(devices), tuple(links), source="measured", meta=meta)
+    return Profile(cfg, model_name, dtype, tuple(devices), tuple(links), source="measured", meta=meta,
+                   weight_bits=weight_bits)
 
 
 def _forecast(cluster, groups, clients, infos, key_parts, force, colocation, shape, dtype, axes, sweeps, max_len,

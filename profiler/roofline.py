@@ -19,22 +19,25 @@ from hpipe.core.config import ModelConfig
 from hpipe.core.profile import DTYPE_BYTES, ComputeGrid, DaemonProfile, LinkProfile, Profile
 
 
-def unit_cost(cfg: ModelConfig, kind: str, s: int, c: int, b: int, itemsize: int) -> tuple[float, float]:
-    """(flops, bytes) of one unit kind for a slice."""
+def unit_cost(cfg: ModelConfig, kind: str, s: int, c: int, b: int, itemsize: int,
+              weight_bits: float = 0.0) -> tuple[float, float]:
+    """(flops, bytes) of one unit kind for a slice; weights read at ``weight_bits`` per weight
+    (quantized; 0: the dtype's ``itemsize``)."""
     h, kv, hd, H = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
+    wb = weight_bits / 8 if weight_bits else itemsize
     act = 2 * b * s * h * itemsize
     if kind == "embed":
         return 0.0, float(act)
     if kind == "head":
         w = cfg.vocab_size * h
-        return 2.0 * b * w, float(w * itemsize + b * cfg.vocab_size * 4)
+        return 2.0 * b * w, float(w * wb + b * cfg.vocab_size * 4)
     if kind == "mlp":
         w = 3 * h * cfg.intermediate_size
-        return 2.0 * b * s * w, float(w * itemsize + act)
+        return 2.0 * b * s * w, float(w * wb + act)
     w = h * hd * (H + 2 * kv) + H * hd * h
     attn = 4.0 * b * H * hd * s * (c + (s + 1) / 2)
     kv_read = b * (c + s) * 2 * kv * hd * itemsize
-    return 2.0 * b * s * w + attn, float(w * itemsize + act + kv_read)
+    return 2.0 * b * s * w + attn, float(w * wb + act + kv_read)
 
 
 def grid_axes(max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -45,9 +48,10 @@ def grid_axes(max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def simulated_profile(model_name: str, cfg: ModelConfig, daemons, links: dict, dtype: str, max_len: int,
-                      batch: int) -> Profile:
+                      batch: int, weight_bits: float = 0.0) -> Profile:
     """``daemons``: objects with ``name, address, device, spec`` (spec: peak_tflops, mem_bw_gbs, memory,
-    efficiency?, overhead_us?); ``links``: {(src, dst): (latency_s, bandwidth_Bps)}."""
+    efficiency?, overhead_us?); ``links``: {(src, dst): (latency_s, bandwidth_Bps)}; ``weight_bits``:
+    the matrices held quantized at that many bits per weight (0: in ``dtype``)."""
     it = DTYPE_BYTES[dtype]
     tokens, contexts = grid_axes(max_len)
     batches = tuple(b for b in range(1, batch + 1) if batch % b == 0)  # every micro-batch size
@@ -66,7 +70,7 @@ def simulated_profile(model_name: str, cfg: ModelConfig, daemons, links: dict, d
                 for s in tokens:
                     row = []
                     for c in ctxs:
-                        flops, nbytes = unit_cost(cfg, kind, s, c, b, it)
+                        flops, nbytes = unit_cost(cfg, kind, s, c, b, it, weight_bits)
                         row.append(max(flops / peak, nbytes / bw) + overhead)
                     plane.append(tuple(row))
                 planes.append(tuple(plane))
@@ -75,4 +79,4 @@ def simulated_profile(model_name: str, cfg: ModelConfig, daemons, links: dict, d
                                      fingerprint=f"spec:{spec['peak_tflops']}TF/{spec['mem_bw_gbs']}GBs"))
     link_profiles = tuple(LinkProfile(a, b, lat, bw) for (a, b), (lat, bw) in links.items())
     return Profile(cfg, model_name, dtype, tuple(devices), link_profiles, source="simulated",
-                   meta={"max_len": max_len, "batch": batch, "model": "roofline"})
+                   meta={"max_len": max_len, "batch": batch, "model": "roofline"}, weight_bits=weight_bits)

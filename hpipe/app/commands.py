@@ -204,9 +204,21 @@ def cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stored_bits(model: str) -> float:
+    """Bits per weight of a GGUF model's matrices as its daemons hold them (0.0: not a GGUF)."""
+    from hpipe.core.shapes import is_random
+    from hpipe.model.sources import resolve_model
+
+    if is_random(model) or Path(model).name.endswith(".json"):
+        return 0.0
+    source = resolve_model(model)
+    return source.weights().matrix_bits() if source.gguf is not None else 0.0
+
+
 def profile(args: argparse.Namespace) -> int:
     from hpipe.app.profile_report import summary
     from hpipe.core.cluster import ClusterSpec
+    from hpipe.core.shapes import quantization_bits
     from hpipe.model.sources import model_shape
     from profiler.grid import DEFAULT_MAX_LEN
 
@@ -223,14 +235,15 @@ def profile(args: argparse.Namespace) -> int:
         missing = [d.name for d in spec.daemons if not d.spec]
         if missing:
             raise InputError(f"--simulate needs a 'spec' (peak_tflops, mem_bw_gbs, memory) for {', '.join(missing)}")
-        result = simulated_profile(name, cfg, spec.daemons, spec.link_specs(), args.dtype, max_len, args.batch)
+        result = simulated_profile(name, cfg, spec.daemons, spec.link_specs(), args.dtype, max_len, args.batch,
+                                   weight_bits=quantization_bits(args.model))
     else:
         from profiler.grid import SWEEPS
         from profiler.measure import profile_cluster
 
         result = profile_cluster(spec, name, cfg, dtype=args.dtype, max_len=max_len, batch=args.batch,
                                  force=args.force, repeats=args.repeats or SWEEPS, colocation=not args.no_colocation,
-                                 colocation_rounds=args.colocation_rounds,
+                                 colocation_rounds=args.colocation_rounds, weight_bits=_stored_bits(args.model),
                                  say=lambda msg: print(f"hpipe: {msg}", file=sys.stderr, flush=True))
     print(summary(result), file=sys.stderr)
     write_or_print(result.to_json(), args.output)

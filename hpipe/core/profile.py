@@ -176,6 +176,7 @@ class Profile:
     source: str = "measured"  # or "simulated"
     version: int = FORMAT_VERSION
     meta: dict = field(default_factory=dict, hash=False, compare=False)
+    weight_bits: float = 0.0  # bits per weight of the matrices as the daemons hold them (0: the dtype's)
 
     def __post_init__(self) -> None:
         if self.version != FORMAT_VERSION:
@@ -183,6 +184,8 @@ class Profile:
                                "measure it again with `hpipe profile`")
         if self.dtype not in DTYPE_BYTES:
             raise ProfileError(f"profile dtype {self.dtype!r} unknown")
+        if not 0 <= self.weight_bits <= 32:
+            raise ProfileError(f"weight_bits must lie in [0, 32], got {self.weight_bits}")
         names = [d.name for d in self.daemons]
         if len(set(names)) != len(names):
             raise ProfileError(f"duplicate daemon names in profile: {names}")
@@ -227,17 +230,21 @@ class Profile:
         raise ProfileError(f"no link {src}->{dst} in the profile")
 
     # --- memory, from the model shape ---------------------------------------------------
+    def matrix_bytes(self, weights: int) -> int:
+        """Bytes ``weights`` matrix entries take as the daemons hold them (quantized: as stored)."""
+        return int(weights * self.weight_bits / 8) if self.weight_bits else weights * self.itemsize
+
     def unit_weight_bytes(self, kind: str) -> int:
         m, it = self.model, self.itemsize
         if kind == EMBED:
-            return m.vocab_size * m.hidden_size * it
+            return self.matrix_bytes(m.vocab_size * m.hidden_size)
         if kind == HEAD:
-            return (m.vocab_size * m.hidden_size + m.hidden_size) * it
+            return self.matrix_bytes(m.vocab_size * m.hidden_size) + m.hidden_size * it
         if kind == ATTN:
             qkv = m.hidden_size * m.head_dim * (m.num_heads + 2 * m.num_kv_heads)
             bias = m.head_dim * (m.num_heads + 2 * m.num_kv_heads) if m.qkv_bias else 0
-            return (qkv + bias + m.num_heads * m.head_dim * m.hidden_size + m.hidden_size) * it
-        return (3 * m.hidden_size * m.intermediate_size + m.hidden_size) * it
+            return self.matrix_bytes(qkv + m.num_heads * m.head_dim * m.hidden_size) + (bias + m.hidden_size) * it
+        return self.matrix_bytes(3 * m.hidden_size * m.intermediate_size) + m.hidden_size * it
 
     def kv_bytes_per_token_per_layer(self) -> int:
         return 2 * self.model.num_kv_heads * self.model.head_dim * self.itemsize
@@ -254,6 +261,7 @@ class Profile:
                          "fingerprint": d.fingerprint,
                          "compute": {k: asdict(g) for k, g in d.compute.items()}} for d in self.daemons],
             "links": [asdict(l) for l in self.links],
+            **({"weight_bits": self.weight_bits} if self.weight_bits else {}),
         }
 
     @classmethod
@@ -264,7 +272,7 @@ class Profile:
                                           x.get("fingerprint", "")) for x in d["daemons"])
             links = tuple(LinkProfile(**l) for l in d["links"])
             return cls(ModelConfig.from_dict(d["model"]), d["model_name"], d["dtype"], devices, links, d.get("source", "measured"),
-                       int(d["version"]), dict(d.get("meta", {})))
+                       int(d["version"]), dict(d.get("meta", {})), float(d.get("weight_bits", 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"not a valid hpipe profile: {e!r}") from None
 

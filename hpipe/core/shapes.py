@@ -39,6 +39,9 @@ SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                       rope_theta=500000.0),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
+                       rope_theta=500000.0),
     "gpt3-2b": dict(vocab_size=50257, hidden_size=2560, intermediate_size=6827, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048),
     "llama3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -52,6 +55,22 @@ SHAPES = {
 
 RANDOM_PREFIX = "random:"
 
+#: bits per weight of the matrices, for what-if shapes that name a quantization
+#: (``random:llama3-8b@q4_k_m``): GGUF's block sizes, and for the _M mixes llama.cpp's averages
+#: (a Q4_K_M file keeps some matrices at Q6_K)
+QUANT_BITS = {"q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0, "q8_0": 8.5, "q4_k": 4.5, "q5_k": 5.5,
+              "q6_k": 6.5625, "q4_k_m": 4.85, "q5_k_m": 5.7, "f16": 16.0, "bf16": 16.0, "f32": 32.0}
+
+
+def quantization_bits(spec: str) -> float:
+    """Bits per weight a what-if shape's ``@QUANT`` names (0.0: none, the dtype's)."""
+    if not is_random(spec) or "@" not in spec:
+        return 0.0
+    quant = spec.rsplit("@", 1)[1].lower()
+    if quant not in QUANT_BITS:
+        raise ModelSourceError(f"unknown quantization {quant!r} in {spec!r} (known: {', '.join(QUANT_BITS)})")
+    return QUANT_BITS[quant]
+
 
 def is_random(spec: str) -> bool:
     return spec.startswith(RANDOM_PREFIX)
@@ -62,6 +81,9 @@ def random_config(spec: str) -> ModelConfig:
     if not is_random(spec):
         raise ModelSourceError(f"{spec!r} is not a random-weight shape (random:NAME or random:PATH)")
     name = spec[len(RANDOM_PREFIX):]
+    if "@" in name:
+        quantization_bits(spec)  # a known quantization, or a clear error
+        name = name.rsplit("@", 1)[0]
     if name in SHAPES:
         return ModelConfig.from_dict({**_BASE, **SHAPES[name]})
     if name.endswith(".json") and Path(name).is_file():

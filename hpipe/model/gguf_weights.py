@@ -90,6 +90,12 @@ class GGUFWeights:
     def names(self) -> list[str]:
         return list(self._tensors)
 
+    def matrix_bits(self) -> float:
+        """Bits per weight of the file's matrices, as stored (their mean over every entry)."""
+        matrices = [e for e in self._tensors.values() if len(e["shape"]) == 2]
+        entries = sum(math.prod(e["shape"]) for e in matrices)
+        return 8 * sum(e["bytes"] for e in matrices) / max(entries, 1)
+
     def nbytes(self, name: str) -> int:
         """Bytes the file stores ``name`` in."""
         return int(self._entry(name)["bytes"])

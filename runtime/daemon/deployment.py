@@ -170,6 +170,9 @@ def check_source(model: str, model_dirs: tuple[str, ...]) -> None:
 
 
 def model_config(model: str) -> ModelConfig:
+    if is_random(model) and "@" in model:
+        raise StatusError("INVALID_ARGUMENT", f"{model!r} names a quantization: such shapes are for what-if profiles "
+                          "(hpipe profile --simulate); daemons run random shapes in float32 or bfloat16")
     return random_config(model) if is_random(model) else resolve_model(model).config
 
 
