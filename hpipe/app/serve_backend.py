@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 1024
 #: seconds between attempts to deploy or recover after one failed (a daemon that answers and refuses,
 #: a bad model path, fails at once; the recovery's own wait for daemons is its grace)
+STOP_JOIN_S = 10.0  # how long stopping waits for each thread to finish its step
 RETRY_S = 1.0
 
 
@@ -84,6 +85,7 @@ class Backend:
         self._wake = threading.Event()  # set with _stop, or when an idle pipeline needs redeploying
         self._state = "loading"
         self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
     # --- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -95,7 +97,8 @@ class Backend:
             log.error("deploying the plan failed: %s; trying again in the background", e)
             self._state = f"deploying: {e}"
         self.collector.start()
-        threading.Thread(target=self._run, name="engine", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
 
     def _deploy(self) -> None:
         # a stage that dies is waited for (the supervisor restarts it) and redeployed; requests in
@@ -164,9 +167,16 @@ class Backend:
             self._wake.set()
 
     def stop(self, reason: str = "the server is shutting down") -> None:
+        """Stop the engine's and the collector's threads (each finishes the step or the poll it is
+        in), then fail what is left and close the deployment. The threads are joined, not left to
+        the interpreter's exit: one still inside a gRPC or torch call while the process tore down
+        aborted it (``terminate called without an active exception``) in about one SIGTERM of three."""
         self._stop.set()
         self._wake.set()
         self.collector.stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=STOP_JOIN_S)
+        self.collector.join(timeout=STOP_JOIN_S)
         if self.engine is not None:
             self.engine.fail_all(reason)
             self.engine.session.close()

@@ -71,6 +71,10 @@ class Collector:
     def stop(self) -> None:
         self._stop.set()
 
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
             try:
