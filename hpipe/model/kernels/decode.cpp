@@ -3,7 +3,7 @@
 //
 // The arithmetic is the eager path's (hpipe/model/layers.py): the projections are the same
 // MKL-packed or plain linear calls, and attention the same two products and softmax per row (the
-// queries scaled before, not the scores after), as AVX-512 loops that read each key and value once
+// queries scaled before, not the scores after), as AVX-512 or AVX2 loops that read each key and value once
 // where the CPU has it (attend_row), else as MKL's batched products; norms, the rotary embedding
 // and the KV writes are plain loops. What it saves is Python (an eager decode step of SmolLM2
 // spends about a third of its time between kernels) and, in attention, MKL's copies of the keys.
@@ -17,7 +17,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <optional>
 #include <vector>
 
@@ -157,22 +159,91 @@ HPIPE_AVX512 void weighted_values(const float* probs, const float* values, int64
   }
 }
 
-bool vector_attention(int64_t head_dim) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  return avx512 && head_dim % 16 == 0;
+// The same two passes on a CPU with AVX2 and FMA but no AVX-512 (the AMD EPYCs this runs on):
+// eight floats a vector, the sums of the weighted values kept in L1 rather than in registers
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+typedef float vec8 __attribute__((vector_size(32)));
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, 32);
+  return v;
 }
+
+inline float sum8(vec8 v) {
+  const vec8 h = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  return (h[0] + h[2]) + (h[1] + h[3]);
+}
+
+void key_scores(const float* q, const float* keys, int64_t len, int64_t group, int64_t dim, float* scores) {
+  for (int64_t j = 0; j < len; ++j) {
+    const float* k = keys + j * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * dim;
+      vec8 a = load8(qg) * load8(k), b = {};
+      int64_t i = 8;
+      for (; i + 8 < dim; i += 16) {
+        a += load8(qg + i) * load8(k + i);
+        b += load8(qg + i + 8) * load8(k + i + 8);
+      }
+      for (; i < dim; i += 8) a += load8(qg + i) * load8(k + i);
+      scores[g * len + j] = sum8(a + b);
+    }
+  }
+}
+
+void weighted_values(const float* probs, const float* values, int64_t len, int64_t group, int64_t dim, float* out) {
+  std::fill(out, out + group * dim, 0.f);
+  for (int64_t j = 0; j < len; ++j) {
+    const float* v = values + j * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = probs[g * len + j];
+      float* o = out + g * dim;
+      for (int64_t i = 0; i < dim; i += 8) {
+        const vec8 r = load8(o + i) + p * load8(v + i);
+        std::memcpy(o + i, &r, 32);
+      }
+    }
+  }
+}
+}  // namespace avx2
+#pragma GCC pop_options
+
+enum class AttentionLoops { none, avx2, avx512 };
+
+// the widest loops the CPU has (HPIPE_CPU_ISA=avx2 or portable caps them, as for the quantized
+// kernels), or none for this head size
+AttentionLoops attention_loops(int64_t head_dim) {
+  static const AttentionLoops best = [] {
+    const char* cap_env = std::getenv("HPIPE_CPU_ISA");
+    const std::string cap = cap_env ? cap_env : "";
+    __builtin_cpu_init();
+    if (cap != "avx2" && cap != "portable" && __builtin_cpu_supports("avx512f")) return AttentionLoops::avx512;
+    if (cap != "portable" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AttentionLoops::avx2;
+    return AttentionLoops::none;
+  }();
+  if (best == AttentionLoops::avx512 && head_dim % 16 == 0) return best;
+  if (best != AttentionLoops::none && head_dim % 8 == 0) return AttentionLoops::avx2;
+  return AttentionLoops::none;
+}
+
+bool vector_attention(int64_t head_dim) { return attention_loops(head_dim) != AttentionLoops::none; }
 
 // queries q [kv_heads * group, dim] over the len positions from keys and values [kv_heads, slots,
 // dim] (already offset to the row's first position), into out [kv_heads * group, dim]
 void attend_row(const float* q, const float* keys, const float* values, int64_t slots, int64_t len,
                 int64_t kv_heads, int64_t group, int64_t dim, float* out, const at::TensorOptions& options) {
+  const bool wide = attention_loops(dim) == AttentionLoops::avx512;
   Tensor scores = at::empty({kv_heads, group, len}, options);
   for (int64_t h = 0; h < kv_heads; ++h)
-    key_scores(q + h * group * dim, keys + h * slots * dim, len, group, dim, scores.data_ptr<float>() + h * group * len);
+    (wide ? key_scores : avx2::key_scores)(q + h * group * dim, keys + h * slots * dim, len, group, dim,
+                                           scores.data_ptr<float>() + h * group * len);
   const Tensor probs = at::_softmax(scores, -1, false);
   for (int64_t h = 0; h < kv_heads; ++h)
-    weighted_values(probs.data_ptr<float>() + h * group * len, values + h * slots * dim, len, group, dim,
-                    out + h * group * dim);
+    (wide ? weighted_values : avx2::weighted_values)(probs.data_ptr<float>() + h * group * len,
+                                                     values + h * slots * dim, len, group, dim, out + h * group * dim);
 }
 #else
 bool vector_attention(int64_t) { return false; }
