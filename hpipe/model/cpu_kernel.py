@@ -50,7 +50,7 @@ SOURCES = (KERNELS / "decode.cpp", KERNELS / "quant.cpp")  # one library; quant.
 ENV = "HPIPE_CPU_KERNEL"  # "off" disables it
 _lock = threading.Lock()
 _enabled = True
-_vector = True  # attention through the AVX-512 loops where the CPU has them
+_vector = True  # attention through the AVX-512 or AVX2 loops where the CPU has them
 _build_error = ""  # why the kernels could not be built or loaded here, if they could not
 
 
@@ -76,8 +76,9 @@ def build(verbose: bool = False) -> Path:
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + bin_dir
     with _lock:
-        load(name=_name(), sources=[str(f) for f in SOURCES], build_directory=str(path), extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=verbose)
+        # -fopenmp: ATen's parallel_for is a header; compiled without OpenMP it runs on one thread
+        load(name=_name(), sources=[str(f) for f in SOURCES], build_directory=str(path),
+             extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
     available.cache_clear()
     return path / f"{_name()}.so"
 
@@ -125,8 +126,8 @@ def enable(flag: bool) -> None:
 
 
 def vector_attention(flag: bool) -> None:
-    """Attention through the kernel's AVX-512 loops where the CPU has them (the default), or through
-    MKL's batched products as on other CPUs (to compare both)."""
+    """Attention through the kernel's AVX-512 or AVX2 loops where the CPU has them (the default), or
+    through MKL's batched products as on other CPUs (to compare both)."""
     global _vector
     _vector = flag
 
@@ -184,8 +185,8 @@ _NONE = torch.empty(0)
 
 
 def _linear(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weight, its packed shape stand-in, its quantized parts or an empty tensor, bias or an empty
-    tensor)."""
+    """(weight or quantized blocks; its packed shape stand-in, its blocks' parts or an empty tensor;
+    bias or an empty tensor)."""
     bias = linear.bias if linear.bias is not None else _NONE
     if isinstance(linear, QuantLinear):
         return linear.blocks, linear.parts, bias

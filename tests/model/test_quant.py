@@ -40,8 +40,10 @@ CHECK = textwrap.dedent("""
             _, values, nbytes = TYPES[int(t)]
             raw = rng.integers(0, 256, size=(rows, width // values, nbytes), dtype=np.uint8)
             scale = np.array([0.01, 0.003], dtype=np.float16).view(np.uint8)
-            raw[:, :, (208 if t == T.Q6_K else 0):][:, :, :len(scale) if t == T.Q6_K else 4] = \
-                scale[:2] if t == T.Q6_K else scale
+            if t == T.Q6_K:
+                raw[:, :, 208:210] = scale[:2]  # its d
+            else:
+                raw[:, :, 0:4] = scale  # d and dmin
             return raw.reshape(rows, -1)
 
     for t in [T(i) for i in TYPES]:

@@ -3,10 +3,12 @@
 // qlinear for a weight stored as blocks.
 //
 // How it computes (docs/decisions/quantized-kernels.md): activations stay float32. A decode
-// micro-batch (a few rows) dequantizes each weight row once into a buffer in L1 and multiplies it
-// by every activation row there: the weights are read from memory once, as stored. A prefill slice
-// (many rows) dequantizes a panel of weight rows at a time and hands it to MKL's float32 GEMM, so
-// the arithmetic runs at GEMM speed and the float32 copy of a panel is all that exists at once.
+// micro-batch of a few rows multiplies each weight row as it is dequantized, 16 values at a time
+// in registers; one of 5 to 23 rows dequantizes each weight row once into a buffer in L1 and
+// multiplies it by every activation row there: either way the weights are read from memory once,
+// as stored. A prefill slice (24 rows or more) dequantizes a panel of weight rows at a time and
+// hands it to MKL's float32 GEMM, so the arithmetic runs at GEMM speed and the float32 copy of a
+// panel is all that exists at once.
 //
 // The hot loops are written once, plainly, and compiled three times, for AVX-512, for AVX2 with
 // FMA and for any x86-64 (or other) CPU; the first call picks the widest the CPU has.
