@@ -24,6 +24,7 @@ from hpipe.core.units import UnitRange
 from hpipe.model import StageCache, StageModel, packed
 from hpipe.model.kvpool import BatchKV
 from hpipe.model.layers import Attention
+from hpipe.model.quant import TYPES
 from hpipe.model.rope import cos_sin
 
 
@@ -168,9 +169,12 @@ class _Rotation:
         return self.run(copy)
 
 
-def copies_for(cfg: ModelConfig, dtype: torch.dtype) -> int:
+def copies_for(cfg: ModelConfig, dtype: torch.dtype, weight_type: int = 0) -> int:
     """How many distinct blocks (attention + MLP) make a working set of about WORKING_SET_BYTES."""
     itemsize = torch.empty((), dtype=dtype).element_size()
+    if weight_type:
+        _, values, nbytes = TYPES[weight_type]
+        itemsize = nbytes / values
     block = (cfg.hidden_size * cfg.head_dim * (cfg.num_heads + 2 * cfg.num_kv_heads)
              + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
     return max(1, min(cfg.num_layers, -(-WORKING_SET_BYTES // (block * itemsize))))
@@ -187,16 +191,17 @@ def _zeroed(cache: StageCache) -> StageCache:
 
 @torch.inference_mode()
 def measure_units(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, batches, tokens, contexts,
-                  max_len: int, repeats: int = 3, progress=None) -> dict[str, list]:
+                  max_len: int, repeats: int = 3, progress=None, weight_type: int = 0) -> dict[str, list]:
     """``{kind: seconds[b][s][c]}``; contexts apply to attention only (the others use context 0).
 
     Every grid point is measured where it lies, ``s + c`` past ``max_len`` included, so that
     interpolation near the edge of what the planner asks for is not biased by clamped points.
     """
-    n = copies_for(cfg, dtype)
-    body = StageModel.random(cfg, UnitRange(0, 1 + 2 * n, cfg.num_layers), dtype=dtype, device=device)
+    n = copies_for(cfg, dtype, weight_type)
+    body = StageModel.random(cfg, UnitRange(0, 1 + 2 * n, cfg.num_layers), dtype=dtype, device=device,
+                             weight_type=weight_type)
     head = StageModel.random(cfg, UnitRange(cfg.num_units - 1, cfg.num_units, cfg.num_layers), dtype=dtype,
-                             device=device)
+                             device=device, weight_type=weight_type)
     embed = body.blocks["0"]
     attns = [body.blocks[str(1 + 2 * i)] for i in range(n)]
     mlps = [body.blocks[str(2 + 2 * i)] for i in range(n)]
@@ -258,16 +263,17 @@ def release_timed_stages() -> None:
 
 
 def _stages_for(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, units: UnitRange, batch: int,
-                length: int) -> list:
+                length: int, weight_type: int = 0) -> list:
     global _built
-    key = (cfg, dtype, str(device), units, batch, length)
+    key = (cfg, dtype, str(device), units, batch, length, weight_type)
     if _built is not None and _built[0] == key:
         return _built[1]
     _built = None  # free the old stage before building the new one
-    first = StageModel.random(cfg, units, dtype=dtype, device=device)
+    first = StageModel.random(cfg, units, dtype=dtype, device=device, weight_type=weight_type)
     weight_bytes = first.weight_bytes()
     n = max(1, min(8, WORKING_SET_BYTES // max(weight_bytes, 1)))
-    stages = [first] + [StageModel.random(cfg, units, dtype=dtype, device=device, seed=i) for i in range(1, n)]
+    stages = [first] + [StageModel.random(cfg, units, dtype=dtype, device=device, seed=i, weight_type=weight_type)
+                        for i in range(1, n)]
     caches = [_zeroed(StageCache.allocate(units.attention_layers(), batch, length, cfg.num_kv_heads,
                                           cfg.head_dim, dtype, device)) for _ in stages]
     _built = (key, list(zip(stages, caches)))
@@ -276,14 +282,14 @@ def _stages_for(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, unit
 
 @torch.inference_mode()
 def time_stage(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, units: UnitRange, batch: int,
-               tokens: int, context: int, repeats: int = 5) -> float:
+               tokens: int, context: int, repeats: int = 5, weight_type: int = 0) -> float:
     """Median seconds of one forward of a random-weight stage over ``units`` (a direct measurement).
 
     Like :func:`measure_units`, it rotates through distinct copies of the stage up to about
     ``WORKING_SET_BYTES``, so a small stage is not timed with its weights hot in the cache. The
     copies are kept for the next call of the same shape (see ``_built``).
     """
-    pairs = _stages_for(cfg, dtype, device, units, batch, context + tokens)
+    pairs = _stages_for(cfg, dtype, device, units, batch, context + tokens, weight_type)
     if units.has_embed:
         x = torch.randint(0, cfg.vocab_size, (batch, tokens), device=device)
     else:

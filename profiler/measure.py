@@ -55,10 +55,14 @@ LOAD_CHUNK_S = 1.0
 def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, dtype: str = "float32",
                     max_len: int | None = None, batch: int = 1, repeats: int = SWEEPS, force: bool = False,
                     link_repeats: int = 21, colocation: bool = True,
-                    colocation_rounds: int = COLOCATION_ROUNDS, say=log.info, weight_bits: float = 0.0) -> Profile:
+                    colocation_rounds: int = COLOCATION_ROUNDS, say=log.info, weight_bits: float = 0.0,
+                    weight_type: int = 0) -> Profile:
     """Measure every daemon of ``cluster`` and every link between them. ``say`` receives one line
     before measuring: about how long it will take. ``weight_bits``: the bits per weight the daemons
-    hold the matrices at (a GGUF's blocks; 0: ``dtype``), which the planner's memory check uses."""
+    hold the matrices at (a GGUF's blocks; 0: ``dtype``), which the planner's memory check uses;
+    ``weight_type``: the ggml type the daemons time their units' matrices in (0: float), as
+    ``quantization_config`` in the config they are sent (and in the cache key of what they
+    measured)."""
     max_len = max_len or min(cfg.max_position_embeddings, DEFAULT_MAX_LEN)
     if max_len > cfg.max_position_embeddings:
         raise HpipeError(f"--max-len {max_len} exceeds the model's context of {cfg.max_position_embeddings}")
@@ -68,6 +72,8 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
     clients = {d.name: DaemonClient(d.address, security, d.name) for d in cluster.daemons}
     batches, tokens, contexts = grid_axes(max_len, batch)
     shape = cfg.to_dict()
+    if weight_type:
+        shape["quantization_config"] = {"quant_method": "gguf", "ggml_type": weight_type}
     t_start = time.perf_counter()
     n = len(cluster.daemons)
     bar = tqdm(total=n + n * (n - 1), desc="profiling", unit="step", file=sys.stderr, leave=False,

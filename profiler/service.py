@@ -17,6 +17,7 @@ import torch
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import InputError, StatusError
 from hpipe.core.units import UnitRange
+from hpipe.model.quant import TYPES
 from profiler.device import cpu_counts, fingerprint, host_id, measure_units, release_timed_stages, time_stage
 from profiler.links import MAX_PROBE_BYTES, time_probes
 from runtime.daemon import memory
@@ -44,7 +45,7 @@ class ProfilerServicer(pb_grpc.ProfilerServiceServicer):
 
     @handled
     def ProfileCompute(self, request, context):
-        cfg = config_from_json(request.config_json)
+        cfg, weight_type = config_from_json(request.config_json)
         dtype = compute_dtype(request.dtype, self.server.device)
         axes = (list(request.batches), list(request.tokens), list(request.contexts))
         if any(not a or min(a) < (0 if i == 2 else 1) for i, a in enumerate(axes)):
@@ -57,7 +58,7 @@ class ProfilerServicer(pb_grpc.ProfilerServiceServicer):
         repeats = min(max(1, request.repeats), MAX_REPEATS)
         t0 = time.perf_counter()
         times = self.server.run_on_device(lambda: measure_units(cfg, dtype, self.server.device, *axes,
-                                                                request.max_len, repeats))
+                                                                request.max_len, repeats, weight_type=weight_type))
         units = [pb.UnitTimes(kind=k, batches=axes[0], tokens=axes[1],
                               contexts=axes[2] if k == "attn" else [0],
                               seconds=[t for plane in v for row in plane for t in row]) for k, v in times.items()]
@@ -65,7 +66,7 @@ class ProfilerServicer(pb_grpc.ProfilerServiceServicer):
 
     @handled
     def TimeStage(self, request, context):
-        cfg = config_from_json(request.config_json)
+        cfg, weight_type = config_from_json(request.config_json)
         units = UnitRange(request.unit_start, request.unit_end, cfg.num_layers)
         if request.batch < 1 or request.tokens < 1 or request.context < 0:
             raise InputError("batch and tokens must be >= 1 and context >= 0")
@@ -73,7 +74,7 @@ class ProfilerServicer(pb_grpc.ProfilerServiceServicer):
         dtype = compute_dtype(request.dtype, self.server.device)
         seconds = self.server.run_on_device(lambda: time_stage(
             cfg, dtype, self.server.device, units, request.batch, request.tokens, request.context,
-            min(max(1, request.repeats), MAX_REPEATS)))
+            min(max(1, request.repeats), MAX_REPEATS), weight_type))
         return pb.StageTimeReply(seconds=seconds)
 
     @handled
@@ -96,14 +97,20 @@ class ProfilerServicer(pb_grpc.ProfilerServiceServicer):
         return pb.Ack()
 
 
-def config_from_json(text: str) -> ModelConfig:
+def config_from_json(text: str) -> tuple[ModelConfig, int]:
+    """The model's config, and the ggml type its matrices are held in (0: float weights), which a
+    ``quantization_config`` of ``{"quant_method": "gguf", "ggml_type": T}`` names (profiler.measure)."""
     try:
         raw = json.loads(text)
     except ValueError as e:
         raise InputError(f"config_json is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise InputError("config_json must be a JSON object")
-    return ModelConfig.from_dict(raw)
+    quant = raw.pop("quantization_config", None) or {}
+    weight_type = quant.get("ggml_type", 0) if isinstance(quant, dict) else 0
+    if weight_type not in (0, *TYPES) or isinstance(weight_type, bool):
+        raise InputError(f"quantization_config names ggml type {weight_type!r}, which hpipe's kernels do not read")
+    return ModelConfig.from_dict(raw), int(weight_type)
 
 
 def check_extent(cfg: ModelConfig, batch: int, tokens: int, context: int) -> None:

@@ -204,15 +204,16 @@ def cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stored_bits(model: str) -> float:
-    """Bits per weight of a GGUF model's matrices as its daemons hold them (0.0: not a GGUF)."""
+def _held_weights(model: str) -> dict:
+    """How a model's daemons hold its matrices, for the profiler: ``weight_bits`` (their memory)
+    and ``weight_type`` (what the units are timed in); empty for float weights."""
     from hpipe.core.shapes import is_random
     from hpipe.model.sources import resolve_model
 
     if is_random(model) or Path(model).name.endswith(".json"):
-        return 0.0
+        return {}
     source = resolve_model(model)
-    return source.weights().matrix_bits() if source.gguf is not None else 0.0
+    return {"weight_bits": source.weight_bits(), "weight_type": source.weight_type()}
 
 
 def profile(args: argparse.Namespace) -> int:
@@ -243,7 +244,7 @@ def profile(args: argparse.Namespace) -> int:
 
         result = profile_cluster(spec, name, cfg, dtype=args.dtype, max_len=max_len, batch=args.batch,
                                  force=args.force, repeats=args.repeats or SWEEPS, colocation=not args.no_colocation,
-                                 colocation_rounds=args.colocation_rounds, weight_bits=_stored_bits(args.model),
+                                 colocation_rounds=args.colocation_rounds, **_held_weights(args.model),
                                  say=lambda msg: print(f"hpipe: {msg}", file=sys.stderr, flush=True))
     print(summary(result), file=sys.stderr)
     write_or_print(result.to_json(), args.output)

@@ -7,7 +7,8 @@ from hpipe.core.profile import Profile
 
 def summary(profile: Profile) -> str:
     m = profile.model
-    lines = [f"profile ({profile.source}): {profile.model_name} {profile.dtype}, {m.num_layers} layers, "
+    held = f", weights held at {profile.weight_bits:.2f} bits each" if profile.weight_bits else ""
+    lines = [f"profile ({profile.source}): {profile.model_name} {profile.dtype}{held}, {m.num_layers} layers, "
              f"hidden {m.hidden_size}"]
     s_ref = max(1, min(512, m.max_position_embeddings))
     lines.append(f"{'daemon':<14} {'device':<6} {'memory GiB':>10}   per-unit ms at {s_ref} tokens, context 0: "

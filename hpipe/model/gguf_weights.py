@@ -96,6 +96,14 @@ class GGUFWeights:
         entries = sum(math.prod(e["shape"]) for e in matrices)
         return 8 * sum(e["bytes"] for e in matrices) / max(entries, 1)
 
+    def main_type(self) -> int:
+        """The ggml type most of the layers' matrix bytes are stored in (what the profiler times)."""
+        by_type: dict[int, int] = {}
+        for name, e in self._tensors.items():
+            if len(e["shape"]) == 2 and name.startswith("model.layers."):
+                by_type[e["type"]] = by_type.get(e["type"], 0) + e["bytes"]
+        return max(by_type, key=by_type.get) if by_type else 0
+
     def nbytes(self, name: str) -> int:
         """Bytes the file stores ``name`` in."""
         return int(self._entry(name)["bytes"])

@@ -91,6 +91,26 @@ class QuantizedWeight:
         return torch.ops.hpipe.dequantize(self.data, self.parts, self.in_features)
 
 
+#: where each block type keeps its 16-bit scales (byte offsets in a block): set to small values in
+#: random blocks, whose other bytes are any bits
+_SCALES = {8: (0,), 2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 12: (0, 2), 13: (0, 2), 14: (208,)}
+
+
+def random_weight(ggml_type: int, rows: int, in_features: int, generator: torch.Generator) -> QuantizedWeight:
+    """A ``[rows, in_features]`` matrix of random blocks of ``ggml_type`` (the profiler times such
+    units): random quants, every scale 0.01."""
+    if ggml_type in (0, 1, 30):  # float formats: random values, stored as the type stores them
+        values = torch.randn(rows, in_features, generator=generator) * 0.02
+        data = {0: values, 1: values.half(), 30: values.bfloat16()}[ggml_type].view(torch.uint8)
+        return QuantizedWeight.of(ggml_type, rows, in_features, data.reshape(-1))
+    _, per_block, nbytes = TYPES[ggml_type]
+    blocks = torch.randint(0, 256, (rows, in_features // per_block, nbytes), generator=generator, dtype=torch.uint8)
+    scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    for at in _SCALES[ggml_type]:
+        blocks[:, :, at:at + 2] = scale
+    return QuantizedWeight.of(ggml_type, rows, in_features, blocks.reshape(-1))
+
+
 class QuantLinear(nn.Module):
     """``nn.Linear``'s forward, float32 on the CPU, over a :class:`QuantizedWeight`."""
 

@@ -60,6 +60,15 @@ class ModelSource:
 
         return GGUFWeights(self.gguf, self.path / INDEX, self.config)
 
+    def weight_bits(self, dequantize: bool = False) -> float:
+        """Bits per weight of the matrices as a stage holds them: a GGUF's as stored (0.0: in the
+        stage's dtype, as for safetensors or ``dequantize``)."""
+        return 0.0 if self.gguf is None or dequantize else self.weights().matrix_bits()
+
+    def weight_type(self, dequantize: bool = False) -> int:
+        """The ggml type most of a GGUF's layer matrices are stored in (0: float weights)."""
+        return 0 if self.gguf is None or dequantize else self.weights().main_type()
+
     def tokenizer(self):
         from transformers import AutoTokenizer
 

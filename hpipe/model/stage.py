@@ -21,7 +21,7 @@ from hpipe.model import cpu_kernel, packed
 from hpipe.model.kvcache import StageCache
 from hpipe.model.kvpool import BatchKV, Entry, KVPool
 from hpipe.model.layers import Attention, FeedForward, Head, build_unit, checkpoint_names, fused_rows
-from hpipe.model.quant import QuantEmbedding, QuantizedWeight, QuantLinear
+from hpipe.model.quant import TYPES, QuantEmbedding, QuantizedWeight, QuantLinear, random_weight
 from hpipe.model.rope import cos_sin, inverse_frequencies
 from hpipe.model.weights import WeightStore
 
@@ -123,8 +123,12 @@ class StageModel(nn.Module):
 
     @classmethod
     def random(cls, cfg: ModelConfig, units: UnitRange, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", seed: int = 0, pack: bool | None = None) -> "StageModel":
-        """Random weights that depend only on (seed, unit): any split gives the same model."""
+               device: str | torch.device = "cpu", seed: int = 0, pack: bool | None = None,
+               weight_type: int = 0) -> "StageModel":
+        """Random weights that depend only on (seed, unit): any split gives the same model.
+        ``weight_type`` (a ggml type; 0: none): the matrices are random blocks of that type instead,
+        as a stage of a GGUF holds them (the profiler times such units); a matrix whose width the
+        type's blocks do not divide stays float."""
         stage = cls(cfg, units, dtype=dtype, device=device)
         for u, module in stage.blocks.items():
             names = checkpoint_names(cfg, int(u), module)
@@ -143,6 +147,15 @@ class StageModel(nn.Module):
                     pieces.append(torch.empty(piece, device=stage.device, dtype=dtype).normal_(0.0, 0.02,
                                                                                                 generator=gen))
                 state[p] = _stacked(pieces)
+            if weight_type:
+                per_block = TYPES[weight_type][1]
+                for p, t in list(state.items()):
+                    if p.endswith(".weight") and t.dim() == 2 and t.shape[1] % per_block == 0:
+                        digest = hashlib.sha256(f"{seed}:{u}:{p}:blocks".encode()).digest()
+                        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+                        state.pop(p)
+                        stage._place_quantized(module, p.rpartition(".")[0],
+                                               random_weight(weight_type, t.shape[0], t.shape[1], gen), state)
             module.load_state_dict(state, assign=True, strict=True)
         return stage._finish(pack)
 

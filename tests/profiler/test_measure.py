@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import torch
 
 from hpipe.app.cli import main
 from hpipe.core.cluster import ClusterSpec
@@ -23,6 +24,8 @@ def test_profile_live_cluster_and_cache(cluster3, smollm2, tmp_path, capsys):
     assert "links (latency ms / bandwidth MB/s)" in err and "s2" in err
     profile = Profile.from_json(out.read_text())
     assert profile.source == "measured" and [d.name for d in profile.daemons] == ["s0", "s1", "s2"]
+    # the built-in GGUF's daemons hold Q4_1 blocks (and a Q8_0 embedding): its bits, and units timed so
+    assert 5.0 < profile.weight_bits < 6.0 and "weights held at 5.74 bits" in err
     assert len(profile.links) == 6 and all(l.bandwidth_Bps > 1e6 for l in profile.links)
     # moving activations costs each end's host CPU: measured per byte on every link
     assert all(l.send_cpu_s_per_byte > 0 and l.recv_cpu_s_per_byte > 0 for l in profile.links)
@@ -274,3 +277,34 @@ def test_a_daemon_failing_beside_others_is_named_without_waiting_for_them(tmp_pa
     with pytest.raises(HpipeError, match=r"daemon d0 \(127.0.0.1:0\) failed to profile itself: INTERNAL: out of memory"):
         measure._group_grids(group, clients, infos, None, ["k"], False, True, ref_args, _Bar())
     assert time.perf_counter() - t0 < 1.0
+
+
+def test_units_are_timed_in_the_blocks_the_daemons_hold():
+    """A config sent with a ``quantization_config`` naming a ggml type is timed on units whose
+    matrices are random blocks of that type; an unreadable type is refused."""
+    import json
+
+    from hpipe.core.errors import InputError
+    from hpipe.core.shapes import random_config
+    from hpipe.model import StageModel
+    from hpipe.model.quant import QuantLinear
+    from profiler.device import measure_units
+    from profiler.service import config_from_json
+
+    cfg = random_config("random:tiny")
+    shape = {**cfg.to_dict(), "quantization_config": {"quant_method": "gguf", "ggml_type": 8}}
+    assert config_from_json(json.dumps(shape)) == (cfg, 8)
+    assert config_from_json(json.dumps(cfg.to_dict())) == (cfg, 0)
+    with pytest.raises(InputError, match="ggml type 10"):
+        config_from_json(json.dumps({**shape, "quantization_config": {"ggml_type": 10}}))
+    stage = StageModel.random(cfg, cfg_units(cfg), weight_type=8)
+    assert any(isinstance(m, QuantLinear) for m in stage.modules())
+    times = measure_units(cfg, torch.float32, torch.device("cpu"), [1], [1, 16], [0, 16], 64, repeats=1,
+                          weight_type=8)
+    assert all(t > 0 for kind in times.values() for plane in kind for row in plane for t in row)
+
+
+def cfg_units(cfg):
+    from hpipe.core.units import UnitRange
+
+    return UnitRange(0, cfg.num_units, cfg.num_layers)
