@@ -170,7 +170,7 @@ class Backend:
         """Stop the engine's and the collector's threads (each finishes the step or the poll it is
         in), then fail what is left and close the deployment. The threads are joined, not left to
         the interpreter's exit: one still inside a gRPC or torch call while the process tore down
-        aborted it (``terminate called without an active exception``) in about one SIGTERM of three."""
+        aborted it (``terminate called without an active exception``) in 2-3 SIGTERMs of 12."""
         self._stop.set()
         self._wake.set()
         self.collector.stop()
