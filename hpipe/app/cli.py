@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 from dataclasses import fields
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from hpipe.app import commands
 from hpipe.core.cluster import DaemonOptions, option_flag
@@ -284,10 +284,17 @@ def console() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     code = main()
     if code == 130:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        leave(130)
     sys.exit(code)
+
+
+def leave(code: int) -> NoReturn:
+    """End the process with ``code`` now, output flushed, without the interpreter's teardown (which
+    can abort in gRPC's or torch's C++ threads): an interrupted command, a drained server."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

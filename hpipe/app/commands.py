@@ -212,8 +212,7 @@ def _held_weights(model: str) -> dict:
 
     if is_random(model) or Path(model).name.endswith(".json"):
         return {}
-    source = resolve_model(model)
-    return {"weight_bits": source.weight_bits(), "weight_type": source.weight_type()}
+    return resolve_model(model).held_weights()
 
 
 def profile(args: argparse.Namespace) -> int:

@@ -71,8 +71,7 @@ def run_demo(cluster_file: Path | None = None, instruction: str = INSTRUCTION, m
     started = launcher.up(cluster)
     try:
         say("profiling devices and links (cached per device after the first run)")
-        profile = profile_cluster(cluster, "smollm2-135m", cfg, max_len=2048, weight_bits=source.weight_bits(),
-                                  weight_type=source.weight_type())
+        profile = profile_cluster(cluster, "smollm2-135m", cfg, max_len=2048, **source.held_weights())
         print(summary(profile), file=sys.stderr)
         ids, _ = build_prompt(source.tokenizer(), instruction, document, True, 2048, "none")
         say(f"planning for the sample report: {len(ids)} prompt tokens")

@@ -8,9 +8,7 @@ probes and scrapers).
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import sys
 from pathlib import Path
 from typing import NoReturn
 
@@ -37,7 +35,7 @@ def serve(plan, cluster, source, *, host: str, port: int, api_key: str | None, p
           drain_s: float = 10.0, dequantize: bool = False) -> NoReturn:
     """Serve until SIGINT or SIGTERM: then stop accepting, give running requests ``drain_s`` seconds
     to finish, cancel the rest and exit 0; 1 if the engine itself failed (so that a supervisor
-    restarts the server). The process ends here (:func:`leave`)."""
+    restarts the server). The process ends here (:func:`hpipe.app.cli.leave`)."""
     import uvicorn
 
     from hpipe.app.openai_api import create_app
@@ -71,15 +69,9 @@ def serve(plan, cluster, source, *, host: str, port: int, api_key: str | None, p
         backend.stop()
     if backend.fatal:
         log.error("exiting: %s", backend.fatal)
+    # without the interpreter's teardown: a gRPC or torch C++ thread still alive then aborted the
+    # process (``terminate called without an active exception``, exit -6) in about one SIGTERM of
+    # eight even with the backend's threads joined, so a clean drain read as a crash to a supervisor
+    from hpipe.app.cli import leave
+
     leave(1 if backend.fatal else 0)
-
-
-def leave(code: int) -> None:
-    """End the process with ``code`` once the server has drained and the backend has stopped, without
-    the interpreter's teardown: a gRPC or torch C++ thread still alive then aborted the process
-    (``terminate called without an active exception``, exit -6) in about one SIGTERM of eight
-    even with the backend's threads joined, so a clean drain read as a crash to a supervisor."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

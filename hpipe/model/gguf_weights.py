@@ -165,9 +165,9 @@ def head_order(rows: int, heads: int) -> torch.Tensor:
 
 
 def _type_name(t: int) -> str:
-    try:
-        from gguf import GGMLQuantizationType
+    from gguf import GGMLQuantizationType
 
+    try:
         return GGMLQuantizationType(t).name
-    except (ImportError, ValueError):
+    except ValueError:
         return str(t)

@@ -191,6 +191,13 @@ def fused_rows(cfg: ModelConfig, param: str) -> tuple[int, ...]:
     return cfg.intermediate_size, cfg.intermediate_size
 
 
+def checkpoint_tensors(cfg: ModelConfig, unit: int) -> list[str]:
+    """Every checkpoint tensor ``unit`` reads, without building its weights (a meta module)."""
+    with torch.device("meta"):
+        module = build_unit(cfg, unit)
+    return [n for parts in checkpoint_names(cfg, unit, module).values() for n in parts]
+
+
 def checkpoint_names(cfg: ModelConfig, unit: int, module: nn.Module) -> dict[str, tuple[str, ...]]:
     """``{parameter name in the unit module: the Hugging Face checkpoint tensors it stacks}``."""
     kind, layer = unit_kind(unit, cfg.num_layers)

@@ -14,16 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from hpipe.core.errors import ModelSourceError
 
-#: ggml type id -> (name, values per block, bytes per block) of the types the kernels read
-TYPES = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
-}
+#: ggml type id -> (name, values per block, bytes per block) of the types the kernels read (the
+#: sizes are the gguf package's)
+TYPES = {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in (GGMLQuantizationType[n] for n in (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))}
 
 
 def row_bytes(ggml_type: int, in_features: int) -> int:

@@ -60,14 +60,14 @@ class ModelSource:
 
         return GGUFWeights(self.gguf, self.path / INDEX, self.config)
 
-    def weight_bits(self, dequantize: bool = False) -> float:
-        """Bits per weight of the matrices as a stage holds them: a GGUF's as stored (0.0: in the
-        stage's dtype, as for safetensors or ``dequantize``)."""
-        return 0.0 if self.gguf is None or dequantize else self.weights().matrix_bits()
-
-    def weight_type(self, dequantize: bool = False) -> int:
-        """The ggml type most of a GGUF's layer matrices are stored in (0: float weights)."""
-        return 0 if self.gguf is None or dequantize else self.weights().main_type()
+    def held_weights(self, dequantize: bool = False) -> dict:
+        """How stages hold the matrices, for the profiler: a GGUF's ``weight_bits`` (bits per weight
+        as stored) and ``weight_type`` (the ggml type most of its layer matrices are stored in);
+        empty for float weights (safetensors, or ``dequantize``)."""
+        if self.gguf is None or dequantize:
+            return {}
+        store = self.weights()
+        return {"weight_bits": store.matrix_bits(), "weight_type": store.main_type()}
 
     def tokenizer(self):
         from transformers import AutoTokenizer

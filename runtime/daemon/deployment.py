@@ -39,7 +39,7 @@ from hpipe.model import StageModel
 from hpipe.model.gguf_weights import GGUFWeights
 from hpipe.model.graphs import DecodeGraphs
 from hpipe.model.kvpool import BLOCK_SIZE, KVPool
-from hpipe.model.layers import build_unit, checkpoint_names
+from hpipe.model.layers import build_unit, checkpoint_tensors
 from hpipe.model.sources import BUILTIN_MODELS, resolve_model
 from runtime.daemon import memory
 
@@ -236,13 +236,7 @@ def weight_bytes(cfg: ModelConfig, units: UnitRange, dtype: torch.dtype, device:
     dense = sum(p.numel() for p in unit_params(cfg, units)) * dtype.itemsize
     if not isinstance(store, GGUFWeights) or device.type != "cpu" or dtype != torch.float32:
         return dense
-    names = {n for u in units for parts in checkpoint_names(cfg, u, build_unit_meta(cfg, u)).values() for n in parts}
-    return sum(store.nbytes(n) for n in names)
-
-
-def build_unit_meta(cfg: ModelConfig, unit: int):
-    with torch.device("meta"):
-        return build_unit(cfg, unit)
+    return sum(store.nbytes(n) for n in {n for u in units for n in checkpoint_tensors(cfg, u)})
 
 
 def unit_params(cfg: ModelConfig, units: UnitRange) -> list:

@@ -16,6 +16,7 @@ from hpipe.core.units import UnitRange, ranges_from_cuts
 from hpipe.model import StageModel, cpu_kernel
 from hpipe.model.generate import LocalModel, encode_prompt, generate
 from hpipe.model.gguf_weights import INDEX, GGUFWeights, head_order
+from hpipe.model.layers import checkpoint_tensors
 from hpipe.model.quant import TYPES, QuantEmbedding, QuantizedWeight, QuantLinear
 from tests.helpers import max_rel_diff
 
@@ -138,18 +139,10 @@ def test_stage_holds_the_files_bytes(smollm2):
     assert isinstance(store, GGUFWeights)
     for units in ranges_from_cuts([7, 40], cfg.num_layers):
         stage = StageModel.from_checkpoint(store, cfg, units)
-        names = {n for u in units for n in _names(cfg, u)}
+        names = {n for u in units for n in checkpoint_tensors(cfg, u)}
         stored = sum(store.nbytes(n) for n in names)
         assert abs(stage.weight_bytes() - stored) <= 0.1 * stored, units
         assert stage.weight_bytes() < 0.3 * stage.parameter_count() * 4
-
-
-def _names(cfg, unit: int) -> list[str]:
-    from hpipe.model.layers import build_unit, checkpoint_names
-
-    with torch.device("meta"):
-        module = build_unit(cfg, unit)
-    return [n for parts in checkpoint_names(cfg, unit, module).values() for n in parts]
 
 
 def test_quantized_equals_dequantized_smollm2(smollm2):
