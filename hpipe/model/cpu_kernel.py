@@ -17,9 +17,10 @@ eager path, which gives the same results up to float rounding (tests/model/test_
 with an error logged; quantized stages refuse to load (:func:`require`) rather than crawl. With
 ``HPIPE_CPU_KERNEL=off`` stages do not use it.
 
-It takes micro-batches whose entries are all one live decode token over consecutive KV blocks
-(the allocator keeps sequences consecutive unless the pool is under pressure); others, and every
-prefill, run the eager path.
+It takes micro-batches whose entries are all one live decode token; each row reads its
+sequence's keys and values as runs of consecutive pool slots (one run as a rule: the allocator
+keeps a sequence consecutive; two when it began with a cached prefix, more in a pool under
+pressure). Other micro-batches, and every prefill, run the eager path.
 """
 
 from __future__ import annotations
@@ -143,10 +144,8 @@ def applies(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def fits(entries: list[Entry], pool: KVPool | None) -> bool:
-    """Whether the kernel takes this micro-batch: every entry one live token whose positions so far
-    lie in consecutive pool slots."""
-    return pool is not None and bool(entries) and all(
-        e.length == 1 and e.kv is not None and e.kv.run(e.start + 1) is not None for e in entries)
+    """Whether the kernel takes this micro-batch: every entry one live token."""
+    return pool is not None and bool(entries) and all(e.length == 1 and e.kv is not None for e in entries)
 
 
 class StageKernel:
@@ -174,9 +173,15 @@ class StageKernel:
                  pool: KVPool) -> torch.Tensor:
         """The residual stream ``x [rows, hidden]`` (float32, one row per entry) through the units;
         each row's key and value are written into its sequence's slot of ``pool``."""
-        cfg = self.cfg
+        cfg, writes, runs = self.cfg, [], []
+        for e in entries:
+            row = e.kv.runs(e.start + 1)
+            writes.append(row[-1][0] + row[-1][1] - 1)  # the slot of its own position, the last one
+            runs.append(len(row))
+            for slot, count in row:
+                runs += (slot, count)
         return torch.ops.hpipe.decode_units(
-            x.contiguous(), cos, ssin, [e.start for e in entries], [e.kv.run(e.start + 1)[0] for e in entries],
+            x.contiguous(), cos, ssin, [e.start for e in entries], writes, runs,
             self.kinds, self._params, [pool.k[i] for i in self.layers], [pool.v[i] for i in self.layers],
             self.windows, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, _vector)
 

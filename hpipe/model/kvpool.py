@@ -20,6 +20,12 @@ writes keys. A sequence released while a micro-batch that names it is being comp
 block list, so that computation still finds its slots: it may write into blocks already handed to
 a newer sequence, but that sequence's own micro-batches come later on the same worker and write
 every position before any attention reads it.
+
+Shared blocks. A block may belong to several sequences at once, and to the prefix cache
+(:mod:`runtime.daemon.prefix_store`): a sequence that begins with a cached prefix starts with
+those blocks (:meth:`SeqKV.share`), never writes them, and grows into blocks of its own. Each
+block counts its holders and is free when none is left. Such a sequence's positions lie in two
+runs of slots or more; attention reads them as runs (:meth:`SeqKV.runs`), or gathers them.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ class KVPool:
         slots = num_blocks * block_size
         self.k = {i: torch.empty(kv_heads, slots, head_dim, dtype=dtype, device=device) for i in self.layers}
         self.v = {i: torch.empty(kv_heads, slots, head_dim, dtype=dtype, device=device) for i in self.layers}
-        self._used = np.zeros(num_blocks, dtype=bool)
+        self._refs = np.zeros(num_blocks, dtype=np.int32)  # holders of each block: 0 when free
         self._reserved = np.zeros(num_blocks, dtype=bool)
         self._lock = threading.Lock()
         self._trash: int | None = None
@@ -67,8 +73,12 @@ class KVPool:
         return sum(t.nbytes for t in self.k.values()) + sum(t.nbytes for t in self.v.values())
 
     @property
+    def _used(self) -> np.ndarray:
+        return self._refs > 0
+
+    @property
     def used_blocks(self) -> int:
-        return int(self._used.sum())
+        return int(np.count_nonzero(self._refs))
 
     def trash_slot(self) -> int:
         """A slot of a block no sequence will get: where padded rows of a static step write."""
@@ -78,7 +88,7 @@ class KVPool:
                 if not free.size:
                     raise PoolExhausted("the KV pool has no block left for padding")
                 self._trash = int(free[-1])
-                self._used[self._trash] = True
+                self._refs[self._trash] = 1
             return self._trash * self.block_size
 
     def sequence(self, max_len: int) -> "SeqKV":
@@ -89,13 +99,13 @@ class KVPool:
     def take(self, seq: "SeqKV") -> int:
         """A free block for ``seq``'s next positions (:class:`PoolExhausted` if none is)."""
         with self._lock:
-            if seq.blocks:
+            if len(seq.blocks) > seq.shared:
                 nxt = seq.blocks[-1] + 1
-                if nxt < self.num_blocks and not self._used[nxt] and (
+                if nxt < self.num_blocks and not self._refs[nxt] and (
                         seq.extent[0] <= nxt < seq.extent[1] or not self._reserved[nxt]):
                     return self._claim(nxt)
-            else:
-                want = math.ceil(seq.max_len / self.block_size)
+            else:  # its first block of its own: a run for the rest of its declared length
+                want = math.ceil(seq.max_len / self.block_size) - seq.shared
                 start = self._place(want)
                 if start is not None:
                     seq.extent = (start, start + want)
@@ -117,23 +127,36 @@ class KVPool:
         return at
 
     def _claim(self, block: int) -> int:
-        self._used[block] = True
+        self._refs[block] = 1
         return block
 
-    def give_back(self, seq: "SeqKV", keep: int) -> None:
-        """Free ``seq``'s blocks past its first ``keep``; with none kept, its reserved run too."""
+    def hold(self, blocks: list[int]) -> None:
+        """One more holder for each of these blocks (each one in use already)."""
         with self._lock:
-            self._used[seq.blocks[keep:]] = False
-            if keep == 0:
+            if blocks and not self._refs[blocks].all():
+                raise HpipeError("a free KV block cannot be shared")
+            np.add.at(self._refs, blocks, 1)
+
+    def drop(self, blocks: list[int]) -> None:
+        """One holder fewer for each of these blocks; a block none holds is free."""
+        with self._lock:
+            np.subtract.at(self._refs, blocks, 1)
+
+    def give_back(self, seq: "SeqKV", keep: int) -> None:
+        """Drop ``seq``'s hold on its blocks past its first ``keep``; with none of its own kept,
+        its reserved run too."""
+        with self._lock:
+            np.subtract.at(self._refs, seq.blocks[keep:], 1)
+            if keep <= seq.shared:
                 self._reserved[seq.extent[0]:seq.extent[1]] = False
 
     def release(self, seq: "SeqKV") -> None:
-        """Give ``seq``'s blocks back (once; its block list is kept, see the module's note)."""
+        """Drop ``seq``'s hold on its blocks (once; its block list is kept, see the module's note)."""
         with self._lock:
             if seq.released:
                 return
             seq.released = True
-            self._used[seq.blocks] = False
+            np.subtract.at(self._refs, seq.blocks, 1)
             self._reserved[seq.extent[0]:seq.extent[1]] = False
 
 
@@ -143,8 +166,10 @@ class SeqKV:
     def __init__(self, pool: KVPool, max_len: int):
         self.pool, self.max_len = pool, max_len
         self.blocks: list[int] = []
-        self.extent: tuple[int, int] = (0, 0)  # the blocks reserved for it at its first block
+        self.extent: tuple[int, int] = (0, 0)  # the blocks reserved for it at its first block of its own
+        self.shared = 0  # how many of its first blocks it shares (a cached prefix it began with)
         self.leading = 0  # how many of its first blocks are consecutive in the pool
+        self._runs: list[list[int]] = []  # its blocks as runs: [first block, count] in order
         self.released = False
 
     @property
@@ -156,6 +181,25 @@ class SeqKV:
         return len(self.blocks) * KVPool.block_bytes(len(self.pool.layers), self.pool.kv_heads, self.pool.head_dim,
                                                     self.pool.dtype, self.pool.block_size)
 
+    def share(self, blocks: list[int]) -> None:
+        """Begin with these blocks of a cached prefix (held, never written: positions from
+        ``len(blocks) * block_size`` on go to blocks of its own)."""
+        if self.blocks or self.released:
+            raise HpipeError("only a new, empty sequence can begin with shared blocks")
+        self.pool.hold(blocks)
+        for block in blocks:
+            self._append(block)
+        self.shared = len(blocks)
+
+    def _append(self, block: int) -> None:
+        if self.leading == len(self.blocks) and (not self.blocks or block == self.blocks[-1] + 1):
+            self.leading += 1
+        if self._runs and block == self._runs[-1][0] + self._runs[-1][1]:
+            self._runs[-1][1] += 1
+        else:
+            self._runs.append([block, 1])
+        self.blocks.append(block)
+
     def grow(self, length: int) -> None:
         """Hold positions ``[0, length)``, taking blocks as needed (:class:`PoolExhausted` if none is free)."""
         if self.released:
@@ -163,10 +207,7 @@ class SeqKV:
         if length > self.max_len:
             raise HpipeError(f"positions up to {length} exceed the sequence's declared max length {self.max_len}")
         while self.capacity < length:
-            block = self.pool.take(self)
-            if self.leading == len(self.blocks) and (not self.blocks or block == self.blocks[-1] + 1):
-                self.leading += 1
-            self.blocks.append(block)
+            self._append(self.pool.take(self))
 
     def truncate(self, length: int) -> None:
         """Hold only positions ``[0, length)``: the blocks past them go back to the pool."""
@@ -174,10 +215,13 @@ class SeqKV:
         if keep >= len(self.blocks) or self.released:
             return
         self.pool.give_back(self, keep)
-        if keep == 0:  # it starts afresh: a new first block reserves a new run
+        if keep <= self.shared:  # none of its own left: its next block of its own reserves a new run
             self.extent = (0, 0)
-        del self.blocks[keep:]
-        self.leading = min(self.leading, keep)
+            self.shared = keep
+        blocks = self.blocks[:keep]
+        self.blocks, self._runs, self.leading = [], [], 0
+        for block in blocks:
+            self._append(block)
 
     def release(self) -> None:
         self.pool.release(self)
@@ -190,6 +234,17 @@ class SeqKV:
             return None
         first = self.blocks[0] * self.pool.block_size
         return first, first + end
+
+    def runs(self, end: int) -> list[tuple[int, int]]:
+        """Positions ``[0, end)`` as runs of consecutive pool slots: (first slot, count) in order."""
+        bs, out, left = self.pool.block_size, [], end
+        for first, count in self._runs:
+            if left <= 0:
+                break
+            n = min(count * bs, left)
+            out.append((first * bs, n))
+            left -= n
+        return out
 
     def slots(self, start: int, end: int, device: torch.device) -> torch.Tensor:
         """Pool slot indices of positions ``[start, end)``."""

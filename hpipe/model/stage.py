@@ -19,7 +19,7 @@ from hpipe.core.errors import InputError
 from hpipe.core.units import UnitRange
 from hpipe.model import cpu_kernel, packed
 from hpipe.model.kvcache import StageCache
-from hpipe.model.kvpool import BatchKV, Entry, KVPool
+from hpipe.model.kvpool import BLOCK_SIZE, BatchKV, Entry, KVPool
 from hpipe.model.layers import Attention, FeedForward, Head, build_unit, checkpoint_names, fused_rows
 from hpipe.model.quant import TYPES, QuantEmbedding, QuantizedWeight, QuantLinear, random_weight
 from hpipe.model.rope import cos_sin, inverse_frequencies
@@ -166,11 +166,11 @@ class StageModel(nn.Module):
         return StageCache.allocate(self.units.attention_layers(), batch, max_len, self.cfg.num_kv_heads,
                                    self.cfg.head_dim, self.dtype, self.device)
 
-    def new_pool(self, num_blocks: int) -> KVPool | None:
+    def new_pool(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> KVPool | None:
         """A pool of ``num_blocks`` KV blocks shared by the sequences of a daemon (None: no attention here)."""
         layers = self.units.attention_layers()
-        return KVPool(layers, num_blocks, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype, self.device) \
-            if layers else None
+        return KVPool(layers, num_blocks, self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype, self.device,
+                      block_size) if layers else None
 
     def block_bytes(self) -> int:
         """Bytes of one KV block of this stage (0 for a stage without attention)."""

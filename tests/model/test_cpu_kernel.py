@@ -111,7 +111,7 @@ def test_kernel_attention_equals_eager_for_every_head_shape(heads, kv_heads, hea
     assert max_rel_diff(out[True], out[False]) <= 1e-5
 
 
-def test_kernel_takes_only_live_consecutive_decode_tokens(kernel):
+def test_kernel_takes_only_live_decode_tokens(kernel):
     pool = KVPool([0], 4, 2, 8, torch.float32, "cpu", block_size=4)
     seq = pool.sequence(8)
     seq.grow(5)
@@ -120,17 +120,63 @@ def test_kernel_takes_only_live_consecutive_decode_tokens(kernel):
     assert not cpu_kernel.fits([Entry(4, 1, seq), Entry(0, 1, None)], pool)  # a failed sequence's row
     assert not cpu_kernel.fits([Entry(4, 1, seq)], None)  # a stage without attention
     assert not cpu_kernel.fits([], pool)
-    seq.release()
-    fillers = [pool.sequence(4) for _ in range(4)]
-    for f in fillers:
-        f.grow(4)
-    fillers[1].release()
-    fillers[3].release()
-    scattered = pool.sequence(4)  # takes block 1, then grows past its declared length into block 3
-    scattered.grow(4)
-    scattered.max_len = 8
-    scattered.grow(5)
-    assert scattered.run(5) is None and not cpu_kernel.fits([Entry(4, 1, scattered)], pool)
+
+
+@pytest.mark.parametrize("vector", [True, False])
+@pytest.mark.parametrize("family", ["llama", "mistral-sliding"])
+def test_kernel_reads_shared_and_scattered_blocks(family, vector, tiny_dirs, kernel):
+    """Sequences whose positions lie in several runs of slots: two that begin with a third's first
+    blocks (a cached prefix, never written again), and one scattered by a full pool. The kernel's
+    decode equals the eager path's, and the sharing sequences' logits equal those of a sequence that
+    computed the whole prompt itself."""
+    cpu_kernel.vector_attention(vector)
+    source = resolve_model(str(tiny_dirs[family]))
+    cfg = source.config
+    stage = StageModel.from_checkpoint(source.weights(), cfg, UnitRange(0, 2 * cfg.num_layers + 2, cfg.num_layers))
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, cfg.vocab_size, (21,), generator=gen)
+    steps = 12
+    out = {}
+    for kind in ("eager", "kernel"):
+        cpu_kernel.enable(kind == "kernel")
+        pool = stage.new_pool(40, block_size=4)
+        donor = pool.sequence(21)
+        donor.grow(21)
+        stage.forward_batch(prompt, [Entry(0, 21, donor)], pool)
+        sharers = []
+        for cached in (16, 8):  # 4 and 2 blocks of the donor's, then blocks of their own
+            seq = pool.sequence(40)
+            seq.share(donor.blocks[:cached // 4])
+            seq.grow(21)
+            stage.forward_batch(prompt[cached:], [Entry(cached, 21 - cached, seq, "last")], pool)
+            sharers.append(seq)
+        whole = pool.sequence(4)  # declared short: the next block goes to another, so it scatters
+        whole.grow(4)
+        gap = pool.sequence(4)
+        gap.grow(4)
+        whole.max_len = 40
+        whole.grow(21)
+        first = stage.forward_batch(prompt, [Entry(0, 21, whole, "last")], pool)
+        rows = [whole, *sharers]
+        assert len(whole.runs(22)) > 1 and all(len(s.runs(22)) > 1 for s in sharers)
+        donor.release()  # the sharers still hold its first blocks
+        tokens, logits = first.argmax(-1).repeat(3), []
+        for step in range(steps):
+            entries = []
+            for seq in rows:
+                seq.grow(22 + step)
+                entries.append(Entry(21 + step, 1, seq, "last"))
+            assert cpu_kernel.fits(entries, pool)
+            x = stage.forward_batch(tokens, entries, pool)
+            logits.append(x)
+            tokens = x[0].argmax(-1).repeat(3)  # every row is fed the whole prompt's token
+        out[kind] = torch.stack(logits)
+        for seq in rows:
+            seq.release()
+        assert pool.used_blocks == 1  # the gap's; every shared block freed once its last holder let go
+    assert max_rel_diff(out["kernel"], out["eager"]) <= 1e-5
+    for k in range(1, 3):
+        assert max_rel_diff(out["kernel"][:, k], out["kernel"][:, 0]) <= 1e-5
 
 
 def test_switched_off_by_the_environment(kernel, monkeypatch):

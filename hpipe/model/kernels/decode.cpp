@@ -92,9 +92,10 @@ void rotate(Tensor& qkv, const Tensor& cos, const Tensor& ssin, int64_t heads) {
 #include <immintrin.h>
 #define HPIPE_AVX512 __attribute__((target("avx512f")))
 
-// scores[g][j] = q[g] . keys[j] for the group's queries [group, dim] and the len keys [len, dim]
+// scores[g * stride + j] = q[g] . keys[j] for the group's queries [group, dim] and the len keys
+// [len, dim] (stride: the length of a query's whole row of scores, of which these are a part)
 HPIPE_AVX512 void key_scores(const float* q, const float* keys, int64_t len, int64_t group, int64_t dim,
-                             float* scores) {
+                             float* scores, int64_t stride) {
   if (dim == 64 && group <= 4) {  // the common shape: the queries in registers, each key loaded once
     __m512 qr[4][4];
     for (int64_t g = 0; g < group; ++g)
@@ -106,7 +107,7 @@ HPIPE_AVX512 void key_scores(const float* q, const float* keys, int64_t len, int
       for (int64_t g = 0; g < group; ++g) {
         const __m512 a = _mm512_fmadd_ps(qr[g][1], k1, _mm512_mul_ps(qr[g][0], k0));
         const __m512 b = _mm512_fmadd_ps(qr[g][3], k3, _mm512_mul_ps(qr[g][2], k2));
-        scores[g * len + j] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        scores[g * stride + j] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
       }
     }
     return;
@@ -118,25 +119,25 @@ HPIPE_AVX512 void key_scores(const float* q, const float* keys, int64_t len, int
       __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(k));
       for (int64_t i = 16; i < dim; i += 16)
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), _mm512_loadu_ps(k + i), acc);
-      scores[g * len + j] = _mm512_reduce_add_ps(acc);
+      scores[g * stride + j] = _mm512_reduce_add_ps(acc);
     }
   }
 }
 
-// out[g] = sum over j of probs[g][j] * values[j], for values [len, dim]
+// out[g] += sum over j of probs[g * stride + j] * values[j], for values [len, dim]
 HPIPE_AVX512 void weighted_values(const float* probs, const float* values, int64_t len, int64_t group, int64_t dim,
-                                  float* out) {
+                                  float* out, int64_t stride) {
   if (dim == 64 && group <= 4) {  // the common shape: every sum in registers
     __m512 acc[4][4];
-    for (auto& row : acc)
-      for (auto& a : row) a = _mm512_setzero_ps();
+    for (int64_t g = 0; g < group; ++g)
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_loadu_ps(out + g * 64 + c * 16);
     for (int64_t j = 0; j < len; ++j) {
       const float* v = values + j * 64;
       _mm_prefetch(reinterpret_cast<const char*>(v + 16 * 64), _MM_HINT_T0);
       const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
                    v3 = _mm512_loadu_ps(v + 48);
       for (int64_t g = 0; g < group; ++g) {
-        const __m512 p = _mm512_set1_ps(probs[g * len + j]);
+        const __m512 p = _mm512_set1_ps(probs[g * stride + j]);
         acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
         acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
         acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
@@ -147,11 +148,10 @@ HPIPE_AVX512 void weighted_values(const float* probs, const float* values, int64
       for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * 64 + c * 16, acc[g][c]);
     return;
   }
-  std::fill(out, out + group * dim, 0.f);
   for (int64_t j = 0; j < len; ++j) {
     const float* v = values + j * dim;
     for (int64_t g = 0; g < group; ++g) {
-      const __m512 p = _mm512_set1_ps(probs[g * len + j]);
+      const __m512 p = _mm512_set1_ps(probs[g * stride + j]);
       float* o = out + g * dim;
       for (int64_t i = 0; i < dim; i += 16)
         _mm512_storeu_ps(o + i, _mm512_fmadd_ps(p, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
@@ -177,7 +177,8 @@ inline float sum8(vec8 v) {
   return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
-void key_scores(const float* q, const float* keys, int64_t len, int64_t group, int64_t dim, float* scores) {
+void key_scores(const float* q, const float* keys, int64_t len, int64_t group, int64_t dim, float* scores,
+                int64_t stride) {
   for (int64_t j = 0; j < len; ++j) {
     const float* k = keys + j * dim;
     for (int64_t g = 0; g < group; ++g) {
@@ -189,17 +190,17 @@ void key_scores(const float* q, const float* keys, int64_t len, int64_t group, i
         b += load8(qg + i + 8) * load8(k + i + 8);
       }
       for (; i < dim; i += 8) a += load8(qg + i) * load8(k + i);
-      scores[g * len + j] = sum8(a + b);
+      scores[g * stride + j] = sum8(a + b);
     }
   }
 }
 
-void weighted_values(const float* probs, const float* values, int64_t len, int64_t group, int64_t dim, float* out) {
-  std::fill(out, out + group * dim, 0.f);
+void weighted_values(const float* probs, const float* values, int64_t len, int64_t group, int64_t dim, float* out,
+                     int64_t stride) {
   for (int64_t j = 0; j < len; ++j) {
     const float* v = values + j * dim;
     for (int64_t g = 0; g < group; ++g) {
-      const float p = probs[g * len + j];
+      const float p = probs[g * stride + j];
       float* o = out + g * dim;
       for (int64_t i = 0; i < dim; i += 8) {
         const vec8 r = load8(o + i) + p * load8(v + i);
@@ -231,29 +232,60 @@ AttentionLoops attention_loops(int64_t head_dim) {
 
 bool vector_attention(int64_t head_dim) { return attention_loops(head_dim) != AttentionLoops::none; }
 
-// queries q [kv_heads * group, dim] over the len positions from keys and values [kv_heads, slots,
-// dim] (already offset to the row's first position), into out [kv_heads * group, dim]
-void attend_row(const float* q, const float* keys, const float* values, int64_t slots, int64_t len,
-                int64_t kv_heads, int64_t group, int64_t dim, float* out, const at::TensorOptions& options) {
+// A row's positions in one KV head's pool slots: `count` consecutive slots from `slot`
+struct Segment {
+  int64_t slot, count;
+};
+
+// one KV head's group of queries q [group, dim] over the positions in `segments` (in position
+// order, len in all) of that head's keys and values [slots, dim], into out [group, dim]
+void attend_row(const float* q, const float* keys, const float* values, const std::vector<Segment>& segments,
+                int64_t len, int64_t group, int64_t dim, float* out, const at::TensorOptions& options) {
   const bool wide = attention_loops(dim) == AttentionLoops::avx512;
-  Tensor scores = at::empty({kv_heads, group, len}, options);
-  for (int64_t h = 0; h < kv_heads; ++h)
-    (wide ? key_scores : avx2::key_scores)(q + h * group * dim, keys + h * slots * dim, len, group, dim,
-                                           scores.data_ptr<float>() + h * group * len);
+  Tensor scores = at::empty({group, len}, options);
+  int64_t at = 0;
+  for (const Segment& s : segments) {
+    (wide ? key_scores : avx2::key_scores)(q, keys + s.slot * dim, s.count, group, dim,
+                                           scores.data_ptr<float>() + at, len);
+    at += s.count;
+  }
   const Tensor probs = at::_softmax(scores, -1, false);
-  for (int64_t h = 0; h < kv_heads; ++h)
-    (wide ? weighted_values : avx2::weighted_values)(probs.data_ptr<float>() + h * group * len,
-                                                     values + h * slots * dim, len, group, dim, out + h * group * dim);
+  std::fill(out, out + group * dim, 0.f);
+  at = 0;
+  for (const Segment& s : segments) {
+    (wide ? weighted_values : avx2::weighted_values)(probs.data_ptr<float>() + at, values + s.slot * dim, s.count,
+                                                     group, dim, out, len);
+    at += s.count;
+  }
 }
 #else
+struct Segment {
+  int64_t slot, count;
+};
 bool vector_attention(int64_t) { return false; }
-void attend_row(const float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*,
-                const at::TensorOptions&) {}
+void attend_row(const float*, const float*, const float*, const std::vector<Segment>&, int64_t, int64_t, int64_t,
+                float*, const at::TensorOptions&) {}
 #endif
 
+// Where each row's keys and values are. A sequence's positions lie in runs of consecutive pool
+// slots: one when its blocks are consecutive, more when it begins with cached prefix blocks
+// (shared with other sequences) or when a pool under pressure scattered it.
 struct Rows {
   std::vector<int64_t> position;  // each row's position in its sequence
-  std::vector<int64_t> base;      // the pool slot of its sequence's position 0 (its blocks are consecutive)
+  std::vector<int64_t> write;     // the pool slot of that position, where its key and value go
+  std::vector<std::vector<Segment>> runs;  // its positions [0, position] in order, as runs of slots
+
+  // the runs of positions [first, position] of row r
+  std::vector<Segment> window(int64_t r, int64_t first) const {
+    std::vector<Segment> out;
+    int64_t at = 0;
+    for (const Segment& s : runs[r]) {
+      const int64_t skip = std::max<int64_t>(0, first - at);
+      if (skip < s.count) out.push_back({s.slot + skip, s.count - skip});
+      at += s.count;
+    }
+    return out;
+  }
 };
 
 Tensor attention_unit(const Tensor& x, const std::vector<Tensor>& p, const Tensor& k_pool, const Tensor& v_pool,
@@ -268,8 +300,10 @@ Tensor attention_unit(const Tensor& x, const std::vector<Tensor>& p, const Tenso
   const int64_t slots = k_pool.size(1);
   Tensor out = at::empty({n, heads, head_dim}, x.options());
   for (int64_t r = 0; r < n; ++r) {  // every row's key and value into its slot, before any row reads
-    const int64_t pos = rows.position[r], slot = rows.base[r] + pos;
-    TORCH_CHECK(pos >= 0 && rows.base[r] >= 0 && slot < slots, "a row's KV slot lies outside the pool");
+    const int64_t slot = rows.write[r];
+    TORCH_CHECK(slot >= 0 && slot < slots, "a row's KV slot lies outside the pool");
+    for (const Segment& s : rows.runs[r])
+      TORCH_CHECK(s.slot >= 0 && s.count >= 0 && s.slot + s.count <= slots, "a row's KV run lies outside the pool");
     const float* row = qkv.data_ptr<float>() + r * (heads + 2 * kv_heads) * head_dim;
     for (int64_t h = 0; h < kv_heads; ++h) {
       std::memcpy(k_pool.data_ptr<float>() + (h * slots + slot) * head_dim, row + (heads + h) * head_dim,
@@ -289,16 +323,22 @@ Tensor attention_unit(const Tensor& x, const std::vector<Tensor>& p, const Tenso
       const int64_t pos = rows.position[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
       const int64_t len = pos + 1 - first;
+      const std::vector<Segment> segments = rows.window(r, first);
       const float* q = qkv.data_ptr<float>() + (r * (heads + 2 * kv_heads) + h * group) * head_dim;
       float* o = out.data_ptr<float>() + (r * heads + h * group) * head_dim;
       if (vector) {
-        const int64_t at = (h * slots + rows.base[r] + first) * head_dim;
-        attend_row(q, k_pool.data_ptr<float>() + at, v_pool.data_ptr<float>() + at, slots, len, 1, group, head_dim,
+        const int64_t at = h * slots * head_dim;
+        attend_row(q, k_pool.data_ptr<float>() + at, v_pool.data_ptr<float>() + at, segments, len, group, head_dim,
                    o, x.options());
         continue;
       }
-      Tensor keys = k_pool.select(0, h).narrow(0, rows.base[r] + first, len);
-      Tensor values = v_pool.select(0, h).narrow(0, rows.base[r] + first, len);
+      std::vector<Tensor> key_runs, value_runs;
+      for (const Segment& s : segments) {
+        key_runs.push_back(k_pool.select(0, h).narrow(0, s.slot, s.count));
+        value_runs.push_back(v_pool.select(0, h).narrow(0, s.slot, s.count));
+      }
+      Tensor keys = key_runs.size() == 1 ? key_runs[0] : at::cat(key_runs);
+      Tensor values = value_runs.size() == 1 ? value_runs[0] : at::cat(value_runs);
       Tensor qg = qkv.select(0, r).narrow(0, h * group, group);
       Tensor into = out.select(0, r).narrow(0, h * group, group);
       at::mm_out(into, at::_softmax(at::mm(qg, keys.t()), -1, false), values);
@@ -319,18 +359,35 @@ Tensor mlp_unit(const Tensor& x, const std::vector<Tensor>& p, double eps) {
 // turn (A_COUNT or M_COUNT of them; an empty tensor for a bias or packed shape it lacks);
 // k_pools, v_pools and windows hold each attention unit's KV pool tensors [kv_heads, slots,
 // head_dim] and sliding window (0: none). cos and ssin [rows, head_dim] are the rows' rotary
-// factors; positions and bases as in Rows. vector: attention through the AVX-512 loops where the
+// factors; positions and write slots as in Rows, and runs each row's runs in turn: their count,
+// then a slot and a length for each. vector: attention through the AVX-512 loops where the
 // CPU and the head size allow them (false: MKL's products, to compare).
 Tensor decode_units(Tensor x, const Tensor& cos, const Tensor& ssin, at::IntArrayRef positions,
-                    at::IntArrayRef bases, at::IntArrayRef kinds, at::TensorList params, at::TensorList k_pools,
+                    at::IntArrayRef writes, at::IntArrayRef runs, at::IntArrayRef kinds, at::TensorList params, at::TensorList k_pools,
                     at::TensorList v_pools, at::IntArrayRef windows, int64_t heads, int64_t kv_heads,
                     int64_t head_dim, double eps, bool vector) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "decode_units takes a contiguous float32 CPU residual stream [rows, hidden]");
-  TORCH_CHECK(static_cast<int64_t>(positions.size()) == x.size(0) && positions.size() == bases.size(),
-              "one position and one base slot per row");
+  TORCH_CHECK(static_cast<int64_t>(positions.size()) == x.size(0) && positions.size() == writes.size(),
+              "one position and one write slot per row");
   TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
-  Rows rows{positions.vec(), bases.vec()};
+  Rows rows{positions.vec(), writes.vec(), {}};
+  size_t at_run = 0;
+  for (size_t r = 0; r < positions.size(); ++r) {
+    TORCH_CHECK(at_run < runs.size() && runs[at_run] >= 1 &&
+                    at_run + 1 + 2 * static_cast<size_t>(runs[at_run]) <= runs.size(),
+                "each row's runs: their count (one or more), then a slot and a length for each");
+    std::vector<Segment> row;
+    int64_t covered = 0;
+    for (int64_t i = 0; i < runs[at_run]; ++i) {
+      row.push_back({runs[at_run + 1 + 2 * i], runs[at_run + 2 + 2 * i]});
+      covered += row.back().count;
+    }
+    TORCH_CHECK(positions[r] >= 0 && covered == positions[r] + 1, "a row's runs cover its positions 0 to its own");
+    at_run += 1 + 2 * static_cast<size_t>(runs[at_run]);
+    rows.runs.push_back(std::move(row));
+  }
+  TORCH_CHECK(at_run == runs.size(), "more runs than the rows have");
   vector = vector && vector_attention(head_dim);
   Tensor c = cos.contiguous(), s = ssin.contiguous();
   TORCH_CHECK(c.dim() == 2 && c.size(0) == x.size(0) && c.size(1) == head_dim && s.sizes() == c.sizes() &&
@@ -364,7 +421,7 @@ Tensor decode_units(Tensor x, const Tensor& cos, const Tensor& ssin, at::IntArra
 
 // one kernel for every dispatch key: the packed weights are MKL-DNN tensors, the rest plain CPU ones
 TORCH_LIBRARY(hpipe, m) {
-  m.def("decode_units(Tensor x, Tensor cos, Tensor ssin, int[] positions, int[] bases, int[] kinds, "
+  m.def("decode_units(Tensor x, Tensor cos, Tensor ssin, int[] positions, int[] writes, int[] runs, int[] kinds, "
         "Tensor[] params, Tensor[] k_pools, Tensor[] v_pools, int[] windows, int heads, int kv_heads, int head_dim, float eps, "
         "bool vector) -> Tensor",
         &decode_units);
