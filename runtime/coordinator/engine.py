@@ -17,6 +17,12 @@ preempted, newest first; a preempted request gives its blocks back and later rec
 prompt and the tokens it has generated (with its sampler's state kept, so its tokens are the
 same), and is counted in ``preemptions``. A daemon that still refuses a sequence for want of
 blocks (another session filled its pool) has that request preempted too, never failed.
+
+The prefix cache (:mod:`runtime.coordinator.prefix_cache`, optional). A request's hit is decided
+when it is admitted: its sequence's first entry names the cached blocks it begins with, and only
+the rest of its prompt is prefilled. Its entries name the blocks it fills for the daemons to keep.
+Cached blocks nobody holds are the first room taken back when a micro-batch needs blocks, before
+any request is preempted; their number stays within the cache's budget.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Callable
 import torch
 
 from hpipe.model.sampling import SampleError, logprobs, sample
+from runtime.coordinator.prefix_cache import PrefixCache
 from runtime.coordinator.request import Request
 from runtime.coordinator.resume import replays, resume_point
 from runtime.coordinator.session import Session, StageFailure
@@ -52,6 +59,8 @@ class Planned:
     request: Request
     length: int
     sampled: bool = False
+    keep: list[int] | None = None  # the cached blocks it fills, once sent
+    seq_id: int = 0                # its request's sequence when sent
 
 
 @dataclass
@@ -67,7 +76,9 @@ class Engine:
     """Runs :class:`Request` s on a session, ``depth`` micro-batches in flight, formed by ``policy``."""
 
     def __init__(self, session: Session, policy, depth: int, max_running: int = 64,
-                 recover: Callable[[str, int], Session] | None = None):
+                 recover: Callable[[str, int], Session] | None = None, prefix_cache: float | None = None):
+        """``prefix_cache``: keep a prefix cache, with room for this share of the tightest stage's
+        pool in blocks nobody holds (None: no cache)."""
         self.session, self.policy, self.depth, self.max_running = session, policy, max(1, depth), max_running
         #: when the pipeline breaks: (error, the broken session's id) -> a new session on a working
         #: pipeline that took over its sequences where it could, or StageFailure (runtime.coordinator.recovery)
@@ -84,6 +95,9 @@ class Engine:
         pools = session.pipe.pools()
         self.block_size = pools[0].block_size if pools else 16
         self.kv_blocks = min((p.blocks for p in pools), default=0)
+        self.cache_share = prefix_cache
+        self.cache = None if prefix_cache is None else PrefixCache(
+            self.block_size, int(prefix_cache * self.kv_blocks), salt=f"{session.pipe.model}|{session.pipe.dtype}")
         self.micro_batches = 0
         self.preemptions = 0
         self._checked = time.monotonic()
@@ -104,6 +118,8 @@ class Engine:
             self._finish(r, "error", f"RESOURCE_EXHAUSTED: {r.max_len} positions need {self._blocks(r.max_len)} "
                                      f"KV blocks; the tightest stage's pool has {self.kv_blocks}")
             return False
+        if self.cache is not None and not self._look_up(r):
+            return False
         self.waiting.remove(r)
         self._admissions += 1
         r.admitted = self._admissions
@@ -122,16 +138,61 @@ class Engine:
                 self._finish(r, "error", error)
             self._in_flight.clear()
 
+    # --- the prefix cache -----------------------------------------------------------------------
+    def _look_up(self, r: Request) -> bool:
+        """Decide ``r``'s hit: it begins with the cached blocks of its prefix and claims the rest of
+        its full blocks (every stage keeps them as they are filled). False: another request is
+        filling its next block, so it waits for that (``r.deferred``)."""
+        cache = self.cache
+        names = cache.names(r.prefix[:-1])  # at least one token is computed: its logits give the next
+        hit, pending = cache.lookup(names)
+        r.deferred = pending
+        if pending:
+            return False
+        claimed, dropped = cache.claim(names, hit)
+        self.session.evict(dropped)
+        r.hit, r.claimed, r.filled, r.cached_tokens = names[:hit], claimed, 0, hit * self.block_size
+        if hit:
+            r.restart(r.prefix, begins_at=hit * self.block_size)
+        return True
+
+    def _keep(self, r: Request, start: int, end: int) -> list[int]:
+        """The names of the claimed blocks that positions ``[start, end)`` fill (from block
+        ``start // block size`` on, as the daemons read them)."""
+        first, own = start // self.block_size, len(r.hit)
+        return r.claimed[max(0, first - own):max(0, end // self.block_size - own)] if first >= own else []
+
+    def _let_go(self, r: Request) -> None:
+        """``r`` no longer holds its cached blocks (it ended, or starts again in a new sequence)."""
+        if self.cache is not None and (r.hit or r.claimed):
+            self.session.evict(self.cache.release(r.hit + r.claimed))
+            self.session.evict(self.cache.trim())
+        r.hit, r.claimed, r.filled = [], [], 0
+
+    def _clear_cache(self) -> None:
+        """Forget every cached block (a new session: the daemons dropped the old one's)."""
+        if self.cache is not None:
+            self.cache.clear()
+            for r in self.running + self.waiting:
+                r.hit, r.claimed, r.filled = [], [], 0
+
     # --- KV blocks ----------------------------------------------------------------------------
     def _blocks(self, positions: int) -> int:
         return math.ceil(positions / self.block_size)
 
     def used_blocks(self) -> int:
-        return sum(self._blocks(r.laid_out) for r in self.running)
+        """Blocks in use on the tightest stage: every cached block that is filled, and each running
+        request's blocks beyond those (cached blocks nobody holds included: see :meth:`kv_free`)."""
+        own = sum(max(0, self._blocks(r.laid_out) - len(r.hit) - r.filled) for r in self.running)
+        return own + (self.cache.ready if self.cache is not None else 0)
 
     def kv_free(self) -> float:
-        """The tightest stage's free share of its KV pool, as this engine has laid it out (1 without pools)."""
-        return 1.0 - self.used_blocks() / self.kv_blocks if self.kv_blocks else 1.0
+        """The tightest stage's free share of its KV pool, as this engine has laid it out (1 without
+        pools); cached blocks nobody holds count as free, since they are given up on demand."""
+        if not self.kv_blocks:
+            return 1.0
+        idle = self.cache.idle if self.cache is not None else 0
+        return 1.0 - (self.used_blocks() - idle) / self.kv_blocks
 
     def _needed(self, planned: list[Planned]) -> int:
         return sum(self._blocks(p.request.laid_out + p.length) - self._blocks(p.request.laid_out) for p in planned)
@@ -142,6 +203,10 @@ class Engine:
         if not self.kv_blocks:
             return planned
         while planned and self._needed(planned) > self.kv_blocks - self.used_blocks():
+            short = self._needed(planned) - (self.kv_blocks - self.used_blocks())
+            if self.cache is not None and self.cache.idle:  # cached blocks nobody holds go first
+                self.session.evict(self.cache.evict(short))
+                continue
             inside = {id(p.request) for p in planned}
             idle = [r for r in self.running if r.in_flight == 0 and (r.laid_out or id(r) in inside)]
             if not idle:
@@ -156,6 +221,7 @@ class Engine:
         """Free ``r``'s blocks; it recomputes its prompt and tokens when it runs again."""
         if r.laid_out:
             self.session.close_sequences([r.seq_id])
+        self._let_go(r)
         r.new_sequence()
         r.restart(r.prompt + r.tokens)
         r.preemptions += 1
@@ -184,6 +250,7 @@ class Engine:
         session = self.recover(error, old.id)
         with self._lock:
             self.session = session
+            self._clear_cache()
             stages = len(session.pipe.stages)
             wanted, restarted, kept = {}, [], 0
             for r in sorted(self.running, key=lambda r: r.admitted):
@@ -237,8 +304,11 @@ class Engine:
         pools = session.pipe.pools()
         with self._lock:
             self.session = session
+            self._clear_cache()
             self._in_flight.clear()
             self.kv_blocks = min((p.blocks for p in pools), default=0)
+            if self.cache is not None:
+                self.cache.budget = int(self.cache_share * self.kv_blocks)
             self.depth = max(1, len(session.pipe.stages))
             self.lanes = max(1, session.pipe.lanes)
             self._checked = time.monotonic()
@@ -274,16 +344,20 @@ class Engine:
             for p in planned:
                 r = p.request
                 start = r.laid_out
+                first = start == r.begins_at
                 p.sampled = not r.prefilling or start + p.length == len(r.prefix)
+                p.seq_id = r.seq_id
                 if r.prefilling:
                     tokens += r.prefix[start:start + p.length]
                     prefill += p.length
+                    p.keep = self._keep(r, start, start + p.length) if r.claimed else None
                 else:
                     tokens.append(r.tokens[-1])
                     decode += 1
                 entries.append(pb.Entry(sequence_id=r.seq_id, start=start, length=p.length,
                                         logits=pb.LAST_LOGITS if p.sampled else pb.NO_LOGITS,
-                                        max_len=r.max_len if start == 0 else 0))
+                                        max_len=r.max_len if first else 0, cached=r.hit if first else (),
+                                        keep=p.keep or ()))
                 r.laid_out += p.length
                 r.in_flight += 1
         mb = self.session.submit(entries, torch.tensor(tokens, dtype=torch.long))
@@ -304,6 +378,9 @@ class Engine:
                 r = p.request
                 r.in_flight -= 1
                 failed = result.failed.get(r.seq_id)
+                if p.keep and failed is None and r.seq_id == p.seq_id and not r.finished:
+                    self.cache.filled(p.keep)  # every stage computed them: later requests may begin with them
+                    r.filled += len(p.keep)
                 if p.sampled:
                     if failed is None and not r.finished and r in self.running:
                         rows.append(row)
@@ -388,6 +465,7 @@ class Engine:
             self.waiting.remove(r)
         if r.laid_out:
             self.session.close_sequences([r.seq_id])
+        self._let_go(r)
         r.done.set()
         if r.on_done is not None:
             try:

@@ -78,6 +78,7 @@ class Pipeline:
         self.data_ports: list[int] = []        # per daemon in use
         self.lanes = 0                         # distinct decode lanes among them (hpipe.core.cluster.decode_lane)
         self.vocab_size = 0
+        self.model, self.dtype = "", None      # what the stages hold, as loaded
 
     def describe_daemon(self, d: int) -> str:
         spec, stages = self.daemons[d], self.daemon_stages(d)
@@ -133,6 +134,7 @@ class Pipeline:
         with ThreadPoolExecutor(max_workers=len(daemons)) as pool:
             self.loads = list(pool.map(load, range(len(daemons))))
         self.daemons, self.stages, self.stage_daemon, self.data_ports = daemons, stages, stage_daemon, ports
+        self.model, self.dtype = model, dtype
         self.lanes = len(set(lanes))
         self.vocab_size = self.loads[stage_daemon[-1]].vocab_size
         return self.stages

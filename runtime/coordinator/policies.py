@@ -13,7 +13,8 @@ prefill whatever the policy.
   daemon is pinned to cores of its own; prefill
   tokens ``#P = max(min(#WP / T, MaxP (KVfree - KVthresh) / (1 - KVthresh)), MinP)`` (eq. 3),
   where ``#WP`` is every prompt token not yet sent, and none at all while the tightest stage's free
-  KV share is under ``KVthresh``.
+  KV share is under ``KVthresh`` (unless nothing decodes and nothing is in flight: ``MinP`` then,
+  for which the engine preempts, since no decode will free a block).
 - ``sarathi`` (Sarathi-Serve): a fixed token budget per micro-batch, decode tokens first, prefill
   chunks filling the rest.
 - ``fcfs``: one request at a time, its slices pipelined, then its decode steps.
@@ -49,7 +50,9 @@ def _prefill(engine: Engine, budget: int, planned: list[Planned], shortest_first
             if not admitting:
                 continue
             if not engine.admit(r):
-                admitting = r.finished  # refused for good (too long): the next may still fit
+                # refused for good (too long), or waiting for another request to fill its cached
+                # prefix: the next may still go in
+                admitting = r.finished or r.deferred
                 continue
         n = r.next_chunk() if lone else min(r.next_chunk(), budget)
         planned.append(Planned(r, n))
@@ -85,7 +88,10 @@ class GLLM:
         waiting = sum(r.waiting_tokens for r in engine.running if r.prefilling) + \
             sum(r.waiting_tokens for r in engine.waiting)
         free = engine.kv_free()
-        if waiting and free >= self.kv_thresh:
+        # under KVthresh prefill waits for decode to free blocks; with no decode at all, waiting
+        # would be for good: then a prefill chunk goes, and the engine makes room for it
+        stalled = not planned and not any(r.in_flight for r in engine.running)
+        if waiting and (free >= self.kv_thresh or stalled):
             share = self.max_prefill * (free - self.kv_thresh) / (1 - self.kv_thresh)
             budget = max(min(waiting / self.iterations, share), self.min_prefill)
             _prefill(engine, math.ceil(budget), planned, shortest_first=True)

@@ -3,6 +3,8 @@
 Its prefix is what gets prefilled: the prompt, and after a preemption or a recovery that starts it
 again, the tokens it has generated too; ``laid_out`` says how much of the prefix has been sent into
 the pipeline, and ``slices`` how its prefill is cut (the plan's slicing, :mod:`runtime.coordinator.engine`).
+A sequence that begins with cached blocks (:mod:`runtime.coordinator.prefix_cache`) starts at
+``begins_at``, and only the rest is sliced.
 """
 
 from __future__ import annotations
@@ -36,12 +38,21 @@ class Request:
     prefix: list[int] = field(default_factory=list)   # what is prefilled: the prompt, and after a
     slices: list[int] = field(default_factory=list)   # preemption the tokens generated too
     laid_out: int = 0                          # positions sent into the pipeline
+    begins_at: int = 0                         # where its sequence's first entry starts (cached before)
     tokens: list[int] = field(default_factory=list)
     in_flight: int = 0                         # entries of it in flight
     admitted: int = 0                          # order in which the engine admitted it (newest: highest)
     preemptions: int = 0
     resumed_at: list[int] = field(default_factory=list)  # per recovery: the position it went on from
     refusals: int = 0
+    # the prefix cache: the blocks its sequence began with, the blocks it claimed to fill (from
+    # block ``begins_at // block size`` on) and how many of those are filled; ``cached_tokens``:
+    # the positions it did not prefill, for its usage report
+    hit: list[int] = field(default_factory=list)
+    claimed: list[int] = field(default_factory=list)
+    filled: int = 0
+    deferred: bool = False                     # waiting for another request to fill its next block
+    cached_tokens: int = 0
     stop_reason: str = ""                      # length | eos | stop | error | cancelled
     error: str = ""
     first_token_s: float | None = None
@@ -56,13 +67,17 @@ class Request:
         self.sampler = Sampler(self.params, self.prompt)
         self.restart(list(self.prompt))
 
-    def restart(self, prefix: list[int]) -> None:
-        """Prefill ``prefix`` from position 0 again (after a preemption or a recovery)."""
-        self.prefix, self.laid_out = prefix, 0
-        self.slices = self.slicer(len(prefix)) if self.slicer else [len(prefix)]
-        if sum(self.slices) != len(prefix) or min(self.slices) < 1:
-            raise ValueError(f"slices {self.slices} do not cover the {len(prefix)} tokens to prefill")
-        self._ends = [sum(self.slices[:i + 1]) for i in range(len(self.slices))]
+    def restart(self, prefix: list[int], begins_at: int = 0) -> None:
+        """Prefill ``prefix`` again (after a preemption or a recovery), from ``begins_at`` (the
+        positions of the cached blocks its sequence begins with; 0: all of it)."""
+        if not 0 <= begins_at < len(prefix):
+            raise ValueError(f"a sequence of {len(prefix)} tokens cannot begin at position {begins_at}")
+        self.prefix, self.laid_out, self.begins_at = prefix, begins_at, begins_at
+        n = len(prefix) - begins_at
+        self.slices = self.slicer(n) if self.slicer else [n]
+        if sum(self.slices) != n or min(self.slices) < 1:
+            raise ValueError(f"slices {self.slices} do not cover the {n} tokens to prefill")
+        self._ends = [begins_at + sum(self.slices[:i + 1]) for i in range(len(self.slices))]
 
     def new_sequence(self) -> None:
         """Go on in a new sequence on the daemons (its old one was closed or lost)."""

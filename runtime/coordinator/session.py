@@ -137,6 +137,18 @@ class Session:
                 except LinkError:
                     pass  # a daemon that is gone holds nothing
 
+    def evict(self, blocks: list[int]) -> None:
+        """Every daemon forgets these cached blocks (in order after the micro-batches sent before)."""
+        if not blocks or self._closed:
+            return
+        frame = pb.Frame(evict=pb.Evict(blocks=blocks))
+        with self._lock:
+            for conn in self.conns:
+                try:
+                    conn.send(frame)
+                except LinkError:
+                    pass  # a daemon that is gone holds nothing
+
     def _read_results(self) -> None:
         try:
             while True:

@@ -8,7 +8,8 @@ alone: it is recorded as failed, its entries are computed as dead rows (so the m
 its shape), and the failure travels with the micro-batch's data to the coordinator.
 
 An entry that starts before the position its sequence reached rewinds it there (its later KV
-blocks and replay log are dropped). A replay micro-batch (``MicroBatch.replay``) is laid out only
+blocks and replay log are dropped), but never into the cached prefix a sequence began with
+(:mod:`runtime.daemon.prefix_store`): those blocks are shared, and a sequence never writes them. A replay micro-batch (``MicroBatch.replay``) is laid out only
 on the held stages it rebuilds; a daemon holding the stage just before them sends it from its
 replay log (:mod:`runtime.coordinator.resume` plans replays).
 """
@@ -22,8 +23,9 @@ from collections import deque
 from typing import Callable
 
 from hpipe.core.errors import HpipeError
-from hpipe.model.kvpool import PoolExhausted
+from hpipe.model.kvpool import BLOCK_SIZE, PoolExhausted
 from runtime.daemon.outbox import Outbox
+from runtime.daemon.prefix_store import PrefixStore
 from runtime.daemon.replay_log import ReplayLog
 from runtime.daemon.sequences import Sequence, SequenceTable
 from runtime.wire.messages import pb
@@ -63,8 +65,8 @@ class Layouts:
     with each deployment); ``stopping`` is set when the daemon shuts down."""
 
     def __init__(self, stages: Callable[[], dict], sequences: SequenceTable, replay_log: ReplayLog,
-                 outbox: Outbox, stopping: threading.Event):
-        self.stages, self.sequences, self.replay_log = stages, sequences, replay_log
+                 outbox: Outbox, stopping: threading.Event, prefixes: PrefixStore):
+        self.stages, self.sequences, self.replay_log, self.prefixes = stages, sequences, replay_log, prefixes
         self.outbox, self.stopping = outbox, stopping
         self._by_key: dict[tuple[int, int], Layout] = {}
         self._ended: deque[int] = deque(maxlen=256)  # sessions ended lately: their late data is skipped
@@ -117,12 +119,25 @@ class Layouts:
                 layout.fail(e.sequence_id, "OUT_OF_RANGE", f"max_len {e.max_len} exceeds the model's context of "
                             f"{cfg.max_position_embeddings} tokens")
                 return
+            cached = len(e.cached) * BLOCK_SIZE
+            if e.cached and (e.start != cached or cached >= e.max_len):
+                layout.fail(e.sequence_id, "INVALID_ARGUMENT", f"sequence {e.sequence_id} begins with "
+                            f"{len(e.cached)} cached blocks ({cached} positions) but its entry starts at {e.start} "
+                            f"of at most {e.max_len}")
+                return
             seq = Sequence(e.sequence_id, session, e.max_len,
                            {i: s.pool.sequence(e.max_len) for i, s in held.items() if s.pool is not None},
-                           {i: 0 for i in held}, {i: 0 for i in held})
+                           {i: cached for i in held}, {i: cached for i in held}, cached=cached)
+            if e.cached:
+                missing = self.prefixes.begin(session, seq.kv, list(e.cached))
+                if missing:  # the coordinator's index and this daemon disagree: it starts again without
+                    layout.fail(e.sequence_id, "DATA_LOSS", f"sequence {e.sequence_id}: {missing}")
+                    return
             try:
                 table.add(seq)
             except HpipeError as err:
+                for kv in seq.kv.values():
+                    kv.release()
                 layout.fail(e.sequence_id, "ALREADY_EXISTS", str(err))
                 return
         elif seq.session != session:
@@ -135,6 +150,10 @@ class Layouts:
             if e.start > seq.planned[i]:
                 layout.fail(e.sequence_id, "FAILED_PRECONDITION", f"sequence {e.sequence_id}: an entry starts at "
                             f"position {e.start}; the sequence continues at {seq.planned[i]}")
+                return
+            if e.start < seq.cached:
+                layout.fail(e.sequence_id, "FAILED_PRECONDITION", f"sequence {e.sequence_id}: an entry starts at "
+                            f"position {e.start}, inside the {seq.cached} cached positions it began with")
                 return
             if e.start < seq.planned[i]:
                 self._rewind(seq, i, e.start)
@@ -150,6 +169,14 @@ class Layouts:
                     seq.fail("RESOURCE_EXHAUSTED", f"stage {i}: {err}")
                     layout.fail(e.sequence_id, seq.code, seq.error)
                     return
+                if e.keep:
+                    first = e.start // BLOCK_SIZE
+                    if (first + len(e.keep)) * BLOCK_SIZE > end:
+                        layout.fail(e.sequence_id, "INVALID_ARGUMENT", f"sequence {e.sequence_id}: {len(e.keep)} "
+                                    f"blocks to keep from block {first} are not all filled by positions "
+                                    f"{e.start}-{end}")
+                        return
+                    self.prefixes.keep(session, i, seq.kv[i], first, list(e.keep))
             seq.planned[i] = end
         seq.last_active = time.monotonic()
 

@@ -40,6 +40,7 @@ from runtime.daemon.device_io import DeviceIO
 from runtime.daemon.layout import Layouts
 from runtime.daemon.micro_batch import MicroBatches
 from runtime.daemon.outbox import Outbox
+from runtime.daemon.prefix_store import PrefixStore
 from runtime.daemon.replay_log import DEFAULT_BUDGET, ReplayLog
 from runtime.daemon.sequences import SequenceTable
 from runtime.daemon.session_stats import SessionStats
@@ -73,7 +74,9 @@ class StageServer:
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self.outbox = Outbox(self.sequences, self.replay_log, self.stats, token, tls_client)
-        self.layouts = Layouts(lambda: self.stages, self.sequences, self.replay_log, self.outbox, self._stopping)
+        self.prefixes = PrefixStore()
+        self.layouts = Layouts(lambda: self.stages, self.sequences, self.replay_log, self.outbox, self._stopping,
+                               self.prefixes)
         self.worker = Worker(MicroBatches(self.sequences, self.io, self.outbox, self.stats, self.layouts),
                              on_worker_start)
         self.data = DataServer(host, token, self._serve_connection, tls_server)
@@ -151,6 +154,7 @@ class StageServer:
         """On the worker: forget every sequence and the old stages, before a new deployment loads."""
         for seq_id in self.sequences.ids():
             self._free(seq_id)
+        self.prefixes.clear()
         self.stages, self.deployment, self.weight_bytes = {}, None, 0
 
     def _held(self) -> str:
@@ -158,7 +162,7 @@ class StageServer:
 
     def pools(self) -> list[dict]:
         return [{"stage": i, "block_size": s.pool.block_size, "blocks": s.pool.num_blocks,
-                 "used_blocks": s.pool.used_blocks, "block_bytes": s.model.block_bytes()}
+                 "used_blocks": s.pool.used_blocks, "block_bytes": s.model.block_bytes(), **self.prefixes.stats(i)}
                 for i, s in self.stages.items() if s.pool is not None]
 
     def kv_bytes(self) -> int:
@@ -182,6 +186,8 @@ class StageServer:
                 elif kind == "close" and session:
                     for seq_id in frame.close.sequence_ids:
                         self.close(seq_id)
+                elif kind == "evict" and session:
+                    self.prefixes.evict(session, list(frame.evict.blocks))
                 else:
                     raise LinkError(f"unexpected {kind} frame")
         except LinkError as e:
@@ -256,6 +262,7 @@ class StageServer:
         """Free a session's sequences and forget its layouts; its statistics per stage."""
         for seq_id in self.sequences.ids(session):
             self.close(seq_id)
+        self.prefixes.end(session)
         self.layouts.forget(session)
         return self.stats.pop(session)
 

@@ -1,0 +1,167 @@
+"""The prefix cache's index: which full KV blocks the pipeline keeps, by name, and who holds them.
+
+Design note. Many requests begin alike: eight questions about one document, a server's system
+prompt. A prompt's full KV blocks are named by a chained hash (vLLM's automatic prefix caching):
+block ``i``'s name hashes block ``i - 1``'s name and block ``i``'s tokens, under a salt naming the
+model and dtype, so one name stands for the whole prefix up to that block. The engine
+(:mod:`runtime.coordinator.engine`) decides a hit once, when it admits a request: the leading
+blocks whose names are *ready* (computed on every stage) are the request's, and on every stage the
+daemon gives its sequence those blocks (:mod:`runtime.daemon.prefix_store`); only the rest of the
+prompt is prefilled, sliced by the plan. The request *claims* the names of its blocks not cached
+yet (pending), tells the daemons to keep them as it fills them, and they turn ready when the
+micro-batch that filled them comes back. A request whose next block another request is filling
+waits for it rather than computing it twice.
+
+Every block has holders: the requests that began with it or are filling it. A block nobody holds
+stays cached, in least-recently-released order, until the pool needs its room or there are more
+of them than the budget allows; the oldest are evicted first (among blocks released together, the
+deepest first, so that a kept block's prefix is kept too). A pipeline that is re-deployed or
+recovered starts with an empty cache: its stages are not the ones that kept the blocks.
+
+This module is pure bookkeeping; the engine sends what it decides to the daemons.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass
+
+
+@dataclass
+class _Block:
+    depth: int
+    holders: int = 0
+    ready: bool = False
+    released: int = 0  # when its last holder let go (a tick of the cache's clock)
+
+
+class PrefixCache:
+    """The index of one engine's cached blocks; ``budget``: how many blocks nobody holds it keeps."""
+
+    def __init__(self, block_size: int, budget: int, salt: str = ""):
+        if block_size < 1 or budget < 0:
+            raise ValueError(f"a prefix cache needs blocks of a token or more and a budget of 0 or more "
+                             f"(got {block_size}, {budget})")
+        self.block_size, self.budget = block_size, budget
+        self._salt = hashlib.blake2b(salt.encode(), digest_size=8).digest()
+        self._blocks: dict[int, _Block] = {}
+        self._clock = itertools.count(1)
+        self.hits = 0            # requests admitted with cached blocks
+        self.cached_tokens = 0   # positions they did not prefill
+        self.lookups = 0
+        self.evictions = 0
+
+    # --- names ------------------------------------------------------------------------------
+    def names(self, tokens: list[int]) -> list[int]:
+        """The names of ``tokens``' full blocks, in order."""
+        out, parent = [], self._salt
+        bs = self.block_size
+        for i in range(len(tokens) // bs):
+            h = hashlib.blake2b(parent, digest_size=8)
+            h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[i * bs:(i + 1) * bs]))
+            parent = h.digest()
+            out.append(int.from_bytes(parent, "little") or 1)
+        return out
+
+    # --- a request's blocks -----------------------------------------------------------------
+    def lookup(self, names: list[int]) -> tuple[int, bool]:
+        """How many of ``names``' leading blocks are ready; and whether the next one is being
+        filled (a request that waits for it gets it)."""
+        hit = 0
+        for name in names:
+            block = self._blocks.get(name)
+            if block is None:
+                return hit, False
+            if not block.ready:
+                return hit, True
+            hit += 1
+        return hit, False
+
+    def claim(self, names: list[int], hit: int) -> tuple[list[int], list[int]]:
+        """A request begins with ``names[:hit]`` (ready) and will fill the rest: it holds them all.
+        Returns the names it claimed (pending now) and the names evicted to make them: a block
+        kept after its prefix was evicted (unreachable, held by nobody) is dropped and filled again."""
+        self.lookups += 1
+        if hit:
+            self.hits += 1
+            self.cached_tokens += hit * self.block_size
+        for name in names[:hit]:
+            self._blocks[name].holders += 1
+        claimed, dropped = [], []
+        for depth, name in enumerate(names[hit:], start=hit):
+            old = self._blocks.get(name)
+            if old is not None:
+                if old.holders or not old.ready:
+                    break  # another request fills it: this one computes its own copy, unnamed
+                del self._blocks[name]
+                dropped.append(name)
+                self.evictions += 1
+            self._blocks[name] = _Block(depth, holders=1)
+            claimed.append(name)
+        return claimed, dropped
+
+    def filled(self, names: list[int]) -> None:
+        """These claimed blocks are computed on every stage: later requests may begin with them."""
+        for name in names:
+            block = self._blocks.get(name)
+            if block is not None:
+                block.ready = True
+
+    def release(self, names: list[int]) -> list[int]:
+        """A request lets go of its blocks (it ended or starts again). Blocks it claimed but never
+        filled are forgotten: their names are returned, for the daemons to forget too."""
+        now, forgotten = next(self._clock), []
+        for name in names:
+            block = self._blocks.get(name)
+            if block is None:
+                continue
+            block.holders -= 1
+            if not block.ready:
+                if block.holders == 0:
+                    del self._blocks[name]
+                    forgotten.append(name)
+            elif block.holders == 0:
+                block.released = now
+        return forgotten
+
+    # --- room -------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Blocks it names (each takes a block of every stage's pool, or will)."""
+        return len(self._blocks)
+
+    @property
+    def ready(self) -> int:
+        """Blocks filled on every stage (held or not)."""
+        return sum(1 for b in self._blocks.values() if b.ready)
+
+    @property
+    def idle(self) -> int:
+        """Cached blocks nobody holds: room that can be taken back."""
+        return sum(1 for b in self._blocks.values() if b.ready and not b.holders)
+
+    def evict(self, n: int) -> list[int]:
+        """Forget up to ``n`` blocks nobody holds, the least recently released first (the deepest
+        first among those released together); their names."""
+        if n <= 0:
+            return []
+        idle = sorted(((b.released, -b.depth, name) for name, b in self._blocks.items()
+                       if b.ready and not b.holders))
+        gone = [name for _, _, name in idle[:n]]
+        for name in gone:
+            del self._blocks[name]
+        self.evictions += len(gone)
+        return gone
+
+    def trim(self) -> list[int]:
+        """Evict down to the budget of blocks nobody holds; the names evicted."""
+        return self.evict(self.idle - self.budget)
+
+    def clear(self) -> None:
+        """Forget everything (the pipeline's stages changed: the daemons dropped their blocks)."""
+        self._blocks.clear()
+
+    def stats(self) -> dict:
+        return {"cached_blocks": self.size, "idle_blocks": self.idle, "hits": self.hits, "lookups": self.lookups,
+                "cached_tokens": self.cached_tokens, "evictions": self.evictions}
