@@ -36,6 +36,16 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a share between 0 and 1, got {text!r}")
+    return value
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -139,11 +149,24 @@ def _plan_parser(sub) -> None:
     pl.set_defaults(func=commands.plan)
 
 
+def _prefix_cache_arguments(parser) -> None:
+    parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                        help="prefill every prompt whole, reusing no KV block of an earlier one (to compare)")
+    parser.add_argument("--prefix-cache-budget", type=_share, default=1.0,
+                        help="cached KV blocks no request uses are kept up to this share of the pool (default 1: "
+                             "all free room; they are given back whenever a request needs the room)")
+
+
 def _run_parser(sub) -> None:
-    rn = sub.add_parser("run", help="analyse documents with one instruction on a deployed plan (JSONL out)")
+    rn = sub.add_parser("run", help="analyse documents with one instruction, or several questions, on a deployed "
+                                    "plan (JSONL out)")
     rn.add_argument("--plan", required=True)
     rn.add_argument("--cluster", help="cluster file (token, TLS); default: the plan's daemon addresses")
-    rn.add_argument("--instruction", required=True)
+    asked = rn.add_mutually_exclusive_group(required=True)
+    asked.add_argument("--instruction", help="what to do with each document")
+    asked.add_argument("--questions", help="a file of questions to ask about each document: one a line, or JSON "
+                                           "lines (a string, or an object with \"question\"); each document is "
+                                           "prefilled once, its questions reuse it (the prefix cache)")
     rn.add_argument("--chat", action="store_true")
     rn.add_argument("--max-new-tokens", type=_positive, default=128)
     rn.add_argument("--truncate", choices=["none", "head", "tail"], default="none",
@@ -162,6 +185,7 @@ def _run_parser(sub) -> None:
     rn.add_argument("--grace", type=float, default=60.0,
                     help="seconds a broken pipeline waits for a dead daemon to come back (default: 60)")
     rn.add_argument("--dequantize", action="store_true", help="a GGUF model's weights as float32 (the path before quantized kernels; the reference they are tested against)")
+    _prefix_cache_arguments(rn)
     rn.add_argument("-o", "--output", default="results.jsonl")
     rn.add_argument("--json", action="store_true")
     rn.add_argument("documents", nargs="+", help="text or markdown files; '-' for stdin")

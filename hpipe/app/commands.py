@@ -292,7 +292,7 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpipe.app.jobs import JobConfig, run_job
+    from hpipe.app.jobs import JobConfig, read_questions, run_job
     from hpipe.app.replan import replanner
     from hpipe.model.sources import resolve_model
 
@@ -303,10 +303,12 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output)
     source = resolve_model(the_plan.model_name)
     cluster = cluster_for(the_plan, args.cluster)
-    job = JobConfig(instruction=args.instruction, chat=args.chat, max_new_tokens=args.max_new_tokens,
+    job = JobConfig(instruction=args.instruction or "", chat=args.chat, max_new_tokens=args.max_new_tokens,
                     truncate=args.truncate, parallel=args.parallel, policy=args.policy,
                     ignore_eos=args.ignore_eos, grace_s=args.grace, dequantize=args.dequantize,
-                    strategy=args.strategy.replace("-", "_") if args.strategy else None)
+                    strategy=args.strategy.replace("-", "_") if args.strategy else None,
+                    questions=read_questions(args.questions) if args.questions else (),
+                    prefix_cache=args.prefix_cache_budget if args.prefix_cache else None)
     summary = run_job(the_plan, cluster, source, args.documents, output, job,
                       replan=replanner(the_plan, load_profile(args.profile)) if args.profile else None)
     for event in summary["recoveries"]:
@@ -314,13 +316,21 @@ def run(args: argparse.Namespace) -> int:
               f"{event.get('resumed', 0)} documents resumed ({event.get('replayed_positions', 0)} positions "
               f"replayed), {event.get('restarted', 0)} started again", file=sys.stderr)
     print(json.dumps(summary) if args.json else
-          f"{summary['documents']} analysed, {summary['skipped']} skipped, {len(summary['failed'])} failed; "
-          f"{summary['tokens_per_s']} tokens/s -> {args.output}", file=sys.stdout if args.json else sys.stderr)
+          f"{summary['documents']} documents, {summary['answers']} answers, {summary['skipped']} skipped, "
+          f"{len(summary['failed'])} failed; {summary['tokens_per_s']} tokens/s"
+          f"{_cache_line(summary['prefix_cache'])} -> {args.output}", file=sys.stdout if args.json else sys.stderr)
     if summary["failed"]:
         print("hpipe: error: failed documents: " + "; ".join(f"{k}: {v}" for k, v in summary["failed"].items()),
               file=sys.stderr)
         return 1
     return 0
+
+
+def _cache_line(stats: dict | None) -> str:
+    if not stats or not stats["lookups"]:
+        return ""
+    return (f"; prefix cache: {stats['hits']} of {stats['lookups']} prompts hit, "
+            f"{stats['cached_tokens']} tokens not prefilled, {stats['evictions']} blocks evicted")
 
 
 def bench(args: argparse.Namespace) -> int:

@@ -122,7 +122,7 @@ class Engine:
             return False
         self.waiting.remove(r)
         self._admissions += 1
-        r.admitted = self._admissions
+        r.admitted, r.admitted_s = self._admissions, time.monotonic()
         self.running.append(r)
         return True
 

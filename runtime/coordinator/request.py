@@ -32,6 +32,7 @@ class Request:
     tag: object = None                         # the caller's, e.g. a document's name
     logprobs: int | None = None                # keep each token's log-probability and this many alternatives
     arrival_s: float = field(default_factory=time.monotonic)
+    admitted_s: float | None = None            # when it started running (the last time, after a preemption)
     # state
     id: int = field(default_factory=lambda: random.getrandbits(63))  # the request's, for its whole life
     seq_id: int = field(default_factory=lambda: random.getrandbits(63))  # its sequence on the daemons now

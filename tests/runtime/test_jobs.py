@@ -51,13 +51,57 @@ def test_run_matches_single_process_and_resumes(cluster3, smollm2, plan_file, tm
         ref = generate_ids(model.open, tok, ids, context=smollm2.config.max_position_embeddings,
                            eos_ids=smollm2.eos_token_ids(), max_new_tokens=8)
         assert r["token_ids"] == ref.token_ids and r["prompt_tokens"] == len(ids)
-        assert r["slices"] == len(plan.slices_for(len(ids)))
+        # the documents begin alike: a later one prefills only what the cache lacks, sliced by the plan
+        assert r["slices"] == len(plan.slices_for(len(ids) - r["cached_tokens"]))
     # re-running skips what is done; --truncate head fits the long one
     assert main(args + ["--truncate", "head", "--json"] + docs + [str(long_doc)]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["skipped"] == 3 and summary["documents"] == 1
     last = json.loads(out.read_text().splitlines()[-1])
     assert last["document"] == str(long_doc) and last["truncated_tokens"] > 0 and last["prompt_tokens"] <= 256
+
+
+def test_run_asks_several_questions_about_each_document(cluster3, smollm2, plan_file, tmp_path, capsys):
+    """Two documents, three questions each (a JSONL file): every answer is single-process
+    generation's for its (document, question) prompt, with the cache and without; with it, each
+    document is prefilled once and its other questions skip its blocks. A re-run skips all six."""
+    path, plan = plan_file
+    docs = []
+    for i, text in enumerate(["A ledger of the harbour, kept by the clerk. " * 6, "The orchard has pears. " * 9]):
+        p = tmp_path / f"doc{i}.md"
+        p.write_text(text)
+        docs.append(str(p))
+    questions = ["Who kept it?", "What is it about?", "Is it long?"]
+    qfile = tmp_path / "questions.jsonl"
+    qfile.write_text('{"question": "Who kept it?"}\n"What is it about?"\n\n{"question": "Is it long?"}\n')
+    tok, model = smollm2.tokenizer(), LocalModel(smollm2)
+    runs = {}
+    for cache in ("on", "off"):
+        out = tmp_path / f"results-{cache}.jsonl"
+        args = ["run", "--plan", str(path), "--cluster", str(cluster3.path), "--chat", "--questions", str(qfile),
+                "--max-new-tokens", "6", "--json", "-o", str(out)] + (["--no-prefix-cache"] if cache == "off" else [])
+        assert main(args + docs) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["documents"] == 2 and summary["answers"] == 6 and not summary["failed"], summary
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        assert sorted((r["document"], r["question"]) for r in rows) == sorted((d, q) for d in docs for q in questions)
+        runs[cache] = {(r["document"], r["question"]): r for r in rows}
+        if cache == "on":
+            # two later questions of each document hit (and the first question of one may hit the chat
+            # template's opening, which every prompt shares)
+            assert summary["prefix_cache"]["hits"] >= 4, summary["prefix_cache"]
+            for d in docs:
+                cached = sorted(runs[cache][d, q]["cached_tokens"] for q in questions)
+                assert cached[0] <= 32 and cached[1] >= cached[0] + 48, cached  # the document's blocks
+            assert main(args + docs) == 0  # everything is answered: nothing runs
+            assert json.loads(capsys.readouterr().out)["skipped"] == 6
+        else:
+            assert summary["prefix_cache"] is None and all(r["cached_tokens"] == 0 for r in rows)
+    for (doc, question), r in runs["on"].items():
+        ids, _ = build_prompt(tok, question, open(doc).read(), True, 256, "none")
+        ref = generate_ids(model.open, tok, ids, context=smollm2.config.max_position_embeddings,
+                           eos_ids=smollm2.eos_token_ids(), max_new_tokens=6)
+        assert r["token_ids"] == ref.token_ids == runs["off"][doc, question]["token_ids"]
 
 
 @pytest.mark.parametrize("order", ["blocks", "interleaved"])
