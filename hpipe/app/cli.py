@@ -255,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     sv.add_argument("--port", type=_positive, default=8000)
     sv.add_argument("--dequantize", action="store_true", help="a GGUF model's weights as float32 (the path before quantized kernels; the reference they are tested against)")
+    _prefix_cache_arguments(sv)
     sv.add_argument("--api-key-file", help="clients must send this key as a Bearer token (required beyond loopback)")
     sv.add_argument("--policy", choices=["gllm", "sarathi", "fcfs", "single"], default="gllm")
     sv.add_argument("--max-queue", type=_positive, default=256,

@@ -394,7 +394,8 @@ def serve(args: argparse.Namespace) -> int:
     return run_server(the_plan, cluster_for(the_plan, args.cluster), source, host=args.host,
                       port=args.port, api_key=key, policy=args.policy, max_queue=args.max_queue,
                       model_name=args.served_model_name, default_max_tokens=args.default_max_tokens,
-                      grace_s=args.grace, drain_s=args.drain, dequantize=args.dequantize)
+                      grace_s=args.grace, drain_s=args.drain, dequantize=args.dequantize,
+                      prefix_cache=args.prefix_cache_budget if args.prefix_cache else None)
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -325,4 +325,6 @@ def _chunk(rid, created, model, kind, choice, usage=None) -> str:
 def _usage(r, stream: Stream) -> dict:
     completion = len(stream.tokens)
     return {"prompt_tokens": len(r.prompt), "completion_tokens": completion,
-            "total_tokens": len(r.prompt) + completion}
+            "total_tokens": len(r.prompt) + completion,
+            # the prompt's positions read from the prefix cache, not computed (as OpenAI reports them)
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}

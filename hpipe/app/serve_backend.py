@@ -63,7 +63,8 @@ class Backend:
     def __init__(self, plan: Plan, cluster: ClusterSpec, source, *, policy: str = "gllm", max_queue: int = 256,
                  api_key: str | None = None, model_name: str | None = None,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, grace_s: float = GRACE_S,
-                 on_fatal: Callable[[], None] | None = None, dequantize: bool = False):
+                 on_fatal: Callable[[], None] | None = None, dequantize: bool = False,
+                 prefix_cache: float | None = 1.0):
         if policy not in POLICIES:
             raise InputError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
         self.plan, self.cluster, self.source, self.policy = plan, cluster, source, policy
@@ -75,6 +76,7 @@ class Backend:
         self.max_queue, self.api_key = max_queue, api_key
         self.default_max_tokens, self.grace_s, self.on_fatal = default_max_tokens, grace_s, on_fatal
         self.dequantize = dequantize
+        self.prefix_cache = prefix_cache  # the engine's (runtime.coordinator.prefix_cache); None: off
         self.model_name = model_name or plan.model_name
         self.started = int(time.time())
         self.metrics = Metrics()
@@ -106,7 +108,8 @@ class Backend:
         deployed = deploy(self.plan, self.cluster, grace_s=self.grace_s, max_recoveries=None,
                           dequantize=self.dequantize)
         try:
-            engine = deployed.engine(POLICIES[self.policy](), max_running=self.max_queue)
+            engine = deployed.engine(POLICIES[self.policy](), max_running=self.max_queue,
+                                     prefix_cache=self.prefix_cache)
         except BaseException:
             deployed.close()
             raise
@@ -223,6 +226,7 @@ class Backend:
             def done(r: Request) -> None:
                 self.metrics.finished.labels(r.stop_reason).inc()
                 self.metrics.prompt_tokens.inc(len(r.prompt))
+                self.metrics.cached_tokens.inc(r.cached_tokens)
                 self.metrics.generated.inc(len(r.tokens))
                 if r.first_token_s is not None:
                     self.metrics.ttft.observe(r.first_token_s - r.arrival_s)

@@ -31,6 +31,8 @@ class Metrics:
         self.requests = Counter("hpipe_http_requests", "HTTP requests by path and status", ["path", "status"],
                                 registry=r)
         self.prompt_tokens = Counter("hpipe_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("hpipe_prompt_tokens_cached", "prompt tokens of finished requests read from "
+                                     "the prefix cache, not prefilled", registry=r)
         self.generated = Counter("hpipe_generated_tokens", "tokens generated", registry=r)
         self.finished = Counter("hpipe_requests_finished", "requests ended, by reason", ["reason"], registry=r)
         buckets = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -39,6 +41,15 @@ class Metrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4), registry=r)
         self.kv_used = Gauge("hpipe_kv_blocks_used", "KV blocks in use per stage", ["stage"], registry=r)
         self.kv_total = Gauge("hpipe_kv_blocks", "KV blocks per stage", ["stage"], registry=r)
+        # the prefix cache as each stage reports it (its counts since the daemon started)
+        self.cache_blocks = Gauge("hpipe_prefix_cache_blocks", "KV blocks kept by the prefix cache per stage",
+                                  ["stage"], registry=r)
+        self.cache_hits = Gauge("hpipe_prefix_cache_hits", "sequences that began with cached blocks per stage",
+                                ["stage"], registry=r)
+        self.cache_tokens = Gauge("hpipe_prefix_cache_cached_tokens", "positions read from cached blocks per stage",
+                                  ["stage"], registry=r)
+        self.cache_evictions = Gauge("hpipe_prefix_cache_evictions", "cached blocks evicted per stage", ["stage"],
+                                     registry=r)
         self.queue = Gauge("hpipe_queue_length", "requests waiting to start", registry=r)
         self.running = Gauge("hpipe_requests_running", "requests running", registry=r)
         self.preemptions = Gauge("hpipe_preemptions", "requests preempted for KV memory so far", registry=r)
@@ -106,8 +117,13 @@ class Collector:
                 continue
             up += 1
             for p in st.pools:
-                m.kv_used.labels(str(p.stage)).set(p.used_blocks)
-                m.kv_total.labels(str(p.stage)).set(p.blocks)
+                stage = str(p.stage)
+                m.kv_used.labels(stage).set(p.used_blocks)
+                m.kv_total.labels(stage).set(p.blocks)
+                m.cache_blocks.labels(stage).set(p.cached_blocks)
+                m.cache_hits.labels(stage).set(p.prefix_hits)
+                m.cache_tokens.labels(stage).set(p.cached_tokens)
+                m.cache_evictions.labels(stage).set(p.evictions)
         m.daemons_up.set(up)
         self.health = Health(ok, why, lost)
         b.watch()

@@ -60,10 +60,11 @@ def serving(backend, start: bool = True):
 
 
 def pools_empty(pipe, within_s: float = 5.0) -> bool:
-    """Whether every KV pool of ``pipe`` is empty within ``within_s`` (closes travel behind the answer)."""
+    """Whether every KV pool of ``pipe`` holds nothing but the prefix cache's blocks within
+    ``within_s`` (closes travel behind the answer)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        if all(p.used_blocks == 0 for p in pipe.pools()):
+        if all(p.used_blocks == p.cached_blocks for p in pipe.pools()):
             return True
         time.sleep(0.05)
     return False

@@ -58,6 +58,27 @@ def test_openai_client_chat_completions_and_models(server):
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in with_lp.choices[0].logprobs.content)
 
 
+def test_a_repeated_prefix_is_read_from_the_cache_and_reported_in_usage(server):
+    """Two chats with one long system prompt: the second reads the prompt's shared blocks from the
+    prefix cache (usage says how many tokens, as OpenAI's API does), and its answer is unchanged."""
+    from openai import OpenAI
+
+    base, backend, source, *_ = server
+    client = OpenAI(base_url=f"{base}/v1", api_key=KEY)
+    system = {"role": "system", "content": "You read ledgers of a harbour town and answer briefly. " * 3}
+    usage = []
+    for question in ("Who kept the ledger?", "What was shipped?"):
+        messages = [system, {"role": "user", "content": question}]
+        want = reference(source, encode_chat(backend.tokenizer, messages), 4)
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+        assert reply.choices[0].message.content == backend.decode(want)
+        usage.append(reply.usage)
+    assert usage[1].prompt_tokens_details.cached_tokens >= 32  # the system prompt's full blocks
+    assert usage[1].prompt_tokens_details.cached_tokens > usage[0].prompt_tokens_details.cached_tokens
+    text = httpx.get(f"{base}/metrics").text
+    assert "hpipe_prompt_tokens_cached_total" in text and "hpipe_prefix_cache_hits" in text
+
+
 def test_sse_is_well_formed_and_ends_with_done(server):
     base, *_ = server
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
