@@ -292,7 +292,7 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpipe.app.jobs import JobConfig, read_questions, run_job
+    from hpipe.app.jobs import JobConfig, describe, read_questions, run_job
     from hpipe.app.replan import replanner
     from hpipe.model.sources import resolve_model
 
@@ -316,21 +316,12 @@ def run(args: argparse.Namespace) -> int:
               f"{event.get('resumed', 0)} documents resumed ({event.get('replayed_positions', 0)} positions "
               f"replayed), {event.get('restarted', 0)} started again", file=sys.stderr)
     print(json.dumps(summary) if args.json else
-          f"{summary['documents']} documents, {summary['answers']} answers, {summary['skipped']} skipped, "
-          f"{len(summary['failed'])} failed; {summary['tokens_per_s']} tokens/s"
-          f"{_cache_line(summary['prefix_cache'])} -> {args.output}", file=sys.stdout if args.json else sys.stderr)
+          f"{describe(summary)} -> {args.output}", file=sys.stdout if args.json else sys.stderr)
     if summary["failed"]:
         print("hpipe: error: failed documents: " + "; ".join(f"{k}: {v}" for k, v in summary["failed"].items()),
               file=sys.stderr)
         return 1
     return 0
-
-
-def _cache_line(stats: dict | None) -> str:
-    if not stats or not stats["lookups"]:
-        return ""
-    return (f"; prefix cache: {stats['hits']} of {stats['lookups']} prompts hit, "
-            f"{stats['cached_tokens']} tokens not prefilled, {stats['evictions']} blocks evicted")
 
 
 def bench(args: argparse.Namespace) -> int:

@@ -125,6 +125,17 @@ def build_prompt(tokenizer, instruction: str, document: str, chat: bool, limit: 
     raise InputError(f"could not truncate the document to {limit} tokens")
 
 
+def describe(summary: dict) -> str:
+    """A job's summary in one line."""
+    line = (f"{summary['documents']} documents, {summary['answers']} answers, {summary['skipped']} skipped, "
+            f"{len(summary['failed'])} failed; {summary['tokens_per_s']} tokens/s")
+    cache = summary["prefix_cache"]
+    if cache and cache["lookups"]:
+        line += (f"; prefix cache: {cache['hits']} of {cache['lookups']} prompts hit, {cache['cached_tokens']} "
+                 f"tokens not prefilled, {cache['evictions']} blocks evicted")
+    return line
+
+
 def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], results: Path, job: JobConfig,
             replan: Callable[[list[str], list[Stage]], list[Stage]] | None = None) -> dict:
     """Analyse ``documents``; returns a summary. Raises nothing per document: each failure is

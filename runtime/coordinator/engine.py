@@ -10,25 +10,21 @@ slicing: a single long prompt with nothing else to do is sent slice after slice.
 back as the logits of the rows that need a token, and the whole micro-batch is sampled in one
 pass on this CPU (:func:`hpipe.model.sampling.sample`) while the stages compute the next ones.
 
-KV memory. The engine mirrors every stage's KV pool: a sequence holds ``ceil(positions / block)``
-blocks on each stage, so it knows the free blocks of the tightest stage without asking. Before a
-micro-batch goes out, the blocks it needs are found or made: requests not in flight are
+KV memory. The engine mirrors every stage's KV pool (:mod:`runtime.coordinator.kv_room`), so it
+knows the free blocks of the tightest stage without asking. Before a micro-batch goes out, the blocks it needs are found or made: requests not in flight are
 preempted, newest first; a preempted request gives its blocks back and later recomputes its
 prompt and the tokens it has generated (with its sampler's state kept, so its tokens are the
 same), and is counted in ``preemptions``. A daemon that still refuses a sequence for want of
 blocks (another session filled its pool) has that request preempted too, never failed.
 
-The prefix cache (:mod:`runtime.coordinator.prefix_cache`, optional). A request's hit is decided
-when it is admitted: its sequence's first entry names the cached blocks it begins with, and only
-the rest of its prompt is prefilled. Its entries name the blocks it fills for the daemons to keep.
-Cached blocks nobody holds are the first room taken back when a micro-batch needs blocks, before
-any request is preempted; their number stays within the cache's budget.
+The prefix cache (:mod:`runtime.coordinator.prefix_cache`, optional) decides a request's hit when
+it is admitted; its first entry names the cached blocks it begins with, and its entries the blocks
+they fill. Cached blocks nobody holds are evicted for room before any request is preempted.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -37,9 +33,9 @@ from typing import Callable
 import torch
 
 from hpipe.model.sampling import SampleError, logprobs, sample
-from runtime.coordinator.prefix_cache import PrefixCache
+from runtime.coordinator.kv_room import KVRoom
 from runtime.coordinator.request import Request
-from runtime.coordinator.resume import replays, resume_point
+from runtime.coordinator.resume import replays, resume_requests
 from runtime.coordinator.session import Session, StageFailure
 from runtime.wire.messages import pb
 
@@ -93,11 +89,9 @@ class Engine:
         self._arrived = threading.Condition(self._lock)
         self._admissions = 0
         pools = session.pipe.pools()
-        self.block_size = pools[0].block_size if pools else 16
-        self.kv_blocks = min((p.blocks for p in pools), default=0)
-        self.cache_share = prefix_cache
-        self.cache = None if prefix_cache is None else PrefixCache(
-            self.block_size, int(prefix_cache * self.kv_blocks), salt=f"{session.pipe.model}|{session.pipe.dtype}")
+        self.room = KVRoom(min((p.blocks for p in pools), default=0), pools[0].block_size if pools else 16,
+                           prefix_cache, salt=f"{session.pipe.model}|{session.pipe.dtype}")
+        self.cache = self.room.cache
         self.micro_batches = 0
         self.preemptions = 0
         self._checked = time.monotonic()
@@ -114,12 +108,15 @@ class Engine:
         """Move ``r`` from waiting to running (for a policy); False if it cannot run now."""
         if len(self.running) >= self.max_running:
             return False
-        if self.kv_blocks and self._blocks(r.max_len) > self.kv_blocks:
-            self._finish(r, "error", f"RESOURCE_EXHAUSTED: {r.max_len} positions need {self._blocks(r.max_len)} "
-                                     f"KV blocks; the tightest stage's pool has {self.kv_blocks}")
+        if self.room.blocks and self.room.of(r.max_len) > self.room.blocks:
+            self._finish(r, "error", f"RESOURCE_EXHAUSTED: {r.max_len} positions need {self.room.of(r.max_len)} "
+                                     f"KV blocks; the tightest stage's pool has {self.room.blocks}")
             return False
-        if self.cache is not None and not self._look_up(r):
-            return False
+        if self.cache is not None:
+            admitted, evicted = self.cache.admit(r)
+            self.session.evict(evicted)
+            if not admitted:
+                return False
         self.waiting.remove(r)
         self._admissions += 1
         r.admitted, r.admitted_s = self._admissions, time.monotonic()
@@ -138,73 +135,22 @@ class Engine:
                 self._finish(r, "error", error)
             self._in_flight.clear()
 
-    # --- the prefix cache -----------------------------------------------------------------------
-    def _look_up(self, r: Request) -> bool:
-        """Decide ``r``'s hit: it begins with the cached blocks of its prefix and claims the rest of
-        its full blocks (every stage keeps them as they are filled). False: another request is
-        filling its next block, so it waits for that (``r.deferred``)."""
-        cache = self.cache
-        names = cache.names(r.prefix[:-1])  # at least one token is computed: its logits give the next
-        hit, pending = cache.lookup(names)
-        r.deferred = pending
-        if pending:
-            return False
-        claimed, dropped = cache.claim(names, hit)
-        self.session.evict(dropped)
-        r.hit, r.claimed, r.filled, r.cached_tokens = names[:hit], claimed, 0, hit * self.block_size
-        if hit:
-            r.restart(r.prefix, begins_at=hit * self.block_size)
-        return True
-
-    def _keep(self, r: Request, start: int, end: int) -> list[int]:
-        """The names of the claimed blocks that positions ``[start, end)`` fill (from block
-        ``start // block size`` on, as the daemons read them)."""
-        first, own = start // self.block_size, len(r.hit)
-        return r.claimed[max(0, first - own):max(0, end // self.block_size - own)] if first >= own else []
-
     def _let_go(self, r: Request) -> None:
-        """``r`` no longer holds its cached blocks (it ended, or starts again in a new sequence)."""
-        if self.cache is not None and (r.hit or r.claimed):
-            self.session.evict(self.cache.release(r.hit + r.claimed))
-            self.session.evict(self.cache.trim())
-        r.hit, r.claimed, r.filled = [], [], 0
-
-    def _clear_cache(self) -> None:
-        """Forget every cached block (a new session: the daemons dropped the old one's)."""
         if self.cache is not None:
-            self.cache.clear()
-            for r in self.running + self.waiting:
-                r.hit, r.claimed, r.filled = [], [], 0
+            self.session.evict(self.cache.let_go(r))
 
     # --- KV blocks ----------------------------------------------------------------------------
-    def _blocks(self, positions: int) -> int:
-        return math.ceil(positions / self.block_size)
-
-    def used_blocks(self) -> int:
-        """Blocks in use on the tightest stage: every cached block that is filled, and each running
-        request's blocks beyond those (cached blocks nobody holds included: see :meth:`kv_free`)."""
-        own = sum(max(0, self._blocks(r.laid_out) - len(r.hit) - r.filled) for r in self.running)
-        return own + (self.cache.ready if self.cache is not None else 0)
-
     def kv_free(self) -> float:
         """The tightest stage's free share of its KV pool, as this engine has laid it out (1 without
-        pools); cached blocks nobody holds count as free, since they are given up on demand."""
-        if not self.kv_blocks:
-            return 1.0
-        idle = self.cache.idle if self.cache is not None else 0
-        return 1.0 - (self.used_blocks() - idle) / self.kv_blocks
-
-    def _needed(self, planned: list[Planned]) -> int:
-        return sum(self._blocks(p.request.laid_out + p.length) - self._blocks(p.request.laid_out) for p in planned)
+        pools; :mod:`runtime.coordinator.kv_room`)."""
+        return self.room.free_share(self.running)
 
     def _make_room(self, planned: list[Planned]) -> list[Planned]:
-        """``planned`` with the blocks it needs: while they are short, the newest request not in
-        flight is preempted (its entry dropped if it had one), so the oldest keep going."""
-        if not self.kv_blocks:
-            return planned
-        while planned and self._needed(planned) > self.kv_blocks - self.used_blocks():
-            short = self._needed(planned) - (self.kv_blocks - self.used_blocks())
-            if self.cache is not None and self.cache.idle:  # cached blocks nobody holds go first
+        """``planned`` with the blocks it needs: while they are short, cached blocks nobody holds
+        are evicted, then the newest request not in flight is preempted (its entry dropped if it
+        had one), so the oldest keep going."""
+        while planned and (short := self.room.short(self.running, [(p.request, p.length) for p in planned])) > 0:
+            if self.cache is not None and self.cache.idle:
                 self.session.evict(self.cache.evict(short))
                 continue
             inside = {id(p.request) for p in planned}
@@ -249,25 +195,8 @@ class Engine:
         old = self.session
         session = self.recover(error, old.id)
         with self._lock:
-            self.session = session
-            self._clear_cache()
-            stages = len(session.pipe.stages)
-            wanted, restarted, kept = {}, [], 0
-            for r in sorted(self.running, key=lambda r: r.admitted):
-                r.in_flight = 0
-                prefix = r.prompt + r.tokens
-                where = session.resumed.get(r.seq_id, {})
-                p, runs = resume_point(where, stages, len(prefix) - 1)
-                r.restart(prefix)
-                r.resumed_at.append(p)
-                if p:
-                    r.laid_out = p  # the next entry starts here, rewinding any stage that went further
-                    wanted[r.seq_id] = runs
-                    kept += p
-                else:
-                    log.info("request %d starts again: its stages hold (computed, logged) %s", r.id, where)
-                    r.new_sequence()
-                    restarted.append(r)
+            self.session = session  # its cache is emptied as it is bound below (rebind)
+            wanted, restarted, kept = resume_requests(self.running, session.resumed, len(session.pipe.stages))
             for r in reversed(restarted):
                 self.running.remove(r)
                 self.waiting.insert(0, r)  # the oldest first again
@@ -279,11 +208,7 @@ class Engine:
             try:
                 by_seq = {r.seq_id: r for r in self.running}
                 for batch in batches:
-                    entries = [pb.Entry(sequence_id=i, start=a, length=n, logits=pb.NO_LOGITS,
-                                        max_len=by_seq[i].max_len if a == 0 else 0) for i, a, n in batch.entries]
-                    tokens = torch.tensor([t for i, a, n in batch.entries for t in by_seq[i].prefix[a:a + n]],
-                                          dtype=torch.long)
-                    session.submit(entries, tokens, pb.Replay(first=batch.first, last=batch.last))
+                    session.submit(*batch.micro_batch(lambda i: by_seq[i]))
                 self.rebind(session)
             except StageFailure as e:  # broke again while resuming: recovered again below
                 broken = str(e)
@@ -299,16 +224,15 @@ class Engine:
 
     def rebind(self, session: Session) -> None:
         """Go on on ``session`` (a new one, after a recovery): nothing of the old one is in flight,
-        and the pools, depth and lanes are the new pipeline's (:class:`StageFailure` if a daemon of
-        it does not answer)."""
+        the prefix cache is empty, and the pools, depth and lanes are the new pipeline's
+        (:class:`StageFailure` if a daemon of it does not answer)."""
         pools = session.pipe.pools()
         with self._lock:
             self.session = session
-            self._clear_cache()
-            self._in_flight.clear()
-            self.kv_blocks = min((p.blocks for p in pools), default=0)
             if self.cache is not None:
-                self.cache.budget = int(self.cache_share * self.kv_blocks)
+                self.cache.clear(self.running + self.waiting)
+            self._in_flight.clear()
+            self.room.resize(min((p.blocks for p in pools), default=0))
             self.depth = max(1, len(session.pipe.stages))
             self.lanes = max(1, session.pipe.lanes)
             self._checked = time.monotonic()
@@ -350,7 +274,7 @@ class Engine:
                 if r.prefilling:
                     tokens += r.prefix[start:start + p.length]
                     prefill += p.length
-                    p.keep = self._keep(r, start, start + p.length) if r.claimed else None
+                    p.keep = self.cache.keep(r, start, start + p.length) if r.claimed else None
                 else:
                     tokens.append(r.tokens[-1])
                     decode += 1

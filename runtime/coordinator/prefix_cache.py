@@ -18,7 +18,8 @@ of them than the budget allows; the oldest are evicted first (among blocks relea
 deepest first, so that a kept block's prefix is kept too). A pipeline that is re-deployed or
 recovered starts with an empty cache: its stages are not the ones that kept the blocks.
 
-This module is pure bookkeeping; the engine sends what it decides to the daemons.
+This module is pure bookkeeping: it keeps a request's blocks on the request (``hit``, ``claimed``,
+``filled``), and the engine sends the names it returns to the daemons.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 from dataclasses import dataclass
+
+from runtime.coordinator.request import Request
 
 
 @dataclass
@@ -158,9 +161,42 @@ class PrefixCache:
         """Evict down to the budget of blocks nobody holds; the names evicted."""
         return self.evict(self.idle - self.budget)
 
-    def clear(self) -> None:
-        """Forget everything (the pipeline's stages changed: the daemons dropped their blocks)."""
+    def clear(self, requests: list[Request] = ()) -> None:
+        """Forget everything (the pipeline's stages changed: the daemons dropped their blocks), and
+        what ``requests`` held."""
         self._blocks.clear()
+        for r in requests:
+            r.hit, r.claimed, r.filled = [], [], 0
+
+    # --- a request's life -------------------------------------------------------------------
+    def admit(self, r: Request) -> tuple[bool, list[int]]:
+        """Decide ``r``'s hit as it is admitted: it begins with the cached blocks of its prefix
+        (its prefill starts after them) and claims the rest of its full blocks, which every stage
+        keeps as they are filled. (False, []) when another request is filling its next block: it
+        waits for that (``r.deferred``). Else (True, the names evicted to make its claims)."""
+        names = self.names(r.prefix[:-1])  # at least one token is computed: its logits give the next
+        hit, pending = self.lookup(names)
+        r.deferred = pending
+        if pending:
+            return False, []
+        claimed, evicted = self.claim(names, hit)
+        r.hit, r.claimed, r.filled, r.cached_tokens = names[:hit], claimed, 0, hit * self.block_size
+        if hit:
+            r.restart(r.prefix, begins_at=hit * self.block_size)
+        return True, evicted
+
+    def keep(self, r: Request, start: int, end: int) -> list[int]:
+        """The names of ``r``'s claimed blocks that its positions ``[start, end)`` fill, from block
+        ``start // block size`` on (as the daemons read them)."""
+        first, own = start // self.block_size, len(r.hit)
+        return r.claimed[max(0, first - own):max(0, end // self.block_size - own)] if first >= own else []
+
+    def let_go(self, r: Request) -> list[int]:
+        """``r`` no longer holds its blocks (it ended, or starts again in a new sequence); the names
+        the daemons are to forget (its blocks never filled, and any evicted to keep the budget)."""
+        forgotten = self.release(r.hit + r.claimed) + self.trim() if r.hit or r.claimed else []
+        r.hit, r.claimed, r.filled = [], [], 0
+        return forgotten
 
     def stats(self) -> dict:
         return {"cached_blocks": self.size, "idle_blocks": self.idle, "hits": self.hits, "lookups": self.lookups,

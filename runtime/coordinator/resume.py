@@ -23,7 +23,16 @@ again from its token ids under a new id.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from runtime.coordinator.request import Request
+from runtime.wire.messages import pb
+
+log = logging.getLogger(__name__)
 
 #: the most tokens one replay micro-batch carries
 REPLAY_TOKENS = 2048
@@ -95,6 +104,37 @@ class Replay:
     @property
     def tokens(self) -> int:
         return sum(n for _, _, n in self.entries)
+
+    def micro_batch(self, request: Callable[[int], Request]) -> tuple[list[pb.Entry], torch.Tensor, pb.Replay]:
+        """Its entries, token ids and stages as a session submits them (``request``: a sequence's)."""
+        entries = [pb.Entry(sequence_id=i, start=a, length=n, logits=pb.NO_LOGITS,
+                            max_len=request(i).max_len if a == 0 else 0) for i, a, n in self.entries]
+        tokens = torch.tensor([t for i, a, n in self.entries for t in request(i).prefix[a:a + n]], dtype=torch.long)
+        return entries, tokens, pb.Replay(first=self.first, last=self.last)
+
+
+def resume_requests(running: list[Request], resumed: dict[int, dict[int, tuple[int, int]]],
+                    stages: int) -> tuple[dict[int, list[list[Piece]]], list[Request], int]:
+    """Where each running request goes on after a recovery, from what the stages kept of its
+    sequence (``resumed``: sequence -> stage -> (computed, logged)): (the runs to replay by
+    sequence, the requests that start again in a new sequence, the positions kept)."""
+    wanted, restarted, kept = {}, [], 0
+    for r in sorted(running, key=lambda r: r.admitted):
+        r.in_flight = 0
+        prefix = r.prompt + r.tokens
+        where = resumed.get(r.seq_id, {})
+        p, runs = resume_point(where, stages, len(prefix) - 1)
+        r.restart(prefix)
+        r.resumed_at.append(p)
+        if p:
+            r.laid_out = p  # the next entry starts here, rewinding any stage that went further
+            wanted[r.seq_id] = runs
+            kept += p
+        else:
+            log.info("request %d starts again: its stages hold (computed, logged) %s", r.id, where)
+            r.new_sequence()
+            restarted.append(r)
+    return wanted, restarted, kept
 
 
 def replays(wanted: dict[int, list[list[Piece]]], max_tokens: int = REPLAY_TOKENS) -> list[Replay]:
