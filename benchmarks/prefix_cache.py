@@ -9,7 +9,9 @@ code, once with the prefix cache and once with ``--no-prefix-cache``, the order 
 round (each job deploys afresh). Prints each side's job seconds, the ratio cached / uncached per
 round, whether every answer is the same (greedy), and, with the cache, each document's time to
 first token of its later questions against its first's (from when each question started
-running, so that time queued behind other questions is left out).
+running, so that time queued behind other questions is left out). Then the same cached job once
+more with one question at a time (``--parallel 1``: an analyst asking one question after another),
+where a question's first token waits for nothing but its own prefill, and the same ratio.
 
 The server: ``hpipe serve`` on the same plan and cluster, asked twice, one request after the
 other, about one 3,000-token document with two different questions (streamed); prints each
@@ -45,11 +47,11 @@ QUESTIONS = ("Who wrote this report?", "What is its main finding?", "Which risks
 
 
 def job(plan: Plan, cluster: ClusterSpec, source, docs: list[str], questions: tuple[str, ...], out: Path,
-        cache: bool, max_new_tokens: int) -> tuple[float, dict, list[dict]]:
+        cache: bool, max_new_tokens: int, parallel: int = 16) -> tuple[float, dict, list[dict]]:
     t0 = time.perf_counter()
     summary = run_job(plan, cluster, source, docs, out,
                       JobConfig(instruction="", chat=True, max_new_tokens=max_new_tokens, questions=questions,
-                                prefix_cache=1.0 if cache else None, ignore_eos=True))
+                                prefix_cache=1.0 if cache else None, ignore_eos=True, parallel=parallel))
     return time.perf_counter() - t0, summary, [json.loads(line) for line in out.read_text().splitlines()]
 
 
@@ -159,6 +161,14 @@ def main() -> int:
               "ratio": round(statistics.median(ratios), 3), "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
               "later_first_token_ratio": round(statistics.median(ttft), 3),
               "later_first_token_range": [round(min(ttft), 3), round(max(ttft), 3)]}
+    seconds, summary, rows = job(plan, cluster, source, docs, questions, work / "one-at-a-time.jsonl", True,
+                                 args.max_new_tokens, parallel=1)
+    alone = first_token_ratios(rows)
+    report["one_at_a_time"] = {"job_s": round(seconds, 2), "later_first_token_ratio": round(statistics.median(alone), 3),
+                               "later_first_token_range": [round(min(alone), 3), round(max(alone), 3)],
+                               "same_answers": {(r["document"], r["question"]): r["token_ids"] for r in rows}
+                               == answers["uncached"]}
+    same = report["same_answers"] = same and report["one_at_a_time"]["same_answers"]
     if args.server:
         (work / "server").mkdir()
         text = documents(source.tokenizer(), 1, 3000, 3000, work / "server")[0].read_text()
@@ -176,6 +186,10 @@ def main() -> int:
               f"{report['ratio_range'][1]:.2f}); " + ("same answers" if same else "ANSWERS DIFFER"))
         print(f"  later questions' first token / the first question's: {report['later_first_token_ratio']:.3f} "
               f"(documents {report['later_first_token_range'][0]:.3f}-{report['later_first_token_range'][1]:.3f})")
+        one = report["one_at_a_time"]
+        print(f"  one question at a time: {one['job_s']:.1f} s; later / first question's first token "
+              f"{one['later_first_token_ratio']:.3f} ({one['later_first_token_range'][0]:.3f}-"
+              f"{one['later_first_token_range'][1]:.3f}); " + ("same answers" if one["same_answers"] else "ANSWERS DIFFER"))
         if args.server:
             for side, reqs in report["server"].items():
                 print(f"  server, {side}: first tokens after " + ", ".join(
