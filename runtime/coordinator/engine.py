@@ -11,8 +11,8 @@ back as the logits of the rows that need a token, and the whole micro-batch is s
 pass on this CPU (:func:`hpipe.model.sampling.sample`) while the stages compute the next ones.
 
 KV memory. The engine mirrors every stage's KV pool (:mod:`runtime.coordinator.kv_room`), so it
-knows the free blocks of the tightest stage without asking. Before a micro-batch goes out, the blocks it needs are found or made: requests not in flight are
-preempted, newest first; a preempted request gives its blocks back and later recomputes its
+knows the free blocks of the tightest stage without asking. Before a micro-batch goes out, the
+blocks it needs are found or made: requests not in flight are preempted, newest first; a preempted request gives its blocks back and later recomputes its
 prompt and the tokens it has generated (with its sampler's state kept, so its tokens are the
 same), and is counted in ``preemptions``. A daemon that still refuses a sequence for want of
 blocks (another session filled its pool) has that request preempted too, never failed.
@@ -354,6 +354,8 @@ class Engine:
         """A daemon failed ``r``'s sequence: out of KV blocks (or, resuming, without the log to
         rebuild it), it waits and recomputes (once its entries still in flight are back);
         otherwise it ends with the error."""
+        if code == "DATA_LOSS" and self.cache is not None and r.hit:  # a stage lacks a block it began with
+            self.session.evict(self.cache.drop(r.hit))
         if code not in ("RESOURCE_EXHAUSTED", "DATA_LOSS"):  # DATA_LOSS: a replay found no log
             self._finish(r, "error", f"{code}: {message}")
         elif r.in_flight == 0:

@@ -157,6 +157,13 @@ class PrefixCache:
         self.evictions += len(gone)
         return gone
 
+    def drop(self, names: list[int]) -> list[int]:
+        """Forget these blocks, held or not (a stage was found without them): later requests
+        compute them again. Their names, for the daemons to forget too."""
+        gone = [name for name in names if self._blocks.pop(name, None) is not None]
+        self.evictions += len(gone)
+        return gone
+
     def trim(self) -> list[int]:
         """Evict down to the budget of blocks nobody holds; the names evicted."""
         return self.evict(self.idle - self.budget)
@@ -174,7 +181,10 @@ class PrefixCache:
         (its prefill starts after them) and claims the rest of its full blocks, which every stage
         keeps as they are filled. (False, []) when another request is filling its next block: it
         waits for that (``r.deferred``). Else (True, the names evicted to make its claims)."""
-        names = self.names(r.prefix[:-1])  # at least one token is computed: its logits give the next
+        if r.block_names is None or r.block_names[0] is not r.prefix:  # named once per prefix
+            # at least one token is computed: its logits give the next
+            r.block_names = (r.prefix, self.names(r.prefix[:-1]))
+        names = r.block_names[1]
         hit, pending = self.lookup(names)
         r.deferred = pending
         if pending:

@@ -53,6 +53,7 @@ class Request:
     claimed: list[int] = field(default_factory=list)
     filled: int = 0
     deferred: bool = False                     # waiting for another request to fill its next block
+    block_names: tuple | None = None           # (its prefix, the names of its full blocks but the last token's)
     cached_tokens: int = 0
     stop_reason: str = ""                      # length | eos | stop | error | cancelled
     error: str = ""

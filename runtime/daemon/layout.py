@@ -130,9 +130,8 @@ class Layouts:
                            {i: cached for i in held}, {i: cached for i in held}, cached=cached)
             if e.cached:
                 missing = self.prefixes.begin(session, seq.kv, list(e.cached))
-                if missing:  # the coordinator's index and this daemon disagree: it starts again without
-                    layout.fail(e.sequence_id, "DATA_LOSS", f"sequence {e.sequence_id}: {missing}")
-                    return
+                if missing:  # the coordinator's index and this daemon disagree: it starts again without;
+                    seq.fail("DATA_LOSS", f"sequence {e.sequence_id}: {missing}")  # its later entries fail alike
             try:
                 table.add(seq)
             except HpipeError as err:

@@ -243,3 +243,33 @@ def test_a_daemon_restarted_mid_job_loses_no_answer(tiny_dirs):
     finally:
         for s in served.values():
             s.stop()
+
+
+def test_a_stage_that_lost_cached_blocks_fails_the_hit_and_the_question_is_computed_again(tiny):
+    """One daemon forgets the session's cached blocks behind the coordinator's back: the next
+    question that begins with them fails there (DATA_LOSS), the index forgets them, and the
+    question is prefilled whole, with its answer unchanged."""
+    pipe, source, path, daemons = tiny
+    cfg = source.config
+    pipe.load(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32)
+    prompts = documents(cfg.vocab_size, seed=7, docs=1, questions=4)
+    lost = []
+
+    class LosesBlocks(POLICIES["fcfs"]):  # one question at a time: the first fills the document's blocks
+        def form(self, engine):
+            if not lost and engine.cache.ready and not engine.running:
+                daemons[1].stage.prefixes.end(engine.session.id)
+                lost.append(engine.cache.ready)
+            return super().form(engine)
+
+    session = pipe.session()
+    try:
+        engine = Engine(session, LosesBlocks(), depth=3, prefix_cache=1.0)
+        requests = [engine.add(Request(p, 5, slicer=chunks)) for p in prompts]
+        engine.run()
+    finally:
+        session.close()
+    assert lost and all(not r.error for r in requests), [r.error for r in requests if r.error]
+    assert [r.tokens for r in requests] == alone(source, prompts, 5)
+    assert requests[1].preemptions == 1 and requests[1].cached_tokens == 0  # computed whole
+    assert engine.cache.hits >= 3  # the later questions hit the blocks it filled again
