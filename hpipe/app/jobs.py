@@ -3,12 +3,13 @@
 Each document becomes one prompt per question (document, blank line, question; in the chat template
 with ``--chat``: small models answer a question asked after the text far better than one asked
 before it), sliced by the plan's slicing for its length. The document comes first, so that every
-question about it shares its prompt's blocks: the prefix cache (:mod:`runtime.coordinator.prefix_cache`)
-prefills a document once, and each later question only its own tokens. Questions are added document
-by document, so one document's questions run close together while its blocks are cached. Up to ``parallel`` documents run at once on one
-engine (:mod:`runtime.coordinator.engine`): their prefill chunks and decode tokens share micro-batches, so one
-pass over each stage's weights serves every document in flight. Results are appended to a JSONL
-file, one whole line per document as it finishes, a failed one with its error
+question about it shares its prompt's blocks: the prefix cache
+(:mod:`runtime.coordinator.prefix_cache`) prefills a document once, and each later question only
+its own tokens. Questions are added document by document, so one document's questions run close
+together while its blocks are cached. Up to ``parallel`` prompts run at once on one engine
+(:mod:`runtime.coordinator.engine`): their prefill chunks and decode tokens share micro-batches, so
+one pass over each stage's weights serves every prompt in flight. Results are appended to a JSONL
+file, one whole line per answer as it finishes, a failed one with its error
 (:mod:`hpipe.app.results`); answers already given to the same prompt (document and question) with
 the same settings are skipped, so an interrupted job resumes where it stopped.
 """
