@@ -127,21 +127,17 @@ class Session:
 
     def close_sequences(self, seq_ids: list[int]) -> None:
         """Free these sequences on every daemon (in order after the micro-batches sent before)."""
-        if not seq_ids or self._closed:
-            return
-        frame = pb.Frame(close=pb.CloseSequences(sequence_ids=seq_ids))
-        with self._lock:
-            for conn in self.conns:
-                try:
-                    conn.send(frame)
-                except LinkError:
-                    pass  # a daemon that is gone holds nothing
+        if seq_ids:
+            self._to_every_daemon(pb.Frame(close=pb.CloseSequences(sequence_ids=seq_ids)))
 
     def evict(self, blocks: list[int]) -> None:
         """Every daemon forgets these cached blocks (in order after the micro-batches sent before)."""
-        if not blocks or self._closed:
+        if blocks:
+            self._to_every_daemon(pb.Frame(evict=pb.Evict(blocks=blocks)))
+
+    def _to_every_daemon(self, frame: pb.Frame) -> None:
+        if self._closed:
             return
-        frame = pb.Frame(evict=pb.Evict(blocks=blocks))
         with self._lock:
             for conn in self.conns:
                 try:
