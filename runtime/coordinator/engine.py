@@ -12,14 +12,14 @@ pass on this CPU (:func:`hpipe.model.sampling.sample`) while the stages compute 
 
 KV memory. The engine mirrors every stage's KV pool (:mod:`runtime.coordinator.kv_room`), so it
 knows the free blocks of the tightest stage without asking. Before a micro-batch goes out, the
-blocks it needs are found or made: requests not in flight are preempted, newest first; a preempted request gives its blocks back and later recomputes its
-prompt and the tokens it has generated (with its sampler's state kept, so its tokens are the
-same), and is counted in ``preemptions``. A daemon that still refuses a sequence for want of
-blocks (another session filled its pool) has that request preempted too, never failed.
+blocks it needs are found or made: requests not in flight are preempted, newest first; a
+preempted request gives its blocks back and later recomputes its prompt and the tokens it has
+generated (with its sampler's state kept, so its tokens are the same), and is counted in
+``preemptions``. A daemon that still refuses a sequence for want of blocks (another session
+filled its pool) has that request preempted too, never failed.
 
-The prefix cache (:mod:`runtime.coordinator.prefix_cache`, optional) decides a request's hit when
-it is admitted; its first entry names the cached blocks it begins with, and its entries the blocks
-they fill. Cached blocks nobody holds are evicted for room before any request is preempted.
+The prefix cache (:mod:`runtime.coordinator.prefix_cache`) decides a request's hit as it is
+admitted; idle cached blocks are evicted for room before any request is preempted.
 """
 
 from __future__ import annotations
@@ -146,9 +146,8 @@ class Engine:
         return self.room.free_share(self.running)
 
     def _make_room(self, planned: list[Planned]) -> list[Planned]:
-        """``planned`` with the blocks it needs: while they are short, cached blocks nobody holds
-        are evicted, then the newest request not in flight is preempted (its entry dropped if it
-        had one), so the oldest keep going."""
+        """``planned`` with the blocks it needs: while short, idle cached blocks are evicted, then the
+        newest request not in flight is preempted (its entry dropped if it had one)."""
         while planned and (short := self.room.short(self.running, [(p.request, p.length) for p in planned])) > 0:
             if self.cache is not None and self.cache.idle:
                 self.session.evict(self.cache.evict(short))
