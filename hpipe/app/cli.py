@@ -94,7 +94,7 @@ def _generate_parser(sub) -> None:
     g.add_argument("--cuts", type=_int_list, help="unit indices where stages change (c1,c2,...)")
     g.add_argument("--slices", type=_int_list, help="prompt token slice lengths (must sum to the prompt length)")
     g.add_argument("--cluster", help="run through the daemons of this cluster file instead of in-process")
-    g.add_argument("--dequantize", action="store_true", help="a GGUF model's weights as float32 (the path before quantized kernels; the reference they are tested against)")
+    _dequantize_argument(g)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=commands.generate)
 
@@ -149,6 +149,11 @@ def _plan_parser(sub) -> None:
     pl.set_defaults(func=commands.plan)
 
 
+def _dequantize_argument(parser) -> None:
+    parser.add_argument("--dequantize", action="store_true", help="a GGUF model's weights as float32 (the path "
+                        "before quantized kernels; the reference they are tested against)")
+
+
 def _prefix_cache_arguments(parser) -> None:
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                         help="prefill every prompt whole, reusing no KV block of an earlier one (to compare)")
@@ -184,7 +189,7 @@ def _run_parser(sub) -> None:
                                       "is planned around on the survivors")
     rn.add_argument("--grace", type=float, default=60.0,
                     help="seconds a broken pipeline waits for a dead daemon to come back (default: 60)")
-    rn.add_argument("--dequantize", action="store_true", help="a GGUF model's weights as float32 (the path before quantized kernels; the reference they are tested against)")
+    _dequantize_argument(rn)
     _prefix_cache_arguments(rn)
     rn.add_argument("-o", "--output", default="results.jsonl")
     rn.add_argument("--json", action="store_true")
@@ -216,7 +221,7 @@ def _bench_parser(sub) -> None:
     bn.add_argument("--rate", type=float, help="with --workload generate: Poisson arrivals a second (default: all at once)")
     bn.add_argument("--seed", type=int, default=0, help="with --workload: lengths, arrivals and prompts")
     bn.add_argument("--kv-pool-mb", type=_positive, help="with --workload: each daemon's KV pools in all, MiB")
-    bn.add_argument("--dequantize", action="store_true", help="a GGUF model's weights as float32 (the path before quantized kernels; the reference they are tested against)")
+    _dequantize_argument(bn)
     bn.add_argument("--json", action="store_true")
     bn.set_defaults(func=commands.bench)
 
@@ -254,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--cluster", help="cluster file (token, TLS); default: the plan's daemon addresses")
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     sv.add_argument("--port", type=_positive, default=8000)
-    sv.add_argument("--dequantize", action="store_true", help="a GGUF model's weights as float32 (the path before quantized kernels; the reference they are tested against)")
+    _dequantize_argument(sv)
     _prefix_cache_arguments(sv)
     sv.add_argument("--api-key-file", help="clients must send this key as a Bearer token (required beyond loopback)")
     sv.add_argument("--policy", choices=["gllm", "sarathi", "fcfs", "single"], default="gllm")

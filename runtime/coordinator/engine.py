@@ -354,7 +354,7 @@ class Engine:
         rebuild it), it waits and recomputes (once its entries still in flight are back);
         otherwise it ends with the error."""
         if code == "DATA_LOSS" and self.cache is not None and r.hit:  # a stage lacks a block it began with
-            self.session.evict(self.cache.drop(r.hit))
+            self.cache.drop(r.hit)
         if code not in ("RESOURCE_EXHAUSTED", "DATA_LOSS"):  # DATA_LOSS: a replay found no log
             self._finish(r, "error", f"{code}: {message}")
         elif r.in_flight == 0:

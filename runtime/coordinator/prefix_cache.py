@@ -36,6 +36,7 @@ class _Block:
     depth: int
     holders: int = 0
     ready: bool = False
+    lost: bool = False  # a stage was found without it: no request begins with it any more
     released: int = 0  # when its last holder let go (a tick of the cache's clock)
 
 
@@ -49,6 +50,8 @@ class PrefixCache:
         self.block_size, self.budget = block_size, budget
         self._salt = hashlib.blake2b(salt.encode(), digest_size=8).digest()
         self._blocks: dict[int, _Block] = {}
+        self.ready = 0  # blocks filled on every stage (held or not)
+        self.idle = 0   # of those, the ones nobody holds: room that can be taken back
         self._clock = itertools.count(1)
         self.hits = 0            # requests admitted with cached blocks
         self.cached_tokens = 0   # positions they did not prefill
@@ -74,7 +77,7 @@ class PrefixCache:
         hit = 0
         for name in names:
             block = self._blocks.get(name)
-            if block is None:
+            if block is None or block.lost:
                 return hit, False
             if not block.ready:
                 return hit, True
@@ -90,7 +93,9 @@ class PrefixCache:
             self.hits += 1
             self.cached_tokens += hit * self.block_size
         for name in names[:hit]:
-            self._blocks[name].holders += 1
+            block = self._blocks[name]
+            self.idle -= not block.holders
+            block.holders += 1
         claimed, dropped = [], []
         for depth, name in enumerate(names[hit:], start=hit):
             old = self._blocks.get(name)
@@ -98,6 +103,7 @@ class PrefixCache:
                 if old.holders or not old.ready:
                     break  # another request fills it: this one computes its own copy, unnamed
                 del self._blocks[name]
+                self.ready, self.idle = self.ready - 1, self.idle - 1
                 dropped.append(name)
                 self.evictions += 1
             self._blocks[name] = _Block(depth, holders=1)
@@ -108,8 +114,9 @@ class PrefixCache:
         """These claimed blocks are computed on every stage: later requests may begin with them."""
         for name in names:
             block = self._blocks.get(name)
-            if block is not None:
-                block.ready = True
+            if block is not None and not block.ready:
+                block.ready = True  # held by its filler: not idle
+                self.ready += 1
 
     def release(self, names: list[int]) -> list[int]:
         """A request lets go of its blocks (it ended or starts again). Blocks it claimed but never
@@ -120,12 +127,16 @@ class PrefixCache:
             if block is None:
                 continue
             block.holders -= 1
-            if not block.ready:
-                if block.holders == 0:
-                    del self._blocks[name]
-                    forgotten.append(name)
-            elif block.holders == 0:
+            if block.holders:
+                continue
+            if block.lost or not block.ready:  # of no use to anyone now
+                del self._blocks[name]
+                forgotten.append(name)
+                self.ready -= block.ready
+                self.evictions += block.lost
+            else:
                 block.released = now
+                self.idle += 1
         return forgotten
 
     # --- room -------------------------------------------------------------------------------
@@ -133,16 +144,6 @@ class PrefixCache:
     def size(self) -> int:
         """Blocks it names (each takes a block of every stage's pool, or will)."""
         return len(self._blocks)
-
-    @property
-    def ready(self) -> int:
-        """Blocks filled on every stage (held or not)."""
-        return sum(1 for b in self._blocks.values() if b.ready)
-
-    @property
-    def idle(self) -> int:
-        """Cached blocks nobody holds: room that can be taken back."""
-        return sum(1 for b in self._blocks.values() if b.ready and not b.holders)
 
     def evict(self, n: int) -> list[int]:
         """Forget up to ``n`` blocks nobody holds, the least recently released first (the deepest
@@ -154,15 +155,17 @@ class PrefixCache:
         gone = [name for _, _, name in idle[:n]]
         for name in gone:
             del self._blocks[name]
+        self.ready, self.idle = self.ready - len(gone), self.idle - len(gone)
         self.evictions += len(gone)
         return gone
 
-    def drop(self, names: list[int]) -> list[int]:
-        """Forget these blocks, held or not (a stage was found without them): later requests
-        compute them again. Their names, for the daemons to forget too."""
-        gone = [name for name in names if self._blocks.pop(name, None) is not None]
-        self.evictions += len(gone)
-        return gone
+    def drop(self, names: list[int]) -> None:
+        """A stage was found without these blocks (their holders hold them): no later request
+        begins with them, and each is forgotten, by the daemons too, when its last holder lets go."""
+        for name in names:
+            block = self._blocks.get(name)
+            if block is not None:
+                block.lost = True
 
     def trim(self) -> list[int]:
         """Evict down to the budget of blocks nobody holds; the names evicted."""
@@ -172,6 +175,7 @@ class PrefixCache:
         """Forget everything (the pipeline's stages changed: the daemons dropped their blocks), and
         what ``requests`` held."""
         self._blocks.clear()
+        self.ready = self.idle = 0
         for r in requests:
             r.hit, r.claimed, r.filled = [], [], 0
 

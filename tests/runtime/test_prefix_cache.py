@@ -80,6 +80,33 @@ def test_trim_keeps_idle_blocks_within_the_budget():
     assert cache.lookup(names) == (3, False)  # the first blocks stayed
 
 
+def test_the_kept_counts_match_the_blocks_after_any_sequence_of_operations():
+    """``ready`` and ``idle`` are kept as blocks change, not counted each time the engine asks."""
+    cache, gen = PrefixCache(4, budget=5), random.Random(8)
+    prompts = [[gen.randrange(1, 9) for _ in range(gen.randrange(4, 24))] for _ in range(6)]
+    held: list[list[int]] = []
+    for _ in range(300):
+        op = gen.randrange(5)
+        if op == 0:
+            names = cache.names(gen.choice(prompts))
+            hit, pending = cache.lookup(names)
+            if not pending:
+                claimed, _ = cache.claim(names, hit)
+                held.append(names[:hit] + claimed)
+        elif op == 1 and held:
+            cache.filled(gen.choice(held))
+        elif op == 2 and held:
+            cache.release(held.pop(gen.randrange(len(held))))
+            cache.trim()
+        elif op == 3:
+            cache.evict(gen.randrange(3))
+        elif op == 4 and held:
+            cache.drop(gen.choice(held)[:1])
+        blocks = cache._blocks.values()
+        assert cache.ready == sum(b.ready for b in blocks)
+        assert cache.idle == sum(b.ready and not b.holders for b in blocks)
+
+
 # --- the engine over daemons ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tiny_dirs):
