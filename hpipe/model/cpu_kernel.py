@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hpipe.core.config import ModelConfig
+from hpipe.core.config import ModelConfig, RopeConfig
 from hpipe.core.errors import ModelSourceError
 from hpipe.core.paths import cache_root
 from hpipe.model import packed
@@ -155,24 +155,35 @@ class StageKernel:
 
     def __init__(self, blocks: list[nn.Module], cfg: ModelConfig):
         self.cfg, self.kinds, self.windows, self.layers = cfg, [], [], []
+        self.ropes: list[RopeConfig] = []  # the RoPEs the units turn by, in the order cos stacks them
+        self.rope_of_unit: list[int] = []  # each attention unit's, an index into ropes
         self._params: list[torch.Tensor] = []  # each unit's tensors in turn, in the kernel's order
         for block in blocks:
             if isinstance(block, Attention):
                 self.kinds.append(0)
                 self.windows.append(block.window or 0)
                 self.layers.append(block.layer)
-                self._params += [block.input_layernorm.weight, *_linear(block.qkv_proj), *_linear(block.o_proj)]
+                if block.rope not in self.ropes:
+                    self.ropes.append(block.rope)
+                self.rope_of_unit.append(self.ropes.index(block.rope))
+                self._params += [block.norm.weight, *_linear(block.qkv_proj), *_linear(block.o_proj),
+                                 _weight(block.q_norm), _weight(block.k_norm), _weight(block.post_norm)]
             elif isinstance(block, FeedForward):
                 self.kinds.append(1)
-                self._params += [block.post_attention_layernorm.weight, *_linear(block.gate_up_proj),
-                                 *_linear(block.down_proj)]
+                self._params += [block.norm.weight, *_linear(block.gate_up_proj), *_linear(block.down_proj),
+                                 _weight(block.post_norm)]
             else:
                 raise TypeError(f"the decode kernel runs attention and MLP units, not {type(block).__name__}")
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor, entries: list[Entry],
-                 pool: KVPool) -> torch.Tensor:
-        """The residual stream ``x [rows, hidden]`` (float32, one row per entry) through the units;
-        each row's key and value are written into its sequence's slot of ``pool``."""
+    def __call__(self, x: torch.Tensor, tables: dict, entries: list[Entry], pool: KVPool) -> torch.Tensor:
+        """The residual stream ``x [rows, hidden]`` (float32, one row per entry) through the units,
+        turned by ``tables`` (:meth:`StageModel.rotations`); each row's key and value are written
+        into its sequence's slot of ``pool``."""
+        if self.ropes:
+            cos = torch.stack([tables[r][0][:, 0] for r in self.ropes])
+            ssin = torch.stack([tables[r][1][:, 0] for r in self.ropes])
+        else:
+            cos = ssin = x.new_empty(0, x.shape[0], self.cfg.head_dim)
         cfg, writes, runs = self.cfg, [], []
         for e in entries:
             row = e.kv.runs(e.start + 1)
@@ -183,10 +194,16 @@ class StageKernel:
         return torch.ops.hpipe.decode_units(
             x.contiguous(), cos, ssin, [e.start for e in entries], writes, runs,
             self.kinds, self._params, [pool.k[i] for i in self.layers], [pool.v[i] for i in self.layers],
-            self.windows, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, _vector)
+            self.windows, self.rope_of_unit, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+            cfg.attention_scale, cfg.hidden_act != "silu", _vector)
 
 
 _NONE = torch.empty(0)
+
+
+def _weight(norm: nn.Module | None) -> torch.Tensor:
+    """A norm's weight, or an empty tensor for a norm the family lacks."""
+    return _NONE if norm is None else norm.weight
 
 
 def _linear(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

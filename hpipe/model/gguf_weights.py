@@ -29,25 +29,35 @@ from hpipe.model.quant import TYPES, QuantizedWeight
 INDEX = "tensors.json"
 
 #: the architectures whose GGUF tensors hpipe maps, and whether the converter permuted Q and K
-ARCHITECTURES = {"llama": True, "qwen2": False}
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma3": False}
+#: what a norm's stored weight adds to the Hugging Face one (llama.cpp's converter stores Gemma's
+#: ``1 + weight``; transformers subtracts the one again, and so does this store)
+NORM_OFFSET = {"gemma3": 1.0}
 
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+#: where an architecture names a block's tensors otherwise
+_BLOCK_OF = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # stored fused, as in transformers
 }
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor (None: a tensor hpipe does not use, e.g. rope_freqs)."""
     base, _, param = gguf_name.rpartition(".")
     if base in _GLOBAL:
         return f"{_GLOBAL[base]}.{param}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _BLOCK:
-        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{param}"
+    block = {**_BLOCK, **_BLOCK_OF.get(arch, {})}
+    if m and m.group(2) in block:
+        return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{param}"
     return None
 
 
@@ -59,9 +69,12 @@ def write_index(gguf: Path, out: Path) -> None:
     reader = GGUFReader(str(gguf))
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else ""
+    if any(t.name.startswith("rope_factors") for t in reader.tensors):
+        raise ModelSourceError(f"{gguf.name}: a GGUF with LongRoPE factors (rope_factors_*) is not supported; "
+                               "use the model's Hugging Face directory")
     tensors = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             continue
         tensors[name] = {"gguf": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in reversed(t.shape)],
@@ -138,10 +151,13 @@ class GGUFWeights:
         f.seek(offset)
         if f.readinto(memoryview(buf.numpy())) != nbytes:
             raise ModelSourceError(f"{self.path.name}: truncated (tensor {e['gguf']})")
-        if t == 0:  # float32, as it is
+        if t == 0 and len(shape) > 1:  # float32, as it is
             return buf.view(torch.float32).reshape(shape)
-        if len(shape) == 1:  # a norm's or a bias's vector stored in 16 bits
-            return QuantizedWeight.of(t, 1, shape[0], buf).dequantize().reshape(shape)
+        if len(shape) == 1:  # a norm's or a bias's vector
+            vector = buf.view(torch.float32) if t == 0 else QuantizedWeight.of(t, 1, shape[0], buf).dequantize()
+            if name.endswith("norm.weight") and self.architecture in NORM_OFFSET:
+                vector = vector - NORM_OFFSET[self.architecture]
+            return vector.reshape(shape)
         rows, width = shape[0], math.prod(shape[1:])
         weight = QuantizedWeight.of(t, rows, width, buf)
         return self._unpermute(name, weight)

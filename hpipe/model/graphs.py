@@ -19,7 +19,6 @@ import torch
 
 from hpipe.model.kvpool import Entry, KVPool
 from hpipe.model.layers import Attention
-from hpipe.model.rope import cos_sin
 from hpipe.model.stage import StageModel, logit_rows
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -119,11 +118,11 @@ class DecodeGraphs:
 
     def _body(self, step: _Static) -> torch.Tensor:
         stage, x = self.stage, step.x
-        cos, sin = cos_sin(stage.inv_freq, step.pos, stage.dtype)
+        tables = stage.rotations(step.pos)
         for u, block in stage.blocks.items():
             if isinstance(block, Attention):
                 mask = step.windowed[block.window] if block.window is not None else step.mask
-                x = block.forward_decode(x, cos, sin, self.pool.k[block.layer], self.pool.v[block.layer],
+                x = block.forward_decode(x, *tables[block.rope], self.pool.k[block.layer], self.pool.v[block.layer],
                                          step.write, step.gather, mask)
             else:
                 x = block(x)  # embed, MLP, or the head on each row's one position

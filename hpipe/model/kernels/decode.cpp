@@ -28,8 +28,11 @@ using at::Tensor;
 namespace {
 
 // per unit, in the order the Python side lists them (cpu_kernel.StageKernel)
-enum AttnParam { A_NORM, A_QKV, A_QKV_SHAPE, A_QKV_BIAS, A_O, A_O_SHAPE, A_O_BIAS, A_COUNT };
-enum MlpParam { M_NORM, M_GATE_UP, M_GATE_UP_SHAPE, M_GATE_UP_BIAS, M_DOWN, M_DOWN_SHAPE, M_DOWN_BIAS, M_COUNT };
+// (the norms after q/k and after the output are empty tensors in the families without them)
+enum AttnParam { A_NORM, A_QKV, A_QKV_SHAPE, A_QKV_BIAS, A_O, A_O_SHAPE, A_O_BIAS, A_Q_NORM, A_K_NORM, A_POST_NORM,
+                 A_COUNT };
+enum MlpParam { M_NORM, M_GATE_UP, M_GATE_UP_SHAPE, M_GATE_UP_BIAS, M_DOWN, M_DOWN_SHAPE, M_DOWN_BIAS, M_POST_NORM,
+                M_COUNT };
 
 std::optional<Tensor> maybe(const Tensor& t) {
   return t.numel() ? std::optional<Tensor>(t) : std::nullopt;
@@ -47,31 +50,51 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& shape, const Tenso
   return op.call(x, w, shape, maybe(bias), x.size(0));
 }
 
-// Hugging Face's LlamaRMSNorm in float32: x * rsqrt(mean(x^2) + eps) * weight, row by row
+// Hugging Face's LlamaRMSNorm in float32 over d values: in * rsqrt(mean(in^2) + eps) * w, into o
+void rms_norm_row(const float* in, const float* w, int64_t d, double eps, float* o) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < d; ++i) sum += in[i] * in[i];
+  const float scale = 1.f / std::sqrt(sum / static_cast<float>(d) + static_cast<float>(eps));
+  for (int64_t i = 0; i < d; ++i) o[i] = w[i] * (in[i] * scale);
+}
+
+void check_norm(const Tensor& weight, int64_t d) {
+  TORCH_CHECK(weight.numel() == d && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "a norm's weight is float32 [its width]");
+}
+
+// the norm row by row of x [rows, hidden]
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   const int64_t rows = x.size(0), d = x.size(1);
-  TORCH_CHECK(weight.numel() == d && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
-              "a norm's weight is float32 [hidden]");
+  check_norm(weight, d);
   Tensor out = at::empty_like(x);
-  const float* w = weight.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* in = x.data_ptr<float>() + r * d;
-    float* o = out.data_ptr<float>() + r * d;
-    float sum = 0.f;
-    for (int64_t i = 0; i < d; ++i) sum += in[i] * in[i];
-    const float scale = 1.f / std::sqrt(sum / static_cast<float>(d) + static_cast<float>(eps));
-    for (int64_t i = 0; i < d; ++i) o[i] = w[i] * (in[i] * scale);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    rms_norm_row(x.data_ptr<float>() + r * d, weight.data_ptr<float>(), d, eps, out.data_ptr<float>() + r * d);
   return out;
 }
 
+// Qwen3's and Gemma's per-head norms of the queries (the first `heads` heads of each row of qkv
+// [rows, all heads, head_dim]) and of the keys (the next `kv_heads`), in place
+void head_norms(Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, int64_t heads, int64_t kv_heads,
+                double eps) {
+  const int64_t dim = qkv.size(2);
+  check_norm(q_norm, dim);
+  check_norm(k_norm, dim);
+  for (int64_t r = 0; r < qkv.size(0); ++r)
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      float* x = qkv.data_ptr<float>() + (r * qkv.size(1) + h) * dim;
+      rms_norm_row(x, (h < heads ? q_norm : k_norm).data_ptr<float>(), dim, eps, x);
+    }
+}
+
 // x * cos + rotate_half(x) * sin over the first `heads` heads of each row of qkv
-// [rows, all heads, head_dim], in place; ssin holds sin with its first half negated
+// [rows, all heads, head_dim], in place; ssin holds sin with its first half negated. cos and ssin
+// [rows, rot] may cover only a head's leading `rot` dimensions (partial rotation): the rest pass.
 void rotate(Tensor& qkv, const Tensor& cos, const Tensor& ssin, int64_t heads) {
-  const int64_t rows = qkv.size(0), dim = qkv.size(2), half = dim / 2;
+  const int64_t rows = qkv.size(0), dim = qkv.size(2), rot = cos.size(1), half = rot / 2;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* c = cos.data_ptr<float>() + r * dim;
-    const float* s = ssin.data_ptr<float>() + r * dim;
+    const float* c = cos.data_ptr<float>() + r * rot;
+    const float* s = ssin.data_ptr<float>() + r * rot;
     for (int64_t h = 0; h < heads; ++h) {
       float* x = qkv.data_ptr<float>() + (r * qkv.size(1) + h) * dim;
       for (int64_t i = 0; i < half; ++i) {
@@ -290,12 +313,12 @@ struct Rows {
 
 Tensor attention_unit(const Tensor& x, const std::vector<Tensor>& p, const Tensor& k_pool, const Tensor& v_pool,
                       const Tensor& cos, const Tensor& ssin, const Rows& rows, int64_t window, int64_t heads,
-                      int64_t kv_heads, int64_t head_dim, double eps, bool vector) {
+                      int64_t kv_heads, int64_t head_dim, double eps, double scale, bool vector) {
   const int64_t n = x.size(0), group = heads / kv_heads;
   Tensor qkv = linear(rms_norm(x, p[A_NORM], eps), p[A_QKV], p[A_QKV_SHAPE], p[A_QKV_BIAS])
                    .view({n, heads + 2 * kv_heads, head_dim});
+  if (p[A_Q_NORM].numel()) head_norms(qkv, p[A_Q_NORM], p[A_K_NORM], heads, kv_heads, eps);
   rotate(qkv, cos, ssin, heads + kv_heads);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   qkv.narrow(1, 0, heads).mul_(scale);  // the queries scaled once, not each row's scores
   const int64_t slots = k_pool.size(1);
   Tensor out = at::empty({n, heads, head_dim}, x.options());
@@ -344,28 +367,33 @@ Tensor attention_unit(const Tensor& x, const std::vector<Tensor>& p, const Tenso
       at::mm_out(into, at::_softmax(at::mm(qg, keys.t()), -1, false), values);
     }
   });
-  return x + linear(out.view({n, heads * head_dim}), p[A_O], p[A_O_SHAPE], p[A_O_BIAS]);
+  Tensor h = linear(out.view({n, heads * head_dim}), p[A_O], p[A_O_SHAPE], p[A_O_BIAS]);
+  return x + (p[A_POST_NORM].numel() ? rms_norm(h, p[A_POST_NORM], eps) : h);
 }
 
-Tensor mlp_unit(const Tensor& x, const std::vector<Tensor>& p, double eps) {
+// gelu: GeGLU with tanh GELU (Gemma), else SwiGLU
+Tensor mlp_unit(const Tensor& x, const std::vector<Tensor>& p, double eps, bool gelu) {
   Tensor gate_up = linear(rms_norm(x, p[M_NORM], eps), p[M_GATE_UP], p[M_GATE_UP_SHAPE], p[M_GATE_UP_BIAS]);
   const int64_t inner = gate_up.size(1) / 2;
-  Tensor act = at::silu(gate_up.narrow(1, 0, inner)).mul_(gate_up.narrow(1, inner, inner));
-  return x + linear(act, p[M_DOWN], p[M_DOWN_SHAPE], p[M_DOWN_BIAS]);
+  Tensor gate = gate_up.narrow(1, 0, inner);
+  Tensor act = (gelu ? at::gelu(gate, "tanh") : at::silu(gate)).mul_(gate_up.narrow(1, inner, inner));
+  Tensor h = linear(act, p[M_DOWN], p[M_DOWN_SHAPE], p[M_DOWN_BIAS]);
+  return x + (p[M_POST_NORM].numel() ? rms_norm(h, p[M_POST_NORM], eps) : h);
 }
 
 // The residual stream x [rows, hidden] through a stage's attention and MLP units in order:
 // kinds[i] is 0 for an attention unit, 1 for an MLP unit; params holds each unit's tensors in
 // turn (A_COUNT or M_COUNT of them; an empty tensor for a bias or packed shape it lacks);
-// k_pools, v_pools and windows hold each attention unit's KV pool tensors [kv_heads, slots,
-// head_dim] and sliding window (0: none). cos and ssin [rows, head_dim] are the rows' rotary
-// factors; positions and write slots as in Rows, and runs each row's runs in turn: their count,
-// then a slot and a length for each. vector: attention through the AVX-512 loops where the
-// CPU and the head size allow them (false: MKL's products, to compare).
+// k_pools, v_pools, windows and ropes hold each attention unit's KV pool tensors [kv_heads, slots,
+// head_dim], sliding window (0: none) and RoPE (an index into cos). cos and ssin [ropes, rows,
+// rotated dims] are the rows' rotary factors, one set per RoPE; positions and write slots as in
+// Rows, and runs each row's runs in turn: their count, then a slot and a length for each. scale:
+// the queries'; gelu: the MLP's activation (else silu). vector: attention through the AVX-512 or
+// AVX2 loops where the CPU and the head size allow them (false: MKL's products, to compare).
 Tensor decode_units(Tensor x, const Tensor& cos, const Tensor& ssin, at::IntArrayRef positions,
                     at::IntArrayRef writes, at::IntArrayRef runs, at::IntArrayRef kinds, at::TensorList params, at::TensorList k_pools,
-                    at::TensorList v_pools, at::IntArrayRef windows, int64_t heads, int64_t kv_heads,
-                    int64_t head_dim, double eps, bool vector) {
+                    at::TensorList v_pools, at::IntArrayRef windows, at::IntArrayRef ropes, int64_t heads,
+                    int64_t kv_heads, int64_t head_dim, double eps, double scale, bool gelu, bool vector) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "decode_units takes a contiguous float32 CPU residual stream [rows, hidden]");
   TORCH_CHECK(static_cast<int64_t>(positions.size()) == x.size(0) && positions.size() == writes.size(),
@@ -390,9 +418,9 @@ Tensor decode_units(Tensor x, const Tensor& cos, const Tensor& ssin, at::IntArra
   TORCH_CHECK(at_run == runs.size(), "more runs than the rows have");
   vector = vector && vector_attention(head_dim);
   Tensor c = cos.contiguous(), s = ssin.contiguous();
-  TORCH_CHECK(c.dim() == 2 && c.size(0) == x.size(0) && c.size(1) == head_dim && s.sizes() == c.sizes() &&
-                  c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat,
-              "cos and ssin are float32 [rows, head_dim]");
+  TORCH_CHECK(c.dim() == 3 && c.size(1) == x.size(0) && c.size(2) <= head_dim && c.size(2) % 2 == 0 &&
+                  s.sizes() == c.sizes() && c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat,
+              "cos and ssin are float32 [ropes, rows, rotated dims <= head_dim]");
   size_t at_param = 0, at_window = 0;
   for (int64_t kind : kinds) {
     const size_t count = kind == 0 ? static_cast<size_t>(A_COUNT) : static_cast<size_t>(M_COUNT);
@@ -400,17 +428,19 @@ Tensor decode_units(Tensor x, const Tensor& cos, const Tensor& ssin, at::IntArra
     std::vector<Tensor> p(params.begin() + at_param, params.begin() + at_param + count);
     at_param += count;
     if (kind == 0) {
-      TORCH_CHECK(at_window < windows.size() && at_window < k_pools.size() && at_window < v_pools.size(),
-                  "one window and one K and V pool per attention unit");
+      TORCH_CHECK(at_window < windows.size() && at_window < k_pools.size() && at_window < v_pools.size() &&
+                      at_window < ropes.size() && ropes[at_window] >= 0 && ropes[at_window] < c.size(0),
+                  "one window, one RoPE and one K and V pool per attention unit");
       for (const Tensor* pool : {&k_pools[at_window], &v_pools[at_window]})
         TORCH_CHECK(pool->is_contiguous() && pool->scalar_type() == at::kFloat && pool->dim() == 3 &&
                         pool->size(0) == kv_heads && pool->size(2) == head_dim,
                     "a KV pool tensor is contiguous float32 [kv_heads, slots, head_dim]");
-      x = attention_unit(x, p, k_pools[at_window], v_pools[at_window], c, s, rows, windows[at_window], heads,
-                         kv_heads, head_dim, eps, vector);
+      x = attention_unit(x, p, k_pools[at_window], v_pools[at_window], c.select(0, ropes[at_window]),
+                         s.select(0, ropes[at_window]), rows, windows[at_window], heads, kv_heads, head_dim, eps,
+                         scale, vector);
       ++at_window;
     } else {
-      x = mlp_unit(x, p, eps);
+      x = mlp_unit(x, p, eps, gelu);
     }
   }
   TORCH_CHECK(at_param == params.size(), "more unit tensors than the unit kinds take");
@@ -422,7 +452,7 @@ Tensor decode_units(Tensor x, const Tensor& cos, const Tensor& ssin, at::IntArra
 // one kernel for every dispatch key: the packed weights are MKL-DNN tensors, the rest plain CPU ones
 TORCH_LIBRARY(hpipe, m) {
   m.def("decode_units(Tensor x, Tensor cos, Tensor ssin, int[] positions, int[] writes, int[] runs, int[] kinds, "
-        "Tensor[] params, Tensor[] k_pools, Tensor[] v_pools, int[] windows, int heads, int kv_heads, int head_dim, float eps, "
-        "bool vector) -> Tensor",
+        "Tensor[] params, Tensor[] k_pools, Tensor[] v_pools, int[] windows, int[] ropes, int heads, int kv_heads, "
+        "int head_dim, float eps, float scale, bool gelu, bool vector) -> Tensor",
         &decode_units);
 }
