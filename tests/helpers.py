@@ -26,15 +26,22 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})),
+    # Gemma 3 as transformers builds it by default: every sixth layer global (the seven layers give
+    # one), one KV head (as the 270M has), the query scaled by the head size, no RoPE scaling
+    "gemma3-pattern": dict(cls="Gemma3ForCausalLM", cfg="Gemma3TextConfig", layers=7, extra=dict(
+        head_dim=16, sliding_window=6, query_pre_attn_scalar=16, pad_token_id=0, num_key_value_heads=1)),
+    # plain Qwen3 with attention biases (q, k, v and o), untied
+    "qwen3-bias": dict(cls="Qwen3ForCausalLM", cfg="Qwen3Config", extra=dict(
+        head_dim=16, attention_bias=True, tie_word_embeddings=False)),
     # LongRoPE past 32 positions (the prompts cross it in decode), fused checkpoint projections
     "phi3-longrope": dict(cls="Phi3ForCausalLM", cfg="Phi3Config", extra=dict(
         pad_token_id=0, bos_token_id=1, eos_token_id=2, original_max_position_embeddings=32,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                          "short_factor": [1.0 + i / 10 for i in range(4)] * 2,
                          "long_factor": [2.0 + i for i in range(8)], "original_max_position_embeddings": 32})),
-    # Phi-4-mini's partial rotation: three quarters of each head turn
+    # Phi-4-mini's partial rotation (three quarters of each head turn), Phi-3-mini-4k's sliding window
     "phi3-partial": dict(cls="Phi3ForCausalLM", cfg="Phi3Config", extra=dict(
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.75)),
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.75, sliding_window=8)),
 }
 
 
@@ -44,11 +51,10 @@ def make_tiny_model(family: str, directory: Path, *, vocab_size: int = 384, laye
     import transformers
 
     spec = FAMILIES[family]
-    cfg = getattr(transformers, spec["cfg"])(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context, rms_norm_eps=1e-5,
-        initializer_range=0.3, **spec["extra"],
-    )
+    shape = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=spec.get("layers", layers),
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context, rms_norm_eps=1e-5,
+                 initializer_range=0.3)
+    cfg = getattr(transformers, spec["cfg"])(**{**shape, **spec["extra"]})
     torch.manual_seed(1234)
     model = getattr(transformers, spec["cls"])(cfg).eval()
     # Biases start at zero in HF init; make them matter.

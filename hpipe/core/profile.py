@@ -240,11 +240,14 @@ class Profile:
             return self.matrix_bytes(m.vocab_size * m.hidden_size)
         if kind == HEAD:
             return self.matrix_bytes(m.vocab_size * m.hidden_size) + m.hidden_size * it
+        # the norms' vectors: before each unit, after it too (Gemma), per head for q and k (Qwen3, Gemma)
+        norms = m.hidden_size * (2 if m.sandwich_norms else 1)
         if kind == ATTN:
             qkv = m.hidden_size * m.head_dim * (m.num_heads + 2 * m.num_kv_heads)
             bias = m.head_dim * (m.num_heads + 2 * m.num_kv_heads) if m.qkv_bias else 0
-            return self.matrix_bytes(qkv + m.num_heads * m.head_dim * m.hidden_size) + (bias + m.hidden_size) * it
-        return self.matrix_bytes(3 * m.hidden_size * m.intermediate_size) + m.hidden_size * it
+            norms += 2 * m.head_dim if m.qk_norm else 0
+            return self.matrix_bytes(qkv + m.num_heads * m.head_dim * m.hidden_size) + (bias + norms) * it
+        return self.matrix_bytes(3 * m.hidden_size * m.intermediate_size) + norms * it
 
     def kv_bytes_per_token_per_layer(self) -> int:
         return 2 * self.model.num_kv_heads * self.model.head_dim * self.itemsize

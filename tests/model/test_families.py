@@ -15,7 +15,7 @@ from hpipe.model.kvpool import Entry, KVPool
 from hpipe.model.sources import resolve_model
 from tests.helpers import hf_model, max_rel_diff
 
-NEW_FAMILIES = ["qwen3-sliding", "gemma3", "phi3-longrope", "phi3-partial"]
+NEW_FAMILIES = ["qwen3-sliding", "qwen3-bias", "gemma3", "gemma3-pattern", "phi3-longrope", "phi3-partial"]
 
 
 def test_longrope_turns_by_the_long_factors_past_its_original_length(tiny_dirs):

@@ -9,6 +9,7 @@ from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.policies import POLICIES
 from tests.cluster_helpers import Served, cluster_of
+from tests.model.test_families import NEW_FAMILIES
 from tests.runtime.test_engine import alone, chunks, pools_empty, workload
 
 
@@ -20,7 +21,7 @@ def daemons():
         d.stop()
 
 
-@pytest.mark.parametrize("family", ["qwen3-sliding", "gemma3", "phi3-longrope", "phi3-partial"])
+@pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_each_family_through_daemons_gives_each_request_its_own_tokens(family, daemons, tiny_dirs):
     import torch
 
