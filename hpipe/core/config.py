@@ -142,6 +142,11 @@ class ModelConfig:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
         if len(self.sliding_windows) != self.num_layers:
             raise UnsupportedModelError("one sliding window entry per layer is required")
+        for rope in (self.rope, self.local_rope):
+            rotated = int(self.head_dim * rope.partial_rotary_factor) if rope else 0
+            if rope and rope.type == "longrope" and not len(rope.short_factor) == len(rope.long_factor) == rotated // 2:
+                raise ModelSourceError(f"config.json: longrope's short_factor and long_factor need {rotated // 2} "
+                                       f"entries each (half the {rotated} rotated dimensions of a head)")
 
     @property
     def num_units(self) -> int:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hpipe.core.config import ModelConfig
-from hpipe.core.errors import UnsupportedModelError
+from hpipe.core.errors import ModelSourceError, UnsupportedModelError
 from hpipe.core.units import UnitRange
 from hpipe.model import StageModel
 from hpipe.model.generate import LocalModel
@@ -113,5 +113,9 @@ def test_family_traits_come_from_the_config():
     phi3 = ModelConfig.from_dict({**BASE, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
                                   "partial_rotary_factor": 0.5})
     assert phi3.rope.partial_rotary_factor == 0.5 and not phi3.qk_norm
+    with pytest.raises(ModelSourceError, match="long_factor need 4 entries"):
+        ModelConfig.from_dict({**BASE, "architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.5,
+                               "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                                "original_max_position_embeddings": 64}})
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
         ModelConfig.from_dict({**BASE, "architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.5})
