@@ -162,11 +162,22 @@ def _prefix_cache_arguments(parser) -> None:
                              "all free room; they are given back whenever a request needs the room)")
 
 
+def _plan_or_model(parser) -> None:
+    """``--plan``, or ``--model`` to plan on the spot (:mod:`hpipe.app.one_box`)."""
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--plan", help="a plan (hpipe plan)")
+    which.add_argument("--model", help="no plan: start a local daemon (or use --cluster), profile (cached) and "
+                                       "plan for this model here, and stop what was started at the end")
+    parser.add_argument("--cluster", help="cluster file (token, TLS); default: the plan's daemon addresses, or "
+                                          "with --model one daemon on this machine")
+    parser.add_argument("--max-len", type=_positive, help="with --model: the longest input to plan for "
+                                                          "(default: 4096, or the model's context if shorter)")
+
+
 def _run_parser(sub) -> None:
     rn = sub.add_parser("run", help="analyse documents with one instruction, or several questions, on a deployed "
                                     "plan (JSONL out)")
-    rn.add_argument("--plan", required=True)
-    rn.add_argument("--cluster", help="cluster file (token, TLS); default: the plan's daemon addresses")
+    _plan_or_model(rn)
     asked = rn.add_mutually_exclusive_group(required=True)
     asked.add_argument("--instruction", help="what to do with each document")
     asked.add_argument("--questions", help="a file of questions to ask about each document: one a line, or JSON "
@@ -255,8 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_parser(sub)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible API (chat, completions, streaming) over a plan")
-    sv.add_argument("--plan", required=True)
-    sv.add_argument("--cluster", help="cluster file (token, TLS); default: the plan's daemon addresses")
+    _plan_or_model(sv)
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     sv.add_argument("--port", type=_positive, default=8000)
     _dequantize_argument(sv)

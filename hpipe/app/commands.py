@@ -13,70 +13,19 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from hpipe.app.inputs import (
+    check_device,
+    check_output,
+    cluster_for,
+    load_plan,
+    load_profile,
+    planned,
+    read_text,
+    write_or_print,
+)
 from hpipe.core.errors import InputError
 
 log = logging.getLogger("hpipe")
-
-
-def read_text(path: str, what: str) -> str:
-    """The text of ``path``, or a one-line error (missing, unreadable, a folder, not UTF-8 text)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError as e:
-        raise InputError(f"cannot read {what} {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise InputError(f"{what} {path} is not UTF-8 text") from None
-
-
-def write_or_print(text: str, path: str | None) -> None:
-    if path and path != "-":
-        try:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as e:
-            raise InputError(f"cannot write {path}: {e.strerror or e}") from None
-    else:
-        print(text)
-
-
-def check_output(path: str | None, what: str) -> None:
-    """Refuse, before any work, an output path that cannot be written: a folder, or in a missing one."""
-    if not path or path == "-":
-        return
-    out = Path(path)
-    if out.is_dir():
-        raise InputError(f"-o {out} is a folder; name the {what} file to write")
-    if not out.parent.is_dir():
-        raise InputError(f"cannot write {out}: the folder {out.parent} does not exist")
-
-
-def check_device(device: str) -> None:
-    """Refuse a device this machine cannot compute on, before anything loads."""
-    from hpipe.core.cluster import DEVICE
-
-    if not DEVICE.match(device):
-        raise InputError(f"--device {device!r} is not cpu or cuda:N")
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise InputError(f"--device {device}: CUDA is not available on this machine")
-        index = int(device.split(":")[1]) if ":" in device else 0
-        if index >= torch.cuda.device_count():
-            raise InputError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-
-
-def load_profile(path: str):
-    from hpipe.core.profile import Profile
-
-    return Profile.from_json(read_text(path, "profile"))
-
-
-def load_plan(path: str):
-    from hpipe.core.plan import Plan
-
-    return Plan.from_json(read_text(path, "plan"))
 
 
 def pipeline(cluster):
@@ -86,23 +35,6 @@ def pipeline(cluster):
 
     coordinate_on_one_thread()
     return Pipeline(cluster)
-
-
-def cluster_for(plan, cluster_file: str | None):
-    """The cluster file if given, else one made of the plan's stage addresses (no token, no TLS);
-    this process coordinates it on one CPU thread."""
-    from hpipe.core.cluster import ClusterSpec, DaemonSpec
-    from runtime.coordinator.pipeline import coordinate_on_one_thread
-
-    coordinate_on_one_thread()
-
-    if cluster_file:
-        return ClusterSpec.load(cluster_file)
-    seen = {}
-    for sp in plan.strategies.values():
-        for st in sp.stages:
-            seen.setdefault(st.daemon, st.address)
-    return ClusterSpec("from-plan", tuple(DaemonSpec.at(n, a) for n, a in seen.items()))
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -292,17 +224,20 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output(args.output, "results (JSONL)")
+    if args.profile and not args.plan:
+        raise InputError("--profile goes with --plan (the profile that plan came from)")
+    with planned(args, serving=False) as (the_plan, cluster, source):
+        return _run(args, the_plan, cluster, source)
+
+
+def _run(args: argparse.Namespace, the_plan, cluster, source) -> int:
     from hpipe.app.jobs import JobConfig, describe, read_questions, run_job
     from hpipe.app.replan import replanner
-    from hpipe.model.sources import resolve_model
 
-    the_plan = load_plan(args.plan)
     if args.strategy and args.strategy.replace("-", "_") not in the_plan.strategies:
         raise InputError(f"the plan has no strategy {args.strategy!r} (it has {', '.join(the_plan.strategies)})")
-    check_output(args.output, "results (JSONL)")
     output = Path(args.output)
-    source = resolve_model(the_plan.model_name)
-    cluster = cluster_for(the_plan, args.cluster)
     job = JobConfig(instruction=args.instruction or "", chat=args.chat, max_new_tokens=args.max_new_tokens,
                     truncate=args.truncate, parallel=args.parallel, policy=args.policy,
                     ignore_eos=args.ignore_eos, grace_s=args.grace, dequantize=args.dequantize,
@@ -377,16 +312,15 @@ def bench_workload(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     from hpipe.app.serve import read_key
     from hpipe.app.serve import serve as run_server
-    from hpipe.model.sources import resolve_model
 
-    the_plan = load_plan(args.plan)
     key = read_key(args.api_key_file)
-    source = resolve_model(the_plan.model_name)
-    return run_server(the_plan, cluster_for(the_plan, args.cluster), source, host=args.host,
-                      port=args.port, api_key=key, policy=args.policy, max_queue=args.max_queue,
-                      model_name=args.served_model_name, default_max_tokens=args.default_max_tokens,
-                      grace_s=args.grace, drain_s=args.drain, dequantize=args.dequantize,
-                      prefix_cache=args.prefix_cache_budget if args.prefix_cache else None)
+    with planned(args, serving=True) as (the_plan, cluster, source):
+        return run_server(the_plan, cluster, source, host=args.host,
+                          port=args.port, api_key=key, policy=args.policy, max_queue=args.max_queue,
+                          model_name=args.served_model_name,
+                          default_max_tokens=args.default_max_tokens,
+                          grace_s=args.grace, drain_s=args.drain, dequantize=args.dequantize,
+                          prefix_cache=args.prefix_cache_budget if args.prefix_cache else None)
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -18,6 +18,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from functools import cached_property
@@ -217,26 +219,42 @@ def _write_import(gguf: Path, out: Path) -> None:
 
 def _dequantized_import(gguf: Path, target: Path) -> None:
     """Write ``target/model.safetensors``: the GGUF's weights as float32, dequantized by
-    transformers' GGUF reader (once; ``--dequantize`` and the tests' reference read it)."""
+    transformers' GGUF reader (once; ``--dequantize`` and the tests' reference read it). It runs
+    in a child process: transformers holds about three times the float32 model while converting
+    (3.3 GB for Gemma 3 270M), and a process keeps much of what it once held."""
     if (target / "model.safetensors").exists():
         return
+    log.warning("writing a float32 copy of %s into %s (once, for --dequantize)", gguf.name, target)
+
+    def write(tmp: Path) -> None:
+        child = subprocess.run([sys.executable, "-c", "import sys; from hpipe.model.sources import write_dequantized; "
+                                "sys.exit(write_dequantized(sys.argv[1], sys.argv[2]))", str(gguf), str(tmp)],
+                               capture_output=True, text=True)
+        if child.returncode:
+            lines = child.stderr.strip().splitlines() or [f"exit status {child.returncode}"]
+            raise ModelSourceError(f"{gguf}: cannot write its float32 copy ({lines[-1]})")
+
+    _write_once(target / "model.safetensors", write, file="model.safetensors")
+
+
+def write_dequantized(gguf: str, out: str) -> int:
+    """The child process of :func:`_dequantized_import`: ``out/model.safetensors`` from ``gguf``."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    log.warning("writing a float32 copy of %s into %s (once, for --dequantize)", gguf.name, target)
-
-    def write(tmp: Path) -> None:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        except (OSError, ValueError, KeyError) as e:
-            raise ModelSourceError(f"{gguf}: cannot read this GGUF file ({e})") from None
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)  # shares storage with the embedding
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf.name})
-
-    _write_once(target / "model.safetensors", write, file="model.safetensors")
+    gguf_path = Path(gguf)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"cannot read this GGUF file: {e}", file=sys.stderr)
+        return 1
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # shares storage with the embedding
+    save_file(state, str(Path(out) / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+    return 0
 
 
 def model_shape(spec: str) -> tuple[str, ModelConfig]:
