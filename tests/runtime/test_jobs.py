@@ -243,8 +243,10 @@ def test_ctrl_c_then_run_again_loses_and_repeats_nothing(cluster3, plan_file, tm
             "--max-new-tokens", "48", "--ignore-eos", "--parallel", "1", "-o", str(out)]
     # started as a script's background job is (SIGINT inherited ignored): Python then installs no
     # KeyboardInterrupt handler unless hpipe does, and the interrupt used to be lost
-    job = subprocess.Popen([sys.executable, "-m", "hpipe"] + args + docs, stderr=subprocess.PIPE, text=True,
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    # (ignored by a shell's trap, not a preexec_fn: that makes Popen fork this big test process, and
+    # a fresh-clone CI run once failed that fork with ENOMEM; a shell is spawned without copying it)
+    job = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$0" "$@"', sys.executable, "-m", "hpipe"] + args + docs,
+                           stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_text().count("\n") >= 1):
         assert job.poll() is None and time.monotonic() < deadline, job.stderr.read() if job.poll() else "slow"
