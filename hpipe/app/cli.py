@@ -69,8 +69,9 @@ def _at_least_zero(text: str) -> float:
 def _daemon_arguments(p: argparse.ArgumentParser) -> None:
     """``hpipe daemon``'s flags, made from :class:`DaemonOptions` (their one definition)."""
     for f in fields(DaemonOptions):
-        if f.type == "bool":
-            p.add_argument(option_flag(f), dest=f.name, action="store_false", help=f.metadata["help"])
+        if f.type == "bool":  # a flag that turns the default over
+            p.add_argument(option_flag(f), dest=f.name, action="store_false" if f.default else "store_true",
+                           help=f.metadata["help"])
         else:
             p.add_argument(option_flag(f), dest=f.name, required=f.name == "port", help=f.metadata["help"])
 

@@ -38,6 +38,7 @@ def serve(options: DaemonOptions) -> int:
     """Serve until SIGTERM or SIGINT."""
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise HpipeError(f"--device {options.device}: CUDA is not available on this machine")
+    options.refuse_open_binding()
     if options.threads:
         torch.set_num_threads(options.threads)
     warning = bind_warning(options.host)

@@ -98,6 +98,9 @@ class DaemonOptions:
     name: str = field(default="", metadata=_option("name in logs and error messages", str))
     host: str = field(default="127.0.0.1", metadata=_option("address to bind (default: loopback only)", str))
     port: int = field(default=50151, metadata=_option("port to bind", _int))
+    data_port: int = field(default=0, metadata=_option(
+        "port of the data plane, where activations arrive, so a firewall can allow it (default 0: any free port)",
+        _int))
     device: str = field(default="cpu", metadata=_option("cpu or cuda:N", str))
     threads: int | None = field(default=None, metadata=_option("torch CPU threads", _int))
     memory_budget: int | None = field(default=None, metadata=_option("cap on weights + KV cache, e.g. 2GiB",
@@ -115,13 +118,19 @@ class DaemonOptions:
     tls_key: Path | None = field(default=None, metadata=_option("TLS private key", _path))
     tls_ca: Path | None = field(default=None, metadata=_option("CA to verify the successor's certificate "
                                                                "(default: --tls-cert)", _path))
+    insecure: bool = field(default=False, metadata=_option(
+        "serve beyond loopback without a token: anyone who reaches the ports may load models and send work",
+        _bool, "--insecure"))
 
     def __post_init__(self) -> None:
         who = f"daemon {self.name}" if self.name else "daemon"
         if not DEVICE.match(self.device):
             raise HpipeError(f"{who}: device {self.device!r} is not cpu or cuda:N")
-        if not 0 <= self.port <= 65535:
-            raise HpipeError(f"{who}: port {self.port} is outside 0-65535")
+        for what, port in (("port", self.port), ("data port", self.data_port)):
+            if not 0 <= port <= 65535:
+                raise HpipeError(f"{who}: {what} {port} is outside 0-65535")
+        if self.data_port and self.data_port == self.port:
+            raise HpipeError(f"{who}: the data port and the RPC port are both {self.port}")
         if self.threads is not None and self.threads < 1:
             raise HpipeError(f"{who}: threads must be >= 1, got {self.threads}")
         if self.memory_budget is not None and self.memory_budget < 1:
@@ -130,6 +139,14 @@ class DaemonOptions:
             raise HpipeError(f"{who}: replay budget must be >= 0, got {self.replay_budget}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise HpipeError(f"{who}: a TLS certificate and key go together")
+
+    def refuse_open_binding(self) -> None:
+        """A daemon bound beyond loopback without a token would run anyone's work: refused unless
+        ``insecure`` says so out loud."""
+        if not self.is_local and self.token_file is None and not self.insecure:
+            who = f"daemon {self.name}" if self.name else "the daemon"
+            raise HpipeError(f"{who} would bind {self.host} without a token: give it --token-file (token_file: in "
+                             "the cluster file), or pass --insecure to serve anyone who reaches its ports")
 
     @property
     def model_dir_list(self) -> tuple[str, ...]:

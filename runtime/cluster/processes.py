@@ -3,6 +3,7 @@ answers, and whether a pid is still alive. Shared by ``hpipe cluster up|down`` a
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -65,6 +66,9 @@ def spawn(d: DaemonSpec, sdir: Path, emu) -> subprocess.Popen:
         # part of the device fingerprint: a cached profile is reused only under the same limits
         settings = {**d.emulate, **({"quota_period_us": emulate.QUOTA_PERIOD_US} if "cpu_quota" in d.emulate else {})}
         env["HPIPE_EMULATION"] = ",".join(f"{k}={v}" for k, v in sorted(settings.items()))
+    if emu and d.token_file is None and not d.is_local:
+        # a host of the emulated network: a namespace on this machine, reachable from it alone
+        d = dataclasses.replace(d, insecure=True)
     proc = subprocess.Popen(prefix + daemon_command(d), stdout=logf, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     logf.close()

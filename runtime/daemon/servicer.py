@@ -157,7 +157,7 @@ def build_server(options: DaemonOptions, services: tuple[Service, ...] = (),
                         tls_server=server_context(options.tls_cert, options.tls_key),
                         tls_client=client_context(security.tls_ca), on_worker_start=on_worker_start,
                         cuda_graphs=options.cuda_graphs, model_dirs=options.model_dir_list,
-                        replay_budget=options.replay_budget)
+                        replay_budget=options.replay_budget, data_port=options.data_port)
     interceptors = [TokenInterceptor(security.token)] if security.token else []
     # so_reuseport off: a second daemon on a port in use must fail to bind, not share it unseen
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="grpc"),

@@ -55,7 +55,7 @@ class StageServer:
     def __init__(self, device: str = "cpu", memory_budget: int | None = None, host: str = "127.0.0.1",
                  token: str | None = None, tls_server=None, tls_client=None,
                  on_worker_start: Callable[[], None] | None = None, cuda_graphs: bool = True,
-                 model_dirs: tuple[str, ...] = (), replay_budget: int = DEFAULT_BUDGET):
+                 model_dirs: tuple[str, ...] = (), replay_budget: int = DEFAULT_BUDGET, data_port: int = 0):
         self.device = torch.device(device)
         self.model_dirs = model_dirs  # where Load may read model files (deployment.check_source)
         #: how all-decode micro-batches run (hpipe.model.graphs): "graphs" (CUDA graphs), "eager"
@@ -79,7 +79,7 @@ class StageServer:
                                self.prefixes)
         self.worker = Worker(MicroBatches(self.sequences, self.io, self.outbox, self.stats, self.layouts),
                              on_worker_start)
-        self.data = DataServer(host, token, self._serve_connection, tls_server)
+        self.data = DataServer(host, token, self._serve_connection, tls_server, port=data_port)
         self._reaper = threading.Thread(target=self._reap_loop, name="stage-reaper", daemon=True)
         self._reaper.start()
 

@@ -182,7 +182,7 @@ class DataServer:
     on a thread of its own."""
 
     def __init__(self, host: str, token: str | None, serve: Callable[[Connection, int], None],
-                 tls: ssl.SSLContext | None = None):
+                 tls: ssl.SSLContext | None = None, port: int = 0):
         self._token, self._serve, self._tls = token, serve, tls
         self._backoff = TokenBackoff()
         self._open = 0  # connections being served
@@ -190,9 +190,9 @@ class DataServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            self._sock.bind((host, 0))
+            self._sock.bind((host, port))
         except OSError as e:
-            raise HpipeError(f"cannot bind a data port on {host}: {e}") from None
+            raise HpipeError(f"cannot bind the data port {port or '(any)'} on {host}: {e}") from None
         self._sock.listen(64)
         self.port = self._sock.getsockname()[1]
         self._stopping = threading.Event()

@@ -15,6 +15,7 @@ from runtime.daemon.deployment import check_source
 from runtime.wire.channels import DaemonClient, Security
 from runtime.wire.messages import MAX_MESSAGE_BYTES, pb, pb_grpc
 from runtime.wire.transport import LinkError, connect, read_payload
+from tests.app.serve_helpers import free_port
 from tests.cluster_helpers import Served
 
 
@@ -291,6 +292,44 @@ def test_bind_warning():
 
     assert bind_warning("127.0.0.1") is None and bind_warning("localhost") is None
     assert "trusted network" in bind_warning("0.0.0.0")
+
+
+def test_a_daemon_beyond_loopback_needs_a_token_or_says_insecure(tmp_path):
+    """Bound beyond loopback without a token, ``hpipe daemon`` does not start; --insecure says so
+    out loud and it starts (with the warning); loopback needs neither."""
+    import subprocess
+    import sys
+
+    from hpipe.core.cluster import DaemonOptions
+    from hpipe.core.errors import HpipeError
+
+    with pytest.raises(HpipeError, match="without a token: give it --token-file"):
+        DaemonOptions(name="x", host="0.0.0.0").refuse_open_binding()
+    token = tmp_path / "token"
+    token.write_text("secret")
+    DaemonOptions(host="0.0.0.0", token_file=token).refuse_open_binding()
+    DaemonOptions(host="0.0.0.0", insecure=True).refuse_open_binding()
+    DaemonOptions(host="127.0.0.2").refuse_open_binding()
+    assert DaemonOptions(host="0.0.0.0", insecure=True).argv()[-1] == "--insecure"
+    refused = subprocess.run([sys.executable, "-m", "hpipe", "daemon", "--host", "0.0.0.0", "--port",
+                              str(free_port())], capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "without a token" in refused.stderr
+
+
+def test_the_data_port_is_the_one_asked_for():
+    """--data-port (data_port: in a cluster file) fixes the port activations arrive on."""
+    from hpipe.core.cluster import DaemonOptions
+    from hpipe.core.errors import HpipeError
+
+    port = free_port()
+    served = Served("d", data_port=port)
+    try:
+        assert served.stage.data.port == port
+        assert served.client().call("Status", pb.StatusRequest()).data_port == port
+    finally:
+        served.stop()
+    with pytest.raises(HpipeError, match="both"):
+        DaemonOptions(port=port, data_port=port)
 
 
 def test_data_connections_are_capped(monkeypatch):
