@@ -5,7 +5,8 @@ on stderr: the cluster (``--cluster``, else one daemon on this machine using all
 it starts where it is not already serving and stops when the command ends; the cluster's profile
 (measured once per device and model and cached, about a minute the first time, seconds after);
 and a plan for the model up to ``--max-len`` tokens (``hpipe serve``: the serving split for a
-mix of requests; ``hpipe run``: HPipe's plan for the longest document).
+mix of 1,024-token prompts and 128-token answers; ``hpipe run``: HPipe's plan for ``--max-len``
+tokens, whose slicing table covers every shorter document).
 """
 
 from __future__ import annotations
