@@ -23,6 +23,20 @@ def tiny_plan(source, daemons, max_len: int = 64, cuts: tuple[int, ...] = (3,)) 
                 {16 * k: (16 * k,) for k in range(1, max_len // 16 + 1)})
 
 
+def await_served(base: str, server, timeout_s: float) -> None:
+    """Wait until the ``hpipe serve`` process ``server`` answers ``/health`` 200 at ``base``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                return
+        except httpx.ConnectError:
+            pass
+        assert server.poll() is None, server.stderr.read() if server.stderr else "hpipe serve exited"
+        assert time.monotonic() < deadline, f"hpipe serve not healthy within {timeout_s} s"
+        time.sleep(0.1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ from hpipe.app.jobs import JobConfig, answer_budget, prompt_limit, run_job
 from hpipe.app.serve_backend import Backend
 from hpipe.model.generate import LocalModel, encode_prompt, generate_ids
 from hpipe.model.sources import resolve_model
-from tests.app.serve_helpers import free_port, serving, tiny_plan
+from tests.app.serve_helpers import await_served, free_port, serving, tiny_plan
 from tests.cluster_helpers import RunningCluster, Served, cluster_of, daemon_pid, write_cluster
 from tests.helpers import make_tiny_model
 
@@ -135,15 +135,7 @@ def test_sigterm_drains_within_its_deadline(live, long_model, tmp_path):
                               stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+        await_served(base, server, 60)
         body = {"model": "tiny", "prompt": "Once", "max_tokens": 3000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
             next(r.iter_lines())  # a stream is running

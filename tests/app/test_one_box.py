@@ -5,15 +5,13 @@ stops the daemon it started."""
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 from hpipe.app.one_box import LOCAL_PORT
 from hpipe.model.generate import LocalModel, generate
 from runtime.wire.channels import DaemonClient, Security
-from tests.app.serve_helpers import free_port
+from tests.app.serve_helpers import await_served, free_port
 
 pytestmark = pytest.mark.slow  # it starts a daemon process (through hpipe serve)
 
@@ -26,16 +24,7 @@ def test_serve_with_only_a_model_answers_an_openai_client(smollm2):
                                "--port", str(port)], stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600  # the first run profiles the daemon (cached afterwards)
-        while True:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            assert server.poll() is None, server.stderr.read()
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+        await_served(base, server, 600)  # the first run profiles the daemon (cached afterwards)
         question = [{"role": "user", "content": "What is the capital of France?"}]
         answer = OpenAI(base_url=f"{base}/v1", api_key="unused").chat.completions.create(
             model="smollm2-135m", messages=question, max_tokens=12, temperature=0)
