@@ -315,12 +315,18 @@ def serve(args: argparse.Namespace) -> int:
 
     key = read_key(args.api_key_file)
     with planned(args, serving=True) as (the_plan, cluster, source):
-        return run_server(the_plan, cluster, source, host=args.host,
+        code = run_server(the_plan, cluster, source, host=args.host,
                           port=args.port, api_key=key, policy=args.policy, max_queue=args.max_queue,
                           model_name=args.served_model_name,
                           default_max_tokens=args.default_max_tokens,
                           grace_s=args.grace, drain_s=args.drain, dequantize=args.dequantize,
                           prefix_cache=args.prefix_cache_budget if args.prefix_cache else None)
+    # without the interpreter's teardown: a gRPC or torch C++ thread still alive then aborted the
+    # process (``terminate called without an active exception``, exit -6) in about one SIGTERM of
+    # eight even with the backend's threads joined, so a clean drain read as a crash to a supervisor
+    from hpipe.app.cli import leave
+
+    leave(code)
 
 
 def demo(args: argparse.Namespace) -> int:

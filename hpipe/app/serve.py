@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import signal
 from pathlib import Path
-from typing import NoReturn
 
 from hpipe.core.cluster import LOOPBACK
 from hpipe.core.errors import InputError
@@ -32,10 +31,11 @@ def read_key(path: str | None) -> str | None:
 
 def serve(plan, cluster, source, *, host: str, port: int, api_key: str | None, policy: str, max_queue: int,
           model_name: str | None = None, default_max_tokens: int = 1024, grace_s: float = 60.0,
-          drain_s: float = 10.0, dequantize: bool = False, prefix_cache: float | None = 1.0) -> NoReturn:
+          drain_s: float = 10.0, dequantize: bool = False, prefix_cache: float | None = 1.0) -> int:
     """Serve until SIGINT or SIGTERM: then stop accepting, give running requests ``drain_s`` seconds
-    to finish, cancel the rest and exit 0; 1 if the engine itself failed (so that a supervisor
-    restarts the server). The process ends here (:func:`hpipe.app.cli.leave`)."""
+    to finish, cancel the rest and return the exit code: 0, or 1 if the engine itself failed (so
+    that a supervisor restarts the server). The caller ends the process with it
+    (:func:`hpipe.app.cli.leave`), once it has let go of what it holds (daemons it started)."""
     import uvicorn
 
     from hpipe.app.openai_api import create_app
@@ -67,16 +67,10 @@ def serve(plan, cluster, source, *, host: str, port: int, api_key: str | None, p
         server.run()
     except SystemExit:
         # uvicorn re-raises SIGTERM once it has drained, and ours turns it into this: it must not
-        # escape past leave() below into the interpreter's teardown, which can abort (exit -6)
+        # escape past the caller's leave() into the interpreter's teardown, which can abort (exit -6)
         pass
     finally:
         backend.stop()
     if backend.fatal:
         log.error("exiting: %s", backend.fatal)
-    # without the interpreter's teardown: a gRPC or torch C++ thread still alive then aborted the
-    # process (``terminate called without an active exception``, exit -6) in about one SIGTERM of
-    # eight even with the backend's threads joined, so a clean drain read as a crash to a supervisor
-    # (and a fresh-clone CI run saw it once more while the SystemExit above still escaped)
-    from hpipe.app.cli import leave
-
-    leave(1 if backend.fatal else 0)
+    return 1 if backend.fatal else 0
