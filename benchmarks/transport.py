@@ -24,8 +24,9 @@ import time
 
 import torch
 
+from runtime.wire.data_server import DataServer
 from runtime.wire.messages import pb
-from runtime.wire.transport import Connection, DataServer, connect, read_payload
+from runtime.wire.transport import Connection, connect, read_payload
 
 
 def _raw_receiver(port_q, nbytes: int, transfers: int, rounds: int) -> None:
@@ -46,7 +47,7 @@ def _raw_receiver(port_q, nbytes: int, transfers: int, rounds: int) -> None:
 
 
 def _hpipe_receiver(port_q, transfers: int) -> None:
-    def serve(conn: Connection, session: int) -> None:
+    def serve(conn: Connection, session: int, key: bytes) -> None:
         for _ in range(transfers):
             frame = conn.read_frame()
             read_payload(conn.sock, frame.activation.payload_bytes)
@@ -63,7 +64,7 @@ def _hpipe_receiver(port_q, transfers: int) -> None:
 
 def _sink(port_q) -> None:
     """A receiver that reads frames for ever (the worker test's far end)."""
-    def serve(conn: Connection, session: int) -> None:
+    def serve(conn: Connection, session: int, key: bytes) -> None:
         while True:
             frame = conn.read_frame()
             read_payload(conn.sock, frame.activation.payload_bytes)

@@ -72,7 +72,7 @@ class Engine:
     """Runs :class:`Request` s on a session, ``depth`` micro-batches in flight, formed by ``policy``."""
 
     def __init__(self, session: Session, policy, depth: int, max_running: int = 64,
-                 recover: Callable[[str, int], Session] | None = None, prefix_cache: float | None = None):
+                 recover: Callable[[str, Session], Session] | None = None, prefix_cache: float | None = None):
         """``prefix_cache``: keep a prefix cache, with room for this share of the tightest stage's
         pool in blocks nobody holds (None: no cache)."""
         self.session, self.policy, self.depth, self.max_running = session, policy, max(1, depth), max_running
@@ -192,7 +192,7 @@ class Engine:
         cache are rebuilt by replays, sent before anything else; a request that cannot be resumed
         starts again from its token ids, prefilling its prompt and the tokens it has."""
         old = self.session
-        session = self.recover(error, old.id)
+        session = self.recover(error, old)
         with self._lock:
             self.session = session  # its cache is emptied as it is bound below (rebind)
             wanted, restarted, kept = resume_requests(self.running, session.resumed, len(session.pipe.stages))

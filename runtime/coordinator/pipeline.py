@@ -151,7 +151,7 @@ class Pipeline:
                 out[p.stage] = p
         return [out[i] for i in sorted(out)]
 
-    def session(self, result_timeout_s: float = 600.0, resume_from: int = 0) -> Session:
+    def session(self, result_timeout_s: float = 600.0, resume_from: Session | None = None) -> Session:
         """A new session; with ``resume_from``, one that takes over that session's sequences."""
         return Session(self, result_timeout_s, resume_from)
 

@@ -52,7 +52,7 @@ class Redeploy:
         self.grace_s, self.replan, self.max_times = grace_s, replan, max_times
         self.events: list[dict] = []  # what happened: when, why, what was done, how long it took
 
-    def __call__(self, error: str, resume_from: int = 0) -> Session:
+    def __call__(self, error: str, resume_from: Session | None = None) -> Session:
         """A session on a working pipeline, or :class:`StageFailure` (with ``error``'s story); it
         takes over session ``resume_from``'s sequences where daemons kept them."""
         if self.max_times is not None and len(self.events) >= self.max_times:
@@ -107,7 +107,7 @@ class Redeploy:
                 client.close()
         return down
 
-    def _done(self, error: str, action: str, t0: float, resume_from: int) -> Session:
+    def _done(self, error: str, action: str, t0: float, resume_from: Session | None) -> Session:
         session = self.pipe.session(resume_from=resume_from)
         took = time.monotonic() - t0
         self.events.append({"error": error, "action": action, "seconds": round(took, 3)})

@@ -13,12 +13,17 @@ the result's ``failed``: they fail alone.
 A session opened with ``resume_from`` (after a failure, :mod:`runtime.coordinator.recovery`) first takes over
 the old session's sequences on every daemon (``Resume``) and keeps where each one stands on each
 stage in ``resumed``, for the engine to resume them (:mod:`runtime.coordinator.resume`).
+
+A session has a random key besides its id: its data connections introduce themselves with it and
+its control calls name it, and a daemon refuses anyone who names the session without it
+(:mod:`runtime.daemon.owners`), token or not.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -57,10 +62,11 @@ class Result:
 
 
 class Session:
-    def __init__(self, pipe, result_timeout_s: float = 600.0, resume_from: int = 0):
+    def __init__(self, pipe, result_timeout_s: float = 600.0, resume_from: "Session | None" = None):
         if not pipe.stages:
             raise HpipeError("no model is deployed")
         self.pipe, self.id = pipe, random.getrandbits(63) or 1
+        self.key = secrets.token_bytes(16)
         self.result_timeout_s = result_timeout_s
         self.vocab_size = pipe.vocab_size
         tls = client_context(pipe.security.tls_ca)
@@ -69,7 +75,7 @@ class Session:
         try:
             for d, port in zip(pipe.daemons, pipe.data_ports):
                 host = split_address(d.address, d.name)[0]
-                self.conns.append(connect(host, port, pipe.security.token, self.id, tls))
+                self.conns.append(connect(host, port, pipe.security.token, self.id, tls, self.key))
         except LinkError as e:
             self.close()
             raise StageFailure(str(e)) from None
@@ -83,13 +89,14 @@ class Session:
         self._reader.start()
         #: sequence -> stage -> (computed, logged): what the daemons kept of ``resume_from``'s sequences
         self.resumed: dict[int, dict[int, tuple[int, int]]] = {}
-        if resume_from:
+        if resume_from is not None:
             self._resume(resume_from)
 
-    def _resume(self, old: int) -> None:
+    def _resume(self, old: "Session") -> None:
+        request = pb.ResumeRequest(from_session=old.id, from_key=old.key, to_session=self.id, to_key=self.key)
         for d, client in enumerate(self.pipe.clients):
             try:
-                reply = client.call("Resume", pb.ResumeRequest(from_session=old, to_session=self.id), timeout=90.0)
+                reply = client.call("Resume", request, timeout=90.0)
             except grpc.RpcError as e:
                 self.close()
                 raise StageFailure(f"{self.pipe.describe_daemon(d)} could not resume the session "
@@ -219,7 +226,7 @@ class Session:
         per_stage: dict[int, dict] = {}
         for d, client in enumerate(self.pipe.clients):
             try:
-                reply = client.call("EndSession", pb.SessionRequest(session=self.id), timeout=10.0)
+                reply = client.call("EndSession", pb.SessionRequest(session=self.id, key=self.key), timeout=10.0)
             except grpc.RpcError:
                 continue
             for s in reply.stats:

@@ -39,8 +39,9 @@ MAX_TOKENS = 1 << 16
 
 
 class Layout:
-    def __init__(self, session: int, mb: pb.MicroBatch, held: list[int]):
+    def __init__(self, session: int, mb: pb.MicroBatch, held: list[int], key: bytes = b""):
         self.session, self.id, self.entries = session, mb.id, list(mb.entries)
+        self.key = key  # the session's (runtime.daemon.owners): its activations carry it to the next daemon
         self.tokens = sum(e.length for e in self.entries)
         self.failures: dict[int, pb.Failure] = {}
         self.remaining = set(held)
@@ -72,8 +73,9 @@ class Layouts:
         self._ended: deque[int] = deque(maxlen=256)  # sessions ended lately: their late data is skipped
         self._arrived = threading.Condition()
 
-    def add(self, session: int, mb: pb.MicroBatch) -> None:
-        """Lay out ``mb`` (the session's next micro-batch) on every held stage it runs on."""
+    def add(self, session: int, mb: pb.MicroBatch, key: bytes = b"") -> None:
+        """Lay out ``mb`` (the session's next micro-batch, from its connection with ``key``) on every
+        held stage it runs on."""
         held = stages = self.stages()
         source = None
         if mb.HasField("replay"):
@@ -82,7 +84,7 @@ class Layouts:
             source = first - 1 if first - 1 in held else None
             if not stages and source is None:
                 return  # nothing of it here
-        layout = Layout(session, mb, list(stages))
+        layout = Layout(session, mb, list(stages), key)
         if not held:
             layout.fail_all(-1, "FAILED_PRECONDITION", "no model is loaded on this daemon (deploy a plan first)")
         elif layout.tokens > MAX_TOKENS or any(e.length < 1 for e in layout.entries):

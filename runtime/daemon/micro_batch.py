@@ -83,7 +83,7 @@ class MicroBatches:
         elif out is None:
             out = torch.zeros(layout.tokens, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
         act = pb.Activation(session=layout.session, micro_batch=layout.id, stage=stage.index + 1,
-                            failed=list(failures.values()))
+                            session_key=layout.key, failed=list(failures.values()))
         self.outbox.send(stage, act, self.io.download(out), layout)
         self.stats.add_span(layout.session, stage.index, layout.id, layout.tokens, received, timer)
         self.layouts.done(layout, stage.index)

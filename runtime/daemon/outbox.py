@@ -57,7 +57,8 @@ class Outbox:
 
     def replay(self, stage, layout) -> None:
         """Send the stage after held ``stage`` its input for the replay ``layout``, from the log."""
-        act = pb.Activation(session=layout.session, micro_batch=layout.id, stage=stage.index + 1)
+        act = pb.Activation(session=layout.session, micro_batch=layout.id, stage=stage.index + 1,
+                            session_key=layout.key)
         self._queue.put((stage, act, None, layout))
 
     def close(self) -> None:

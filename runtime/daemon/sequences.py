@@ -97,10 +97,14 @@ class SequenceTable:
                 s.session, s.error, s.code, s.last_active = new, "", "", now
         return taken
 
-    def pop(self, seq_id: int) -> Sequence | None:
-        """Take a sequence out of the table (its blocks are the caller's to free)."""
+    def pop(self, seq_id: int, session: int | None = None) -> Sequence | None:
+        """Take a sequence out of the table (its blocks are the caller's to free); with ``session``,
+        only if it belongs to that session."""
         with self.lock:
-            seq = self._open.pop(seq_id, None)
+            seq = self._open.get(seq_id)
+            if seq is None or (session is not None and seq.session != session):
+                return None
+            del self._open[seq_id]
         if seq is not None:
             seq.closed = True
         return seq

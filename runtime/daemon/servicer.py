@@ -101,6 +101,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
     @handled
     def EndSession(self, request, context):
         reply = pb.SessionStats()
+        owners = self.server.owners
+        if not owners.known(request.session):
+            return reply  # ended here already (its connection closed), or never began here
+        self._owned(request.session, request.key, "EndSession", context)
         for st in self.server.end_session(request.session):
             spans = [pb.Span(micro_batch=mb, tokens=n, received_s=r, begin_s=b, end_s=e)
                      for mb, n, r, b, e in st.spans()]
@@ -113,9 +117,20 @@ class StageServicer(pb_grpc.StageServiceServicer):
     def Resume(self, request, context):
         if not request.from_session or not request.to_session:
             raise StatusError("INVALID_ARGUMENT", "Resume needs the old and the new session")
+        self._owned(request.to_session, request.to_key, "Resume", context)
+        if not self.server.owners.known(request.from_session):
+            return pb.ResumeReply()  # the old session holds nothing here (a restarted daemon's case)
+        self._owned(request.from_session, request.from_key, "Resume", context)
         progress = self.server.resume(request.from_session, request.to_session)
         return pb.ResumeReply(progress=[pb.Progress(sequence_id=i, stage=st, computed=c, logged=g)
                                         for i, st, c, g in progress])
+
+
+    def _owned(self, session: int, key: bytes, what: str, context) -> None:
+        """Refuse the call unless ``key`` is ``session``'s (:mod:`runtime.daemon.owners`)."""
+        error = self.server.owners.check(session, key, what, context.peer())
+        if error:
+            raise StatusError("PERMISSION_DENIED", error.removeprefix("PERMISSION_DENIED: "))
 
 
 class TokenInterceptor(grpc.ServerInterceptor):

@@ -40,13 +40,15 @@ from runtime.daemon.device_io import DeviceIO
 from runtime.daemon.layout import Layouts
 from runtime.daemon.micro_batch import MicroBatches
 from runtime.daemon.outbox import Outbox
+from runtime.daemon.owners import SessionOwners
 from runtime.daemon.prefix_store import PrefixStore
 from runtime.daemon.replay_log import DEFAULT_BUDGET, ReplayLog
 from runtime.daemon.sequences import SequenceTable
 from runtime.daemon.session_stats import SessionStats
 from runtime.daemon.worker import Worker
+from runtime.wire.data_server import DataServer
 from runtime.wire.messages import pb
-from runtime.wire.transport import Connection, DataServer, LinkError, read_payload, skip_payload
+from runtime.wire.transport import Connection, LinkError, read_payload, skip_payload
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +77,13 @@ class StageServer:
         self._stopping = threading.Event()
         self.outbox = Outbox(self.sequences, self.replay_log, self.stats, token, tls_client)
         self.prefixes = PrefixStore()
+        self.owners = SessionOwners()
         self.layouts = Layouts(lambda: self.stages, self.sequences, self.replay_log, self.outbox, self._stopping,
                                self.prefixes)
         self.worker = Worker(MicroBatches(self.sequences, self.io, self.outbox, self.stats, self.layouts),
                              on_worker_start)
-        self.data = DataServer(host, token, self._serve_connection, tls_server, port=data_port)
+        self.data = DataServer(host, token, self._serve_connection, tls_server, port=data_port,
+                               admit=self.owners.claim)
         self._reaper = threading.Thread(target=self._reap_loop, name="stage-reaper", daemon=True)
         self._reaper.start()
 
@@ -169,10 +173,12 @@ class StageServer:
         return sum(s.pool.used_blocks * s.model.block_bytes() for s in self.stages.values() if s.pool is not None)
 
     # --- the data plane -----------------------------------------------------------------------
-    def _serve_connection(self, conn: Connection, session: int) -> None:
+    def _serve_connection(self, conn: Connection, session: int, key: bytes) -> None:
         """One data connection's frames, in order, until it closes. A coordinator's connection
-        (session != 0) carries layouts, closes and first-stage inputs, and results go back on it;
-        when it closes, the session's sequences are freed."""
+        (session != 0, its key checked by :class:`SessionOwners`) carries layouts, closes and
+        first-stage inputs, and results go back on it; when it closes, the session's sequences are
+        freed. A daemon's link (session 0) carries activations for the stages after the first, each
+        with its session's key."""
         if session:
             self.outbox.attach(session, conn)
         try:
@@ -180,12 +186,15 @@ class StageServer:
                 frame = conn.read_frame()
                 kind = frame.WhichOneof("kind")
                 if kind == "layout" and session:
-                    self.layouts.add(session, frame.layout)
+                    self.layouts.add(session, frame.layout, key)
                 elif kind == "activation":
-                    self._receive(conn, frame.activation)
+                    if self._admits(conn, session, frame.activation):
+                        self._receive(conn, frame.activation)
+                    else:
+                        skip_payload(conn.sock, frame.activation.payload_bytes)
                 elif kind == "close" and session:
                     for seq_id in frame.close.sequence_ids:
-                        self.close(seq_id)
+                        self.close(seq_id, session, conn.peer)
                 elif kind == "evict" and session:
                     self.prefixes.evict(session, list(frame.evict.blocks))
                 else:
@@ -197,6 +206,26 @@ class StageServer:
             if session:
                 self.outbox.detach(session, conn)
                 self.end_session(session)
+                self.owners.release(session)
+
+    def _admits(self, conn: Connection, session: int, act: pb.Activation) -> bool:
+        """Whether ``act`` may be computed: a coordinator sends only its own session's first-stage
+        input; a daemon's link, only later stages' inputs of sessions whose key it names. Late data
+        of a session that has ended here is skipped quietly; every other refusal is logged."""
+        if session:
+            why = "" if act.session == session and act.stage == 0 else \
+                f"a coordinator's connection sent stage {act.stage}'s input of session {act.session}"
+        elif act.stage == 0:
+            why = "a daemon's link sent a first stage's input"
+        elif self.owners.owns(act.session, act.session_key):
+            why = ""
+        elif self.layouts.ended(act.session) and not self.owners.known(act.session):
+            return False  # computed for a session that has ended here: nobody needs it
+        else:
+            why = f"an activation for session {act.session} without its key"
+        if why:
+            log.warning("refused an activation from %s: %s", conn.peer, why)
+        return not why
 
     def _receive(self, conn: Connection, act: pb.Activation) -> None:
         """Read one activation's payload into its tensor and queue it for the worker."""
@@ -239,11 +268,14 @@ class StageServer:
         self.layouts.forget(old)
         return progress
 
-    def close(self, seq_id: int) -> bool:
-        """Free a sequence and its blocks now: a micro-batch computed later finds it gone and treats
-        its entries as dead rows (see :mod:`hpipe.model.kvpool` for one already being computed)."""
-        seq = self.sequences.pop(seq_id)
+    def close(self, seq_id: int, session: int, peer: str = "") -> bool:
+        """Free ``session``'s sequence and its blocks now: a micro-batch computed later finds it gone
+        and treats its entries as dead rows (see :mod:`hpipe.model.kvpool` for one already being
+        computed). Another session's sequence is left alone (the refusal is logged)."""
+        seq = self.sequences.pop(seq_id, session)
         if seq is None:
+            if self.sequences.find(seq_id) is not None:
+                log.warning("refused %s: closing sequence %d of another session", peer or "a caller", seq_id)
             return False
         self._release(seq)
         return True
@@ -261,7 +293,7 @@ class StageServer:
     def end_session(self, session: int) -> list:
         """Free a session's sequences and forget its layouts; its statistics per stage."""
         for seq_id in self.sequences.ids(session):
-            self.close(seq_id)
+            self.close(seq_id, session)
         self.prefixes.end(session)
         self.layouts.forget(session)
         return self.stats.pop(session)
@@ -294,13 +326,13 @@ class StageServer:
         while not self._stopping.wait(1.0):
             for seq_id in self.sequences.idle():
                 log.warning("sequence %d idle for too long: freeing its KV cache", seq_id)
-                self.close(seq_id)
+                self._free(seq_id)
 
     def shutdown(self) -> None:
         self._stopping.set()
         self.data.stop()
         for seq_id in self.sequences.ids():
-            self.close(seq_id)
+            self._free(seq_id)
         self.worker.stop()
         self.outbox.close()
 

@@ -26,12 +26,18 @@ class TokenBackoff:
 
     def refused(self, host: str) -> float:
         """Wait as long as ``host``'s wrong tokens so far call for; returns the seconds waited."""
+        delay = self.delay(host)
+        time.sleep(delay)
+        return delay
+
+    def delay(self, host: str) -> float:
+        """Count a wrong token from ``host``; how long its refusal should wait (for a caller that
+        waits without blocking a thread: the data plane's acceptor)."""
         with self._lock:
             if len(self._delay) >= MAX_HOSTS:
                 self._delay.clear()
             delay = self._delay.get(host, 0.0)
             self._delay[host] = min(self.max_s, max(self.first_s, 2 * delay))
-        time.sleep(delay)
         return delay
 
     def accepted(self, host: str) -> None:

@@ -7,37 +7,33 @@ payload's raw bytes: the sender hands the socket a view of the tensor's memory (
 releases the GIL while the kernel copies), and the receiver reads straight into the tensor it
 will compute on (``recv_into``). So the only copies are the kernel's.
 
-A connection starts with a :class:`pb.Hello` carrying the cluster's token, checked before any
-other byte is read (and before any large buffer is allocated); the reply says why a connection
-is refused. With TLS configured, the same certificates as the gRPC services protect it.
+A connection starts with a :class:`pb.Hello` carrying the cluster's token (and a coordinator's
+session with its key), checked before any other byte is read and before the connection costs a
+thread (:mod:`runtime.wire.data_server`); the reply says why a connection is refused. With TLS
+configured, the same certificates as the gRPC services protect it.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import ssl
 import struct
 import threading
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from hpipe.core.errors import HpipeError
-from runtime.wire.backoff import TokenBackoff
 from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
 
-_LEN = struct.Struct("<I")
+#: the length before each message
+LENGTH = struct.Struct("<I")
 MAX_HEADER_BYTES = 4 << 20
 #: the largest payload a frame may declare: a 32k-token slice of a 4096-wide model in fp32 is 512 MiB
 MAX_PAYLOAD_BYTES = 1 << 30
-#: data connections a daemon serves at once (each has a thread): the next is refused, not queued
-MAX_CONNECTIONS = 256
-HELLO_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
 
 
@@ -59,9 +55,9 @@ def _recv_exactly(sock, view: memoryview) -> None:
 
 def read_header(sock, message):
     """Read one length-prefixed proto ``message`` (of the given class) from ``sock``."""
-    head = bytearray(_LEN.size)
+    head = bytearray(LENGTH.size)
     _recv_exactly(sock, memoryview(head))
-    (n,) = _LEN.unpack(head)
+    (n,) = LENGTH.unpack(head)
     if n > MAX_HEADER_BYTES:
         raise LinkError(f"a frame header of {n} bytes (the limit is {MAX_HEADER_BYTES})")
     body = bytearray(n)
@@ -85,6 +81,8 @@ def read_payload(sock, nbytes: int, pin: bool = False) -> torch.Tensor:
 
 
 def skip_payload(sock, nbytes: int) -> None:
+    if not 0 <= nbytes <= MAX_PAYLOAD_BYTES:
+        raise LinkError(f"a payload of {nbytes} bytes (the limit is {MAX_PAYLOAD_BYTES})")
     scratch = bytearray(min(nbytes, 1 << 20))
     while nbytes:
         n = sock.recv_into(memoryview(scratch)[:min(nbytes, len(scratch))])
@@ -115,7 +113,7 @@ class Connection:
         view = payload_view(payload) if isinstance(payload, torch.Tensor) else payload
         try:
             with self._send_lock:
-                self.sock.sendall(_LEN.pack(len(header)) + header)
+                self.sock.sendall(LENGTH.pack(len(header)) + header)
                 if view is not None and len(view):
                     self.sock.sendall(view)
         except OSError as e:
@@ -123,9 +121,9 @@ class Connection:
             raise LinkError(f"sending to {self.peer} failed: {e}") from None
         return len(header) + (len(view) if view is not None else 0)
 
-    def send_hello(self, token: str | None, session: int) -> None:
-        body = pb.Hello(token=token or "", session=session).SerializeToString()
-        self.sock.sendall(_LEN.pack(len(body)) + body)
+    def send_hello(self, token: str | None, session: int, key: bytes = b"") -> None:
+        body = pb.Hello(token=token or "", session=session, key=key).SerializeToString()
+        self.sock.sendall(LENGTH.pack(len(body)) + body)
 
     def read_frame(self) -> pb.Frame:
         return read_header(self.sock, pb.Frame)
@@ -157,8 +155,9 @@ def server_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None
 
 
 def connect(host: str, port: int, token: str | None, session: int = 0,
-            tls: ssl.SSLContext | None = None) -> Connection:
-    """Open a data connection and introduce ourselves; :class:`LinkError` if it is refused."""
+            tls: ssl.SSLContext | None = None, key: bytes = b"") -> Connection:
+    """Open a data connection and introduce ourselves (as ``session``, with its ``key``, or as a
+    daemon's link with session 0); :class:`LinkError` if it is refused."""
     where = f"{host}:{port}"
     try:
         sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
@@ -166,7 +165,7 @@ def connect(host: str, port: int, token: str | None, session: int = 0,
         if tls is not None:
             sock = tls.wrap_socket(sock, server_hostname=host)
         conn = Connection(sock, where)
-        conn.send_hello(token, session)
+        conn.send_hello(token, session, key)
         reply = read_header(sock, pb.HelloReply)
         sock.settimeout(None)
     except (OSError, LinkError) as e:
@@ -175,84 +174,3 @@ def connect(host: str, port: int, token: str | None, session: int = 0,
         conn.close()
         raise LinkError(f"{where} refused the data connection: {reply.error}")
     return conn
-
-
-class DataServer:
-    """Accepts data connections, checks each one's token, and hands it to ``serve(conn, session)``
-    on a thread of its own."""
-
-    def __init__(self, host: str, token: str | None, serve: Callable[[Connection, int], None],
-                 tls: ssl.SSLContext | None = None, port: int = 0):
-        self._token, self._serve, self._tls = token, serve, tls
-        self._backoff = TokenBackoff()
-        self._open = 0  # connections being served
-        self._count_lock = threading.Lock()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self._sock.bind((host, port))
-        except OSError as e:
-            raise HpipeError(f"cannot bind the data port {port or '(any)'} on {host}: {e}") from None
-        self._sock.listen(64)
-        self.port = self._sock.getsockname()[1]
-        self._stopping = threading.Event()
-        threading.Thread(target=self._accept_loop, name="data-accept", daemon=True).start()
-
-    def _accept_loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                sock, addr = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handshake, args=(sock, f"{addr[0]}:{addr[1]}"), name="data-conn",
-                             daemon=True).start()
-
-    def _handshake(self, sock, peer: str) -> None:
-        counted = False
-        try:
-            sock.settimeout(HELLO_TIMEOUT_S)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._tls is not None:
-                sock = self._tls.wrap_socket(sock, server_side=True)
-            hello = read_header(sock, pb.Hello)
-            expected = (self._token or "").encode()
-            error = "" if hmac.compare_digest(hello.token.encode(), expected) else "missing or wrong token"
-            host = peer.rsplit(":", 1)[0]
-            if error:
-                self._backoff.refused(host)  # guessing gets slow (runtime.wire.backoff)
-            else:
-                self._backoff.accepted(host)
-                with self._count_lock:
-                    if self._open >= MAX_CONNECTIONS:
-                        error = f"RESOURCE_EXHAUSTED: this daemon already serves {MAX_CONNECTIONS} data connections"
-                    else:
-                        self._open += 1
-                        counted = True
-            body = pb.HelloReply(error=error).SerializeToString()
-            sock.sendall(_LEN.pack(len(body)) + body)
-            if error:
-                log.warning("refused a data connection from %s: %s", peer, error)
-                sock.close()
-                return
-            sock.settimeout(None)
-        except (OSError, ssl.SSLError, LinkError) as e:
-            log.debug("data handshake with %s failed: %s", peer, e)
-            sock.close()
-            if counted:
-                with self._count_lock:
-                    self._open -= 1
-            return
-        conn = Connection(sock, peer)
-        try:
-            self._serve(conn, hello.session)
-        finally:
-            conn.close()
-            with self._count_lock:
-                self._open -= 1
-
-    def stop(self) -> None:
-        self._stopping.set()
-        try:
-            self._sock.close()
-        except OSError:
-            pass

@@ -1,6 +1,7 @@
 """Bad messages sent straight to a daemon get a clear refusal, and the daemon keeps serving."""
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -43,27 +44,38 @@ def load(client, model, start, end, dtype=pb.FLOAT32, num_units=8, kv_pool_bytes
 
 
 class Coordinator:
-    """A hand-driven session on one daemon's data plane: layouts and activations as we write them."""
+    """A hand-driven session on one daemon's data plane: layouts and activations as we write them.
+    The first stage's input goes on the session's connection, a later stage's on a daemon's link
+    (session 0) with the session's key, as the stage before it would send it."""
 
     def __init__(self, d: Served, session: int = 7, token: str | None = None):
         host, port = d.address.split(":")[0], d.stage.data.port
-        self.conn = connect(host, port, token, session)
+        self.key = os.urandom(16)
+        self.conn = connect(host, port, token, session, key=self.key)
+        self.link = connect(host, port, token, 0)
         self.session, self.next = session, 0
 
     def send(self, entries, payload: torch.Tensor, stage: int, nbytes: int | None = None) -> int:
         mb, self.next = self.next, self.next + 1
         self.conn.send(pb.Frame(layout=pb.MicroBatch(id=mb, entries=entries)))
         data = payload.contiguous()
-        self.conn.send(pb.Frame(activation=pb.Activation(
-            session=self.session, micro_batch=mb, stage=stage,
+        (self.link if stage else self.conn).send(pb.Frame(activation=pb.Activation(
+            session=self.session, micro_batch=mb, stage=stage, session_key=self.key if stage else b"",
             payload_bytes=nbytes if nbytes is not None else data.numel() * data.element_size())), data)
         return mb
+
+    def close(self) -> None:
+        self.conn.close()
+        self.link.close()
 
     def result(self, vocab: int):
         frame = self.conn.read_frame()
         act = frame.activation
         logits = read_payload(self.conn.sock, act.payload_bytes).view(torch.float32).view(-1, vocab)
         return act, logits, {f.sequence_id: (f.code, f.message) for f in act.failed}
+
+
+KEY = bytes(range(16))  # a session key for tests that open sessions by hand
 
 
 def entry(seq, start, length, max_len=0, logits=pb.LAST_LOGITS):
@@ -158,8 +170,8 @@ def test_bad_micro_batches_fail_alone_and_the_daemon_keeps_serving(daemon, tiny_
     co2 = Coordinator(daemon, session=8)
     co2.send([entry(9, 0, 2, max_len=8)], torch.randn(2, 64), stage=1)
     assert not co2.result(384)[2]
-    co.conn.close()
-    co2.conn.close()
+    co.close()
+    co2.close()
     deadline = time.monotonic() + 5  # a coordinator that disconnects frees its sequences
     while c.call("Status", pb.StatusRequest()).kv_bytes:
         assert time.monotonic() < deadline
@@ -173,7 +185,7 @@ def test_token_ids_out_of_range(daemon, tiny_dirs):
     co.send([entry(1, 0, 1, max_len=8)], torch.tensor([5000]), stage=0)
     _, logits, failed = co.result(384)
     assert failed[1][0] == "INVALID_ARGUMENT" and "token ids must lie" in failed[1][1] and logits.shape == (1, 384)
-    co.conn.close()
+    co.close()
 
 
 def test_kv_pool_exhausted_fails_only_the_sequences_that_do_not_fit(daemon, tiny_dirs):
@@ -193,7 +205,7 @@ def test_kv_pool_exhausted_fails_only_the_sequences_that_do_not_fit(daemon, tiny
     while c.call("Status", pb.StatusRequest()).pools[0].used_blocks:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    co.conn.close()
+    co.close()
 
 
 def test_idle_sequence_is_freed(daemon, tiny_dirs):
@@ -208,7 +220,7 @@ def test_idle_sequence_is_freed(daemon, tiny_dirs):
     while c.call("Status", pb.StatusRequest()).open_sequences:  # (naming it in a status would keep it alive)
         assert time.monotonic() < deadline, "idle sequence was not freed"
         time.sleep(0.1)
-    co.conn.close()
+    co.close()
     assert c.call("Status", pb.StatusRequest()).kv_bytes == 0
 
 
@@ -216,8 +228,8 @@ def test_token_required(tiny_dirs):
     d = Served(token="s3cret")
     try:
         with pytest.raises(LinkError, match="missing or wrong token"):  # the data plane checks it too
-            connect("127.0.0.1", d.stage.data.port, "wrong", 1)
-        connect("127.0.0.1", d.stage.data.port, "s3cret", 1).close()
+            connect("127.0.0.1", d.stage.data.port, "wrong", 1, key=KEY)
+        connect("127.0.0.1", d.stage.data.port, "s3cret", 1, key=KEY).close()
         code, _ = code_of(lambda: d.client().call("Status", pb.StatusRequest()))
         assert code == grpc.StatusCode.UNAUTHENTICATED
         assert code_of(lambda: d.client(Security(token="wrong")).call("Status", pb.StatusRequest()))[0] == \
@@ -333,20 +345,20 @@ def test_the_data_port_is_the_one_asked_for():
 
 
 def test_data_connections_are_capped(monkeypatch):
-    import runtime.wire.transport as transport
+    import runtime.wire.data_server as data_server
 
-    monkeypatch.setattr(transport, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(data_server, "MAX_CONNECTIONS", 2)
     d = Served()
     try:
         host, port = "127.0.0.1", d.stage.data.port
-        held = [connect(host, port, None, s) for s in (1, 2)]
+        held = [connect(host, port, None, s, key=KEY) for s in (1, 2)]
         with pytest.raises(LinkError, match="RESOURCE_EXHAUSTED: this daemon already serves 2"):
-            connect(host, port, None, 3)
+            connect(host, port, None, 3, key=KEY)
         held.pop().close()
         deadline = time.monotonic() + 5
         while True:  # the daemon counts it gone once its reader sees the close
             try:
-                held.append(connect(host, port, None, 4))
+                held.append(connect(host, port, None, 4, key=KEY))
                 break
             except LinkError:
                 assert time.monotonic() < deadline

@@ -1,0 +1,267 @@
+"""A caller with the cluster's token touches only its own sessions, and connections that never
+authenticate cost a daemon next to nothing (runtime.daemon.owners, runtime.wire.data_server)."""
+
+import logging
+import os
+import random
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+import pytest
+import torch
+
+from runtime.wire.channels import DaemonClient, Security
+from runtime.wire.messages import pb
+from runtime.wire.transport import LinkError, connect
+from tests.cluster_helpers import Served, free_ports
+from tests.runtime.test_daemon_robustness import Coordinator, code_of, entry, load
+
+TOKEN = "s3cret"
+VOCAB = 384
+
+
+@pytest.fixture
+def daemon():
+    d = Served(token=TOKEN, memory_budget=4 * 2**20)
+    yield d
+    d.stop()
+
+
+def residuals(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed))
+
+
+def run_steps(co: Coordinator, seq: int, between=lambda step, mb: None) -> list[torch.Tensor]:
+    """A 6-token prefill and 4 one-token steps of sequence ``seq`` on stage 1; ``between(step,
+    micro_batch)`` runs after each step has been laid out, before its input is sent."""
+    out = []
+    for step, (start, n) in enumerate([(0, 6), (6, 1), (7, 1), (8, 1), (9, 1)]):
+        mb, co.next = co.next, co.next + 1
+        co.conn.send(pb.Frame(layout=pb.MicroBatch(id=mb, entries=[entry(seq, start, n, max_len=32 if not start
+                                                                                       else 0)])))
+        between(step, mb)
+        x = residuals(n, 100 + step)
+        co.link.send(pb.Frame(activation=pb.Activation(session=co.session, micro_batch=mb, stage=1,
+                                                       session_key=co.key, payload_bytes=x.numel() * 4)), x)
+        _, logits, failed = co.result(VOCAB)
+        assert not failed, failed
+        out.append(logits)
+    return out
+
+
+def reference_run(daemon) -> list[torch.Tensor]:
+    co = Coordinator(daemon, session=8, token=TOKEN)
+    try:
+        return run_steps(co, seq=50)
+    finally:
+        co.close()
+
+
+def test_a_token_holder_cannot_touch_another_session(daemon, tiny_dirs, caplog):
+    caplog.set_level(logging.WARNING)
+    c = daemon.client(Security(token=TOKEN))
+    load(c, tiny_dirs["llama"], 3, 8)  # stage 1 of 2: its input is the residual stream
+    reference = reference_run(daemon)
+    victim = Coordinator(daemon, session=7, token=TOKEN)
+    attacker = Coordinator(daemon, session=99, token=TOKEN)
+    host, port = "127.0.0.1", daemon.stage.data.port
+    refusals = []
+
+    def attack(step, mb):
+        if step == 0:  # its Hello claims the victim's session: refused, so its results stay the victim's
+            for key in (b"", os.urandom(16)):
+                with pytest.raises(LinkError, match="PERMISSION_DENIED"):
+                    connect(host, port, TOKEN, victim.session, key=key)
+            refusals.append("hello")
+        elif step == 1:  # a close frame naming the victim's sequence, on the attacker's own session
+            attacker.conn.send(pb.Frame(close=pb.CloseSequences(sequence_ids=[1])))
+            attacker.send([entry(60, 0, 1, max_len=4)], residuals(1, 0), stage=1)  # in order after the close
+            assert not attacker.result(VOCAB)[2]
+            assert c.call("Status", pb.StatusRequest(sequence_ids=[1])).sequences[0].open
+            refusals.append("close")
+        elif step == 2:  # Resume and EndSession naming the victim's session
+            for request in (pb.ResumeRequest(from_session=victim.session, to_session=attacker.session,
+                                             to_key=attacker.key),
+                            pb.ResumeRequest(from_session=victim.session, from_key=attacker.key,
+                                             to_session=attacker.session, to_key=attacker.key)):
+                code, message = code_of(lambda: c.call("Resume", request))
+                assert code == grpc.StatusCode.PERMISSION_DENIED and "without its key" in message
+            code, _ = code_of(lambda: c.call("EndSession", pb.SessionRequest(session=victim.session)))
+            assert code == grpc.StatusCode.PERMISSION_DENIED
+            refusals.append("control")
+        elif step == 3:  # data for the victim's laid-out micro-batch, sent before the real one
+            junk = torch.full((1, 64), 1e4)
+            for key, conn in ((b"", attacker.link), (os.urandom(16), attacker.link), (b"", attacker.conn)):
+                conn.send(pb.Frame(activation=pb.Activation(session=victim.session, micro_batch=mb, stage=1,
+                                                            session_key=key, payload_bytes=256)), junk)
+            attacker.send([entry(61, 0, 1, max_len=4)], residuals(1, 0), stage=1)  # the link read them all
+            assert not attacker.result(VOCAB)[2]
+            refusals.append("data")
+
+    got = run_steps(victim, seq=1, between=attack)
+    assert refusals == ["hello", "close", "control", "data"]
+    for a, b in zip(got, reference):
+        assert torch.equal(a, b)  # the victim's answers are those of a session nobody attacked
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused")]
+    for what in ("belongs to another connection", "without a key", "closing sequence 1 of another session",
+                 "Resume names session 7", "EndSession names session 7",
+                 "an activation for session 7 without its key", "a coordinator's connection sent stage 1"):
+        assert any(what in m for m in logged), (what, logged)
+    # the victim's own calls still work: it ends its session and frees its sequence
+    assert c.call("EndSession", pb.SessionRequest(session=victim.session, key=victim.key)) is not None
+    assert not c.call("Status", pb.StatusRequest(sequence_ids=[1])).sequences[0].open
+    for co in (victim, attacker):
+        co.close()
+
+
+def test_resume_moves_sequences_only_between_sessions_of_one_owner(daemon, tiny_dirs):
+    c = daemon.client(Security(token=TOKEN))
+    load(c, tiny_dirs["llama"], 3, 8)
+    old = Coordinator(daemon, session=7, token=TOKEN)
+    old.send([entry(1, 0, 4, max_len=16)], residuals(4, 1), stage=1)
+    assert not old.result(VOCAB)[2]
+    new = Coordinator(daemon, session=9, token=TOKEN)
+    code, _ = code_of(lambda: c.call("Resume", pb.ResumeRequest(from_session=7, from_key=old.key,
+                                                                to_session=9, to_key=old.key)))
+    assert code == grpc.StatusCode.PERMISSION_DENIED  # the new session's key is not the caller's
+    reply = c.call("Resume", pb.ResumeRequest(from_session=7, from_key=old.key, to_session=9, to_key=new.key))
+    assert [(p.sequence_id, p.computed) for p in reply.progress] == [(1, 4)]
+    # a session this daemon never saw holds nothing here: nothing to refuse, nothing moves
+    assert not c.call("Resume", pb.ResumeRequest(from_session=12345, to_session=9, to_key=new.key)).progress
+    old.close()
+    new.send([entry(1, 4, 1)], residuals(1, 2), stage=1)  # the adopted sequence goes on in the new session
+    assert not new.result(VOCAB)[2]
+    new.close()
+
+
+def _rss_and_threads(pid: int) -> tuple[int, int]:
+    p = psutil.Process(pid)
+    return p.memory_info().rss, p.num_threads()
+
+
+def _start_daemon(tmp_path) -> tuple[subprocess.Popen, int, int]:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    port, data_port = free_ports(2)
+    proc = subprocess.Popen([sys.executable, "-m", "hpipe", "daemon", "--port", str(port), "--data-port",
+                             str(data_port), "--token-file", str(token_file)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = DaemonClient(f"127.0.0.1:{port}", Security(token=TOKEN))
+    deadline = time.monotonic() + 60
+    while not client.health():
+        assert proc.poll() is None and time.monotonic() < deadline, "the daemon did not start"
+        time.sleep(0.2)
+    client.close()
+    return proc, port, data_port
+
+
+def test_a_thousand_unauthenticated_connections_cost_next_to_nothing(tmp_path):
+    proc, _, data_port = _start_daemon(tmp_path)
+    socks = []
+    try:
+        time.sleep(1.0)
+        idle_rss, idle_threads = _rss_and_threads(proc.pid)
+        for i in range(1000):
+            s = socket.create_connection(("127.0.0.1", data_port), timeout=10)
+            if i % 3 == 0:
+                s.sendall(struct.pack("<I", 4 << 20) + b"\0" * 1024)  # announces a 4 MiB Hello
+            elif i % 3 == 1:
+                s.sendall(struct.pack("<I", 200) + b"\x0a\x06s3")  # a Hello begun, never finished
+            socks.append(s)
+        time.sleep(1.0)
+        rss, threads = _rss_and_threads(proc.pid)
+        assert rss - idle_rss < 50 << 20, f"{(rss - idle_rss) >> 20} MiB more with 1,000 connections waiting"
+        assert threads <= idle_threads + 2, (idle_threads, threads)
+        connect("127.0.0.1", data_port, TOKEN, 0).close()  # and it still lets its own in
+        with pytest.raises(LinkError, match="missing or wrong token"):
+            connect("127.0.0.1", data_port, "guess", 0)
+    finally:
+        for s in socks:
+            s.close()
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _fuzz_once(rng: random.Random, host: str, port: int) -> None:
+    """One connection that sends something malformed, hostile or cut short, and goes away."""
+    s = socket.create_connection((host, port), timeout=5)
+    try:
+        case = rng.randrange(7)
+        if case == 0:  # random bytes from the first byte on
+            s.sendall(rng.randbytes(rng.randrange(1, 64)))
+            return
+        token = TOKEN if case != 1 else rng.choice(["", "s3cre", "s3cret!", TOKEN.upper()])
+        session = rng.choice([0, 0, rng.getrandbits(63) or 1])
+        hello = pb.Hello(token=token, session=session, key=rng.randbytes(rng.choice([0, 8, 16]))).SerializeToString()
+        s.sendall(struct.pack("<I", len(hello)) + hello)
+        if case == 1:
+            return
+        s.settimeout(5)
+        try:
+            n = struct.unpack("<I", s.recv(4))[0]
+            reply = pb.HelloReply.FromString(s.recv(n))
+        except (OSError, struct.error):
+            return
+        if reply.error:
+            return
+        for _ in range(rng.randrange(1, 6)):
+            if case == 2:  # a random header
+                body = rng.randbytes(rng.randrange(0, 200))
+                s.sendall(struct.pack("<I", rng.choice([len(body), 1 << 31, 5 << 20, 0])) + body)
+            elif case == 3:  # huge or negative payloads
+                frame = pb.Frame(activation=pb.Activation(session=session, micro_batch=rng.randrange(4), stage=1,
+                                                          payload_bytes=rng.choice([-5, 1 << 40, 2 << 30, 777])))
+                body = frame.SerializeToString()
+                s.sendall(struct.pack("<I", len(body)) + body + rng.randbytes(64))
+            elif case == 4:  # layouts of random entries, then data of a random size
+                entries = [pb.Entry(sequence_id=rng.getrandbits(64), start=rng.randrange(-5, 100),
+                                    length=rng.randrange(-2, 70000), max_len=rng.randrange(-1, 4096),
+                                    logits=rng.randrange(3), cached=[rng.getrandbits(64)] * rng.randrange(2),
+                                    keep=[rng.getrandbits(64)] * rng.randrange(2))
+                           for _ in range(rng.randrange(1, 4))]
+                mb = rng.randrange(3)
+                for frame in (pb.Frame(layout=pb.MicroBatch(id=mb, entries=entries,
+                                                            replay=pb.Replay(first=rng.randrange(-1, 3),
+                                                                             last=rng.randrange(-1, 3)))),
+                              pb.Frame(activation=pb.Activation(session=session, micro_batch=mb, stage=rng.randrange(3),
+                                                                payload_bytes=256))):
+                    body = frame.SerializeToString()
+                    s.sendall(struct.pack("<I", len(body)) + body)
+                s.sendall(rng.randbytes(256))
+            elif case == 5:  # closes and evictions of anything
+                frame = rng.choice([pb.Frame(close=pb.CloseSequences(sequence_ids=[rng.getrandbits(64)])),
+                                    pb.Frame(evict=pb.Evict(blocks=[rng.getrandbits(64)]))])
+                body = frame.SerializeToString()
+                s.sendall(struct.pack("<I", len(body)) + body)
+            else:  # a valid header cut short
+                body = pb.Frame(close=pb.CloseSequences(sequence_ids=[1, 2, 3])).SerializeToString()
+                s.sendall(struct.pack("<I", len(body)) + body[:rng.randrange(len(body))])
+    except OSError:
+        pass  # the daemon hung up on us: what it should do
+    finally:
+        s.close()
+
+
+def test_a_fuzzer_on_the_data_port_leaves_it_serving(daemon, tiny_dirs):
+    c = daemon.client(Security(token=TOKEN))
+    load(c, tiny_dirs["llama"], 3, 8)
+    reference = reference_run(daemon)
+    threads = psutil.Process().num_threads()
+    rng = random.Random(41)
+    for _ in range(300):
+        _fuzz_once(rng, "127.0.0.1", daemon.stage.data.port)
+    assert c.health()
+    co = Coordinator(daemon, session=9, token=TOKEN)
+    got = run_steps(co, seq=51)
+    co.close()
+    for a, b in zip(got, reference):
+        assert torch.equal(a, b)
+    deadline = time.monotonic() + 20  # every fuzzing connection is let go, with what it opened
+    while psutil.Process().num_threads() > threads + 4 or c.call("Status", pb.StatusRequest()).kv_bytes:
+        assert time.monotonic() < deadline, (threads, psutil.Process().num_threads())
+        time.sleep(0.2)
