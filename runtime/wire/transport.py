@@ -85,7 +85,10 @@ def skip_payload(sock, nbytes: int) -> None:
         raise LinkError(f"a payload of {nbytes} bytes (the limit is {MAX_PAYLOAD_BYTES})")
     scratch = bytearray(min(nbytes, 1 << 20))
     while nbytes:
-        n = sock.recv_into(memoryview(scratch)[:min(nbytes, len(scratch))])
+        try:
+            n = sock.recv_into(memoryview(scratch)[:min(nbytes, len(scratch))])
+        except OSError as e:  # reset, or closed under a reader by our own side
+            raise LinkError(f"the connection broke: {e}") from None
         if n == 0:
             raise LinkError("the connection closed")
         nbytes -= n

@@ -265,3 +265,52 @@ def test_a_fuzzer_on_the_data_port_leaves_it_serving(daemon, tiny_dirs):
     while psutil.Process().num_threads() > threads + 4 or c.call("Status", pb.StatusRequest()).kv_bytes:
         assert time.monotonic() < deadline, (threads, psutil.Process().num_threads())
         time.sleep(0.2)
+
+
+def test_a_coordinators_generation_survives_the_attacks(tiny_dirs, caplog):
+    """The three attacks of issue #41, by a caller holding the token who knows the victim's session
+    and sequence ids, mid-generation through two daemons: each is refused, and the tokens are those
+    of an undisturbed run."""
+    from hpipe.model.generate import decode_loop
+    from hpipe.model.sampling import Sampler
+    from runtime.coordinator.pipeline import RemoteRunner
+    from tests.runtime.test_daemon_robustness import _two_stage_pipeline
+
+    caplog.set_level(logging.WARNING)
+    a, b, pipe = _two_stage_pipeline(tiny_dirs, Security(token=TOKEN), token=TOKEN)
+    attacked = []
+
+    class Attacked(RemoteRunner):
+        def step(self, token):
+            if not attacked:
+                attacked.append(self.seq.ids[0])
+                _attack(a, self.seq.session.id, self.seq.ids, caplog)
+            return super().step(token)
+
+    def greedy(runner):
+        with pipe.open(32) as seq:
+            return decode_loop(runner(seq), list(range(1, 11)), max_new_tokens=8, sampler=Sampler(), eos_ids=[],
+                               slices=[4, 6])[0]
+    try:
+        clean = greedy(RemoteRunner)
+        assert greedy(Attacked) == clean and attacked
+    finally:
+        pipe.close(), a.stop(), b.stop()
+
+
+def _attack(d: Served, session: int, seq_ids: list[int], caplog) -> None:
+    host, port = "127.0.0.1", d.stage.data.port
+    with pytest.raises(LinkError, match="PERMISSION_DENIED: session .* belongs to another connection"):
+        connect(host, port, TOKEN, session, key=os.urandom(16))  # would take over its results
+    mine = connect(host, port, TOKEN, session + 1, key=os.urandom(16))
+    mine.send(pb.Frame(close=pb.CloseSequences(sequence_ids=seq_ids)))  # would kill its stream
+    c = d.client(Security(token=TOKEN))
+    code, _ = code_of(lambda: c.call("Resume", pb.ResumeRequest(from_session=session, to_session=session + 1)))
+    assert code == grpc.StatusCode.PERMISSION_DENIED  # would list its sequences and fail its request
+    deadline = time.monotonic() + 5
+    while not any(f"closing sequence {seq_ids[0]} of another session" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "the close frame was not refused"
+        time.sleep(0.05)
+    assert d.stage.sequences.find(seq_ids[0]) is not None
+    mine.close()
+    c.close()
