@@ -70,8 +70,9 @@ def main() -> int:
             if la is lb:
                 continue
             sizes = [act * rng.randint(2, max_len) for _ in range(3)]
-            reply = client.call("MeasureLink", pb.LinkRequest(target_address=lb.address, sizes=sizes, repeats=21),
-                                timeout=120)
+            port = DaemonClient(lb.address, security).call("Status", pb.StatusRequest()).data_port
+            reply = client.call("MeasureLink", pb.LinkRequest(target_address=lb.address, target_data_port=port,
+                                                              sizes=sizes, repeats=21), timeout=120)
             link = profile.link(la.name, lb.name)
             for n, t in zip(reply.sizes, reply.seconds):
                 link_rows.append({"link": f"{la.name}->{lb.name}", "bytes": n, "predicted_s": link.time(n),

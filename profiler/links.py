@@ -1,7 +1,8 @@
-"""Link measurement: time Probe calls carrying activation-sized payloads, fit latency + bytes/bandwidth.
+"""Link measurement: time probes carrying activation-sized payloads, fit latency + bytes/bandwidth.
 
-The probes travel over the same gRPC transport (channel options, TLS, token) that carries
-activations between daemons, so what is measured is what slices will see.
+The probes travel over the data plane (:mod:`runtime.wire.transport`: a daemon-to-daemon data
+connection, its TLS and token) that carries activations between daemons, so what is measured is
+what slices will see.
 """
 
 from __future__ import annotations

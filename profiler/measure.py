@@ -137,6 +137,7 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
         sizes = sorted({min(act * t, MAX_PROBE_BYTES) for t in (1, 16, 64, 256, 512, 1024, 2048, 4096, max_len)
                         if t <= top})
         links = []
+        data_ports = {d.name: _status(clients[d.name]).data_port for d in cluster.daemons}
         for a in cluster.daemons:
             for b in cluster.daemons:
                 if a is b:
@@ -144,11 +145,12 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
                 bar.set_postfix_str(f"link {a.name}->{b.name}")
                 try:
                     reply = clients[a.name].call("MeasureLink", pb.LinkRequest(
-                        target_address=b.address, sizes=sizes, repeats=link_repeats), timeout=300.0)
+                        target_address=b.address, target_data_port=data_ports[b.name], sizes=sizes,
+                        repeats=link_repeats), timeout=300.0)
                 except grpc.RpcError as e:
                     raise daemon_error(a, f"could not measure its link to {b.name} ({b.address})", e) from None
                 lat, bw = fit_link(list(reply.sizes), list(reply.seconds))
-                send, recv = _host_cpu_costs(a, b, clients, act, link_repeats)
+                send, recv = _host_cpu_costs(a, b, data_ports[b.name], clients, act, link_repeats)
                 links.append(LinkProfile(a.name, b.name, lat, bw, *send, *recv))
                 bar.update(1)
         steal1 = {d.name: _steal(clients[d.name]) for d in cluster.daemons}
@@ -197,7 +199,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
-def _host_cpu_costs(a, b, clients: dict[str, DaemonClient], act: int, repeats: int):
+def _host_cpu_costs(a, b, data_port: int, clients: dict[str, DaemonClient], act: int, repeats: int):
     """What a message on the link costs the sender's and the receiver's host in CPU, outside their
     device workers: ((per message, per byte) sending, (per message, per byte) receiving).
 
@@ -209,8 +211,8 @@ def _host_cpu_costs(a, b, clients: dict[str, DaemonClient], act: int, repeats: i
     for size in sizes:
         before = [_host_cpu(c) for c in (src, dst)]
         try:
-            src.call("MeasureLink", pb.LinkRequest(target_address=b.address, sizes=[size], repeats=repeats),
-                     timeout=300.0)
+            src.call("MeasureLink", pb.LinkRequest(target_address=b.address, target_data_port=data_port, sizes=[size],
+                                                   repeats=repeats), timeout=300.0)
         except grpc.RpcError as e:
             raise daemon_error(a, f"could not measure the host CPU cost of its link to {b.name} ({b.address})", e) from None
         after = [_host_cpu(c) for c in (src, dst)]

@@ -1,7 +1,8 @@
 """The profiler's gRPC service, served by every daemon beside its stage service.
 
 What a daemon measures about itself (device identity, free memory, per-unit compute grids, a
-whole stage's time) and about its links (timed probes to another daemon). Measurements run on
+whole stage's time) and about its links (timed probes to another daemon over the data plane,
+the transport activations take). Measurements run on
 the stage server's device worker (:meth:`StageServer.run_on_device`), so they use the thread and
 limits that run slices and never overlap one. ``hpipe.app.daemon`` adds it with :func:`add_to`.
 """
@@ -14,6 +15,7 @@ import time
 import grpc
 import torch
 
+from hpipe.core.cluster import split_address
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import InputError, StatusError
 from hpipe.core.units import UnitRange
@@ -23,8 +25,9 @@ from profiler.links import MAX_PROBE_BYTES, time_probes
 from runtime.daemon import memory
 from runtime.daemon.servicer import SEND_TIMEOUT_S, compute_dtype, handled
 from runtime.daemon.stage_server import StageServer
-from runtime.wire.channels import DaemonClient, Security
+from runtime.wire.channels import Security
 from runtime.wire.messages import pb, pb_grpc
+from runtime.wire.transport import LinkError, client_context, connect
 
 MAX_GRID_POINTS = 4096
 MAX_REPEATS = 500
@@ -81,20 +84,26 @@ class ProfilerServicer(pb_grpc.ProfilerServiceServicer):
     def MeasureLink(self, request, context):
         if not request.sizes or min(request.sizes) < 0 or max(request.sizes) > MAX_PROBE_BYTES:
             raise InputError(f"probe sizes must lie in [0, {MAX_PROBE_BYTES >> 20} MiB]")
-        client = DaemonClient(request.target_address, self.security)
+        host = split_address(request.target_address, "the target")[0]
+        where = f"{host}:{request.target_data_port}"
         try:
-            seconds = time_probes(lambda payload: client.call("Probe", pb.ProbeRequest(payload=payload),
-                                                              timeout=SEND_TIMEOUT_S),
-                                  list(request.sizes), min(max(1, request.repeats), MAX_REPEATS))
-        except grpc.RpcError as e:
-            raise StatusError("UNAVAILABLE", f"cannot reach {request.target_address}: {e.code().name}: "
-                              f"{e.details()}") from None
-        finally:
-            client.close()
-        return pb.LinkReply(sizes=list(request.sizes), seconds=seconds)
+            conn = connect(host, request.target_data_port, self.security.token, 0,
+                           client_context(self.security.tls_ca))
+        except LinkError as e:
+            raise StatusError("UNAVAILABLE", f"cannot reach {where}: {e}") from None
+        conn.sock.settimeout(SEND_TIMEOUT_S)
 
-    def Probe(self, request, context):
-        return pb.Ack()
+        def send(payload: bytes) -> None:
+            conn.send(pb.Frame(probe=pb.Probe(payload_bytes=len(payload))), memoryview(payload))
+            if conn.read_frame().WhichOneof("kind") != "probe":
+                raise LinkError(f"{where} answered a probe with something else")
+        try:
+            seconds = time_probes(send, list(request.sizes), min(max(1, request.repeats), MAX_REPEATS))
+        except (LinkError, OSError) as e:
+            raise StatusError("UNAVAILABLE", f"the link to {where} failed: {e}") from None
+        finally:
+            conn.close()
+        return pb.LinkReply(sizes=list(request.sizes), seconds=seconds)
 
 
 def config_from_json(text: str) -> tuple[ModelConfig, int]:

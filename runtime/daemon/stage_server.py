@@ -197,6 +197,9 @@ class StageServer:
                         self.close(seq_id, session, conn.peer)
                 elif kind == "evict" and session:
                     self.prefixes.evict(session, list(frame.evict.blocks))
+                elif kind == "probe" and not session:  # the profiler times this link (MeasureLink)
+                    skip_payload(conn.sock, frame.probe.payload_bytes)
+                    conn.send(pb.Frame(probe=pb.Probe()))
                 else:
                     raise LinkError(f"unexpected {kind} frame")
         except LinkError as e:

@@ -308,3 +308,30 @@ def cfg_units(cfg):
     from hpipe.core.units import UnitRange
 
     return UnitRange(0, cfg.num_units, cfg.num_layers)
+
+
+def test_links_are_timed_over_the_data_plane():
+    """MeasureLink sends its probes to the other daemon's data port (where activations arrive), with
+    the cluster's token, and a daemon's data plane answers each one."""
+    import grpc
+
+    from runtime.wire.channels import Security
+    from runtime.wire.messages import pb
+    from tests.cluster_helpers import Served
+
+    a, b = Served("a", token="t0k"), Served("b", token="t0k")
+    try:
+        client = a.client(Security(token="t0k"))
+        sizes = [0, 1 << 10, 1 << 20, 8 << 20]
+        reply = client.call("MeasureLink", pb.LinkRequest(target_address=b.address, target_data_port=b.stage.data.port,
+                                                          sizes=sizes, repeats=3))
+        assert list(reply.sizes) == sizes and all(s > 0 for s in reply.seconds)
+        assert reply.seconds[-1] > reply.seconds[0]  # 8 MiB takes longer than nothing
+        grpc_port = int(b.address.rsplit(":", 1)[1])  # the gRPC port speaks no data plane: refused, named
+        with pytest.raises(grpc.RpcError) as e:
+            client.call("MeasureLink", pb.LinkRequest(target_address=b.address, target_data_port=grpc_port,
+                                                      sizes=[1], repeats=1))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and f":{grpc_port}" in e.value.details()
+        client.close()
+    finally:
+        a.stop(), b.stop()

@@ -248,10 +248,10 @@ def test_token_required(tiny_dirs):
         # gRPC reads a message whole before the token check: a large one is refused for its size
         # (a client that would send it: ours refuses to)
         with grpc.insecure_channel(d.address, options=[("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES)]) as ch:
-            probe = pb_grpc.ProfilerServiceStub(ch).Probe
-            huge = pb.ProbeRequest(payload=b"\0" * (MAX_MESSAGE_BYTES + 1))
+            profile = pb_grpc.ProfilerServiceStub(ch).ProfileCompute
+            huge = pb.ProfileRequest(config_json="x" * (MAX_MESSAGE_BYTES + 1))
             with pytest.raises(grpc.RpcError) as refused:
-                probe(huge, timeout=30)
+                profile(huge, timeout=30)
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
     finally:
         d.stop()
