@@ -86,6 +86,12 @@ def _path(value) -> Path:
     return Path(value)
 
 
+def _float(value) -> float:
+    if isinstance(value, bool):
+        raise ValueError(value)
+    return float(value)
+
+
 def _option(help: str, parse=None, flag: str | None = None) -> dict:
     """Field metadata: the help text, how to read a value from text, the flag if not ``--name``."""
     return {"help": help, "parse": parse, "flag": flag}
@@ -121,6 +127,10 @@ class DaemonOptions:
     insecure: bool = field(default=False, metadata=_option(
         "serve beyond loopback without a token: anyone who reaches the ports may load models and send work",
         _bool, "--insecure"))
+    weights_cache: Path | None = field(default=None, metadata=_option(
+        "where the weights coordinators ship this daemon are kept (default: weights/ in hpipe's cache)", _path))
+    weights_cache_gb: float = field(default=50.0, metadata=_option(
+        "the most the shipped weights kept may take, in GB: the least recently used go first", _float))
 
     def __post_init__(self) -> None:
         who = f"daemon {self.name}" if self.name else "daemon"
@@ -137,6 +147,8 @@ class DaemonOptions:
             raise HpipeError(f"{who}: memory budget must be positive, got {self.memory_budget}")
         if self.replay_budget < 0:
             raise HpipeError(f"{who}: replay budget must be >= 0, got {self.replay_budget}")
+        if not self.weights_cache_gb > 0:
+            raise HpipeError(f"{who}: the weights cache needs a positive size, got {self.weights_cache_gb} GB")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise HpipeError(f"{who}: a TLS certificate and key go together")
 

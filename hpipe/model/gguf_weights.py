@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -86,16 +87,26 @@ class GGUFWeights:
     """A :class:`~hpipe.model.weights.WeightStore` over a GGUF file: the same names, the stored blocks."""
 
     def __init__(self, gguf: Path, index: Path, cfg: ModelConfig):
-        self.path, self.cfg = Path(gguf), cfg
         try:
             meta = json.loads(index.read_text())
-            self.architecture, self._tensors = meta["architecture"], meta["tensors"]
+            architecture, tensors = meta["architecture"], meta["tensors"]
         except (OSError, ValueError, KeyError) as e:
             raise ModelSourceError(f"{index}: not a GGUF tensor index ({e})") from None
+        self._setup(Path(gguf).name, architecture, {n: {**e, "file": str(gguf)} for n, e in tensors.items()}, cfg)
+
+    @classmethod
+    def of_files(cls, label: str, architecture: str, tensors: dict[str, dict], cfg: ModelConfig) -> "GGUFWeights":
+        """A store whose tensors lie in files of their own (a daemon's weights cache): ``tensors``
+        maps each name to its ``type``, ``shape``, ``bytes``, ``file`` and ``offset`` there."""
+        store = cls.__new__(cls)
+        store._setup(label, architecture, {n: {"gguf": n, **e} for n, e in tensors.items()}, cfg)
+        return store
+
+    def _setup(self, label: str, architecture: str, tensors: dict[str, dict], cfg: ModelConfig) -> None:
+        self.label, self.cfg, self.architecture, self._tensors = label, cfg, architecture, tensors
         if self.architecture not in ARCHITECTURES:
-            raise ModelSourceError(f"{gguf.name}: GGUF architecture {self.architecture!r} is not supported for "
+            raise ModelSourceError(f"{label}: GGUF architecture {self.architecture!r} is not supported for "
                                    f"quantized weights (supported: {', '.join(ARCHITECTURES)})")
-        self._size = self.path.stat().st_size
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -122,8 +133,16 @@ class GGUFWeights:
         return int(self._entry(name)["bytes"])
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor | QuantizedWeight]:
-        with open(self.path, "rb") as f:
-            return {n: self._read(f, n) for n in names}
+        files: dict[str, object] = {}
+        try:
+            for n in names:
+                file = self._entry(n)["file"]
+                if file not in files:
+                    files[file] = open(file, "rb")
+            return {n: self._read(files[self._entry(n)["file"]], n) for n in names}
+        finally:
+            for f in files.values():
+                f.close()
 
     def load_stacked(self, names: list[str]) -> torch.Tensor | QuantizedWeight:
         """Tensors stacked along dim 0 (a fused projection); a quantized stack keeps its blocks."""
@@ -135,22 +154,22 @@ class GGUFWeights:
     def _entry(self, name: str) -> dict:
         entry = self._tensors.get(name)
         if entry is None:
-            raise ModelSourceError(f"{self.path.name}: has no tensor for {name!r}")
+            raise ModelSourceError(f"{self.label}: has no tensor for {name!r}")
         return entry
 
     def _read(self, f, name: str) -> torch.Tensor | QuantizedWeight:
         e = self._entry(name)
         t, shape, offset, nbytes = e["type"], e["shape"], e["offset"], e["bytes"]
         if t not in TYPES:
-            raise ModelSourceError(f"{self.path.name}: tensor {e['gguf']} is stored as ggml type {_type_name(t)}, "
+            raise ModelSourceError(f"{self.label}: tensor {e['gguf']} is stored as ggml type {_type_name(t)}, "
                                    f"which hpipe cannot read (it reads {', '.join(v[0] for v in TYPES.values())}); "
                                    "requantize the file, e.g. llama-quantize ... Q4_K_M")
-        if offset < 0 or offset + nbytes > self._size:
-            raise ModelSourceError(f"{self.path.name}: truncated (tensor {e['gguf']} runs past the end of the file)")
+        if offset < 0 or offset + nbytes > os.fstat(f.fileno()).st_size:
+            raise ModelSourceError(f"{self.label}: truncated (tensor {e['gguf']} runs past the end of the file)")
         buf = torch.empty(nbytes, dtype=torch.uint8)
         f.seek(offset)
         if f.readinto(memoryview(buf.numpy())) != nbytes:
-            raise ModelSourceError(f"{self.path.name}: truncated (tensor {e['gguf']})")
+            raise ModelSourceError(f"{self.label}: truncated (tensor {e['gguf']})")
         if t == 0 and len(shape) > 1:  # float32, as it is
             return buf.view(torch.float32).reshape(shape)
         if len(shape) == 1:  # a norm's or a bias's vector

@@ -150,7 +150,7 @@ def _assembled(name: str, package: str, fname: str) -> Path:
     return path
 
 
-def _file_key(path: Path) -> str:
+def file_key(path: Path) -> str:
     """Identity of a GGUF file: its size and a hash of its first and last MiB."""
     h = hashlib.sha256()
     size = path.stat().st_size
@@ -168,7 +168,7 @@ def import_gguf(gguf: Path, name: str | None = None) -> ModelSource:
 
     gguf = gguf.resolve()
     name = name or gguf.stem
-    target = cache_root() / "models" / f"{gguf.stem}-{_file_key(gguf)}"
+    target = cache_root() / "models" / f"{gguf.stem}-{file_key(gguf)}"
     if not (target / "config.json").exists():
         log.warning("importing %s's config and tokenizer into %s (once; later runs reuse it)", gguf.name, target)
         _write_once(target, lambda tmp: _write_import(gguf, tmp))

@@ -24,6 +24,7 @@ from hpipe.core.cluster import ClusterSpec, DaemonSpec, decode_lane
 from hpipe.core.errors import InputError
 from hpipe.core.plan import PlanError, Stage, stages_from_cuts
 from runtime.coordinator.session import Session, StageFailure
+from runtime.coordinator.ship import Shipment, Transfer, is_data_loss
 from runtime.wire.channels import DaemonClient, Security
 from runtime.wire.messages import dtype_to_wire, pb, stage_to_wire
 
@@ -79,6 +80,7 @@ class Pipeline:
         self.lanes = 0                         # distinct decode lanes among them (hpipe.core.cluster.decode_lane)
         self.vocab_size = 0
         self.model, self.dtype = "", None      # what the stages hold, as loaded
+        self.transfers: list[Transfer] = []    # per daemon in use: the weights the last load shipped it
 
     def describe_daemon(self, d: int) -> str:
         spec, stages = self.daemons[d], self.daemon_stages(d)
@@ -123,13 +125,28 @@ class Pipeline:
                                    held=[i for i, dd in enumerate(stage_daemon) if dd == d])
                     for d in range(len(daemons))]
 
+        shipment = Shipment.of(model)
+        self.transfers = [Transfer(d.name, local=shipment is None) for d in daemons]
+
         def load(d):
+            request, client = requests[d], self.clients[d]
+            ranges = [stages[i].units for i in request.held]
             try:
-                return self.clients[d].call("Load", requests[d], timeout=600.0)
+                for attempt in range(2):
+                    if shipment is not None:  # the tensors it lacks, from the model's file here
+                        shipped, self.transfers[d] = shipment.to(client, ranges, daemons[d].name)
+                        if shipped is not None:
+                            request.shipped.CopyFrom(shipped)
+                    try:
+                        return client.call("Load", request, timeout=600.0)
+                    except grpc.RpcError as e:
+                        if attempt or not (request.HasField("shipped") and is_data_loss(e)):
+                            raise
+                        log.warning("%s: %s; sending them again", daemons[d].name, e.details())
             except grpc.RpcError as e:
-                ranges = ", ".join(str(stages[i].units) for i in requests[d].held)
-                raise StageFailure(f"{daemons[d].name} at {daemons[d].address} could not load units {ranges}: "
-                                   f"{e.code().name}: {e.details()}", lasting=e.code() not in TRANSIENT) from None
+                raise StageFailure(f"{daemons[d].name} at {daemons[d].address} could not load units "
+                                   f"{', '.join(map(str, ranges))}: {e.code().name}: {e.details()}",
+                                   lasting=e.code() not in TRANSIENT) from None
 
         with ThreadPoolExecutor(max_workers=len(daemons)) as pool:
             self.loads = list(pool.map(load, range(len(daemons))))

@@ -42,6 +42,8 @@ from hpipe.model.kvpool import BLOCK_SIZE, KVPool
 from hpipe.model.layers import build_unit, checkpoint_tensors
 from hpipe.model.sources import BUILTIN_MODELS, resolve_model
 from runtime.daemon import memory
+from runtime.daemon.shipped import Shipped
+from runtime.daemon.weights_cache import WeightsCache
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class Deployment:
     data_ports: tuple[int, ...] = ()  # each stage's daemon's data port
     pool_bytes: int = 0        # for the held stages' KV pools together; 0: sized here
     dequantize: bool = False   # a GGUF model's weights as float32, not as the file's blocks
+    shipped: Shipped | None = None  # set: the weights are in the daemon's weights cache, not at ``model``
 
 
 @dataclass
@@ -109,8 +112,11 @@ def take_over(stages: dict[int, LoadedStage], added: dict[int, LoadedStage], dep
 
 
 def _same_pipeline(a: Deployment | None, b: Deployment) -> bool:
-    """The same model, dtype, pool size and stage units (daemons, addresses and ports may differ)."""
+    """The same model, dtype, pool size and stage units (daemons, addresses and ports may differ;
+    shipped weights, by the tensors each daemon was sent)."""
     if a is None or (a.model, a.dtype, a.pool_bytes, a.dequantize) != (b.model, b.dtype, b.pool_bytes, b.dequantize):
+        return False
+    if (a.shipped and a.shipped.config_json) != (b.shipped and b.shipped.config_json):
         return False
     return [s.units for s in a.stages] == [s.units for s in b.stages]
 
@@ -198,18 +204,17 @@ def pool_blocks(dep: Deployment, cfg: ModelConfig, ranges: list[UnitRange], weig
 
 
 def load(dep: Deployment, device: torch.device, budget: int | None, check: Callable[[int, str], None],
-         decode_steps: str = "off", only: tuple[int, ...] | None = None, blocks: int | None = None
-         ) -> dict[int, LoadedStage]:
+         decode_steps: str = "off", only: tuple[int, ...] | None = None, blocks: int | None = None,
+         weights_cache: WeightsCache | None = None) -> dict[int, LoadedStage]:
     """Build every held stage (or the ``only`` ones) and its KV pool of ``blocks`` blocks (default:
     sized here); ``check(bytes, what)`` first refuses what does not fit; ``decode_steps`` is
-    :attr:`StageServer.decode_steps`."""
-    cfg = model_config(dep.model)
+    :attr:`StageServer.decode_steps`. Shipped weights are read from ``weights_cache``."""
+    cfg = dep.shipped.config() if dep.shipped else model_config(dep.model)
     ranges = validate(dep, cfg)
     held = dep.held
     if only is not None:
         held, ranges = zip(*[(i, u) for i, u in zip(dep.held, ranges) if i in only])
-    source = None if is_random(dep.model) else resolve_model(dep.model)
-    store = source.weights(dequantize=dep.dequantize) if source is not None else None
+    store = _store(dep, cfg, weights_cache)
     weights = sum(weight_bytes(cfg, u, dep.dtype, device, store) for u in ranges)
     if blocks is None:
         blocks = pool_blocks(dep, cfg, ranges, weights, device, budget)
@@ -228,6 +233,19 @@ def load(dep: Deployment, device: torch.device, budget: int | None, check: Calla
         graphs = DecodeGraphs(model, pool, graph=decode_steps == "graphs") if decode_steps != "off" else None
         loaded[i] = LoadedStage(i, dep.stages[i], model, pool, successor, graphs)
     return loaded
+
+
+def _store(dep: Deployment, cfg: ModelConfig, weights_cache: WeightsCache | None):
+    """Where the stages read their tensors: the weights cache (shipped), the model's files, or
+    nowhere (a random-weight shape)."""
+    if dep.shipped is not None:
+        if dep.dequantize:
+            raise StatusError("FAILED_PRECONDITION", "--dequantize reads a GGUF model's float32 import: it needs the "
+                              "model's files on every daemon (shipped weights stay in the file's blocks)")
+        return dep.shipped.store(dep.model, cfg, weights_cache)
+    if is_random(dep.model):
+        return None
+    return resolve_model(dep.model).weights(dequantize=dep.dequantize)
 
 
 def weight_bytes(cfg: ModelConfig, units: UnitRange, dtype: torch.dtype, device: torch.device, store) -> int:

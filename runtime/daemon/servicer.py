@@ -20,10 +20,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hpipe.core.cluster import DaemonOptions
 from hpipe.core.errors import HpipeError, InputError, ModelSourceError, StatusError, UnsupportedModelError
+from hpipe.core.paths import cache_root
 from hpipe.model.stage import parse_dtype
 from runtime.daemon import hoststat
 from runtime.daemon.deployment import Deployment
+from runtime.daemon.shipped import Shipped
 from runtime.daemon.stage_server import StageServer
+from runtime.daemon.weights_cache import WeightsCache
 from runtime.wire.backoff import TokenBackoff, grpc_host
 from runtime.wire.channels import TOKEN_HEADER, Security
 from runtime.wire.messages import CHANNEL_OPTIONS, dtype_from_wire, pb, pb_grpc, stage_from_wire, stage_to_wire
@@ -77,7 +80,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         dep = Deployment(request.model, compute_dtype(request.dtype, self.server.device),
                          tuple(stage_from_wire(s) for s in request.stages), tuple(request.held),
                          tuple(s.data_port for s in request.stages), request.kv_pool_bytes,
-                         request.dequantize)
+                         request.dequantize, Shipped.from_wire(request.shipped) if request.HasField("shipped") else None)
         info = self.server.load(dep)
         pools = [pb.Pool(**p) for p in info.pop("pools")]
         return pb.LoadReply(pools=pools, **info)
@@ -126,6 +129,21 @@ class StageServicer(pb_grpc.StageServiceServicer):
                                         for i, st, c, g in progress])
 
 
+    @handled
+    def HeldTensors(self, request, context):
+        local = self.server.reads_locally(request.model, request.file_key)
+        held, partial = ([], {}) if local else self.server.weights_cache.held(list(request.hashes))
+        return pb.HeldReply(local=local, held=held, partial=partial)
+
+    @handled
+    def PutTensors(self, request_iterator, context):
+        cache, received, completed = self.server.weights_cache, 0, []
+        for chunk in request_iterator:
+            if cache.receive(chunk.hash, chunk.offset, chunk.total, chunk.data):
+                completed.append(chunk.hash)
+            received += len(chunk.data)
+        return pb.PutReply(bytes=received, completed=completed)
+
     def _owned(self, session: int, key: bytes, what: str, context) -> None:
         """Refuse the call unless ``key`` is ``session``'s (:mod:`runtime.daemon.owners`)."""
         error = self.server.owners.check(session, key, what, context.peer())
@@ -172,7 +190,9 @@ def build_server(options: DaemonOptions, services: tuple[Service, ...] = (),
                         tls_server=server_context(options.tls_cert, options.tls_key),
                         tls_client=client_context(security.tls_ca), on_worker_start=on_worker_start,
                         cuda_graphs=options.cuda_graphs, model_dirs=options.model_dir_list,
-                        replay_budget=options.replay_budget, data_port=options.data_port)
+                        replay_budget=options.replay_budget, data_port=options.data_port,
+                        weights_cache=WeightsCache(options.weights_cache or cache_root() / "weights",
+                                                   int(options.weights_cache_gb * 1e9)))
     interceptors = [TokenInterceptor(security.token)] if security.token else []
     # so_reuseport off: a second daemon on a port in use must fail to bind, not share it unseen
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="grpc"),

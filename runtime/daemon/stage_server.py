@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from hpipe.core.paths import cache_root
 from hpipe.model.kvpool import BLOCK_SIZE
 from runtime.daemon import deployment, memory
 from runtime.daemon.deployment import Deployment, LoadedStage
@@ -45,6 +46,8 @@ from runtime.daemon.prefix_store import PrefixStore
 from runtime.daemon.replay_log import DEFAULT_BUDGET, ReplayLog
 from runtime.daemon.sequences import SequenceTable
 from runtime.daemon.session_stats import SessionStats
+from runtime.daemon.shipped import reads_locally
+from runtime.daemon.weights_cache import WeightsCache
 from runtime.daemon.worker import Worker
 from runtime.wire.data_server import DataServer
 from runtime.wire.messages import pb
@@ -57,9 +60,12 @@ class StageServer:
     def __init__(self, device: str = "cpu", memory_budget: int | None = None, host: str = "127.0.0.1",
                  token: str | None = None, tls_server=None, tls_client=None,
                  on_worker_start: Callable[[], None] | None = None, cuda_graphs: bool = True,
-                 model_dirs: tuple[str, ...] = (), replay_budget: int = DEFAULT_BUDGET, data_port: int = 0):
+                 model_dirs: tuple[str, ...] = (), replay_budget: int = DEFAULT_BUDGET, data_port: int = 0,
+                 weights_cache: WeightsCache | None = None):
         self.device = torch.device(device)
         self.model_dirs = model_dirs  # where Load may read model files (deployment.check_source)
+        #: the weights coordinators ship (runtime.daemon.weights_cache)
+        self.weights_cache = weights_cache or WeightsCache(cache_root() / "weights")
         #: how all-decode micro-batches run (hpipe.model.graphs): "graphs" (CUDA graphs), "eager"
         #: (the same static step without capture; tests use it on the CPU) or "off" (forward_batch)
         self.decode_steps = "graphs" if self.device.type == "cuda" and cuda_graphs else "off"
@@ -101,7 +107,8 @@ class StageServer:
     def load(self, dep: Deployment) -> dict:
         """Hold ``dep``'s stages (replacing any other deployment); sizes summed over the held stages."""
         t0 = time.perf_counter()
-        deployment.check_source(dep.model, self.model_dirs)  # before anything held is dropped
+        if dep.shipped is None:
+            deployment.check_source(dep.model, self.model_dirs)  # before anything held is dropped
         with self._lock:
             if deployment.relinks(self.deployment, dep) and self.deployment != dep:
                 # a daemon of the pipeline came back on a new data port, or a stage moved to
@@ -121,13 +128,15 @@ class StageServer:
                 self._baseline_memory = memory.current(self.device)
                 loaded = deployment.load(dep, self.device, self.memory_budget,
                                          lambda n, what: deployment.check_memory(self.device, self.memory_budget, 0,
-                                                                                 n, what), self.decode_steps)
+                                                                                 n, what), self.decode_steps,
+                                         weights_cache=self.weights_cache)
                 self.weight_bytes = sum(s.model.weight_bytes() for s in loaded.values())
                 self.stages, self.deployment = loaded, dep
                 memory.reset_peak(self.device)  # peaks reported from now on are this deployment's
                 log.info("loaded units %s of %s (%s) in %.1fs", self._held(), dep.model, dep.dtype,
                          time.perf_counter() - t0)
             models = [s.model for s in self.stages.values()]
+            self.weights_cache.hold_only(dep.shipped.hashes() if dep.shipped else set())
         cfg = models[0].cfg
         return {
             "parameters": sum(m.parameter_count() for m in models), "weight_bytes": self.weight_bytes,
@@ -135,6 +144,10 @@ class StageServer:
             "vocab_size": cfg.vocab_size, "pools": self.pools(),
             "kv_bytes_per_token": sum(m.block_bytes() for m in models) // BLOCK_SIZE,
         }
+
+    def reads_locally(self, model: str, key: str) -> bool:
+        """Whether this daemon reads ``model`` from its own files (nothing to ship it)."""
+        return reads_locally(model, key, lambda m: deployment.check_source(m, self.model_dirs))
 
     def _extend(self, dep: Deployment) -> None:
         """Load the stages ``dep`` adds (a lost daemon's, moved here) beside the held ones, with
@@ -146,7 +159,7 @@ class StageServer:
         added = deployment.load(dep, self.device, self.memory_budget,
                                 lambda n, what: deployment.check_memory(self.device, self.memory_budget, in_use,
                                                                         n, what),
-                                self.decode_steps, only=new, blocks=blocks)
+                                self.decode_steps, only=new, blocks=blocks, weights_cache=self.weights_cache)
 
         def extend():
             self.stages = deployment.take_over(self.stages, added, dep, self.sequences.all())

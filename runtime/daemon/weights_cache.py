@@ -1,0 +1,133 @@
+"""A daemon's cache of the weights coordinators ship it: tensors by content hash, bounded, checked.
+
+A daemon that does not hold a model's files receives its units' tensors from the coordinator
+(:mod:`runtime.coordinator.ship`) as the file stores them. Each one is a file named by its BLAKE3
+hash (:mod:`hpipe.model.manifest`). Bytes arrive in chunks, appended to ``partial/HASH``; a
+transfer cut off part way goes on from the bytes that arrived (:meth:`WeightsCache.held` says how
+many). A complete entry's hash is checked before it is renamed into place (atomically), and again
+each time a stage loads it; a wrong one is deleted, so it is fetched again. The cache keeps at most
+``budget`` bytes: the entries used least recently go first, never those a deployment has asked
+for or holds. Only weights are cached, never activations.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+from hpipe.core.errors import StatusError
+from hpipe.model.manifest import file_hash
+
+log = logging.getLogger(__name__)
+
+_HASH = re.compile(r"[0-9a-f]{64}")
+#: the largest tensor a daemon accepts (a 128k-token vocabulary's bf16 embedding of width 16k is 4 GiB)
+MAX_TENSOR_BYTES = 16 << 30
+
+
+def check_hash(h: str) -> str:
+    if not _HASH.fullmatch(h):
+        raise StatusError("INVALID_ARGUMENT", f"{h[:80]!r} is not a content hash (64 hex digits)")
+    return h
+
+
+class WeightsCache:
+    def __init__(self, root: Path, budget: int | None = None):
+        self.root, self.budget = Path(root), budget
+        self._partial = self.root / "partial"
+        self._partial.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._pinned: set[str] = set()  # what deployments asked for or hold: never evicted
+
+    # --- what a coordinator asks --------------------------------------------------------------
+    def held(self, hashes: list[str]) -> tuple[list[str], dict[str, int]]:
+        """Which of ``hashes`` are here whole, and how many bytes of the others arrived; they are
+        kept from eviction from now on (a deployment is about to use them)."""
+        whole, partial = [], {}
+        with self._lock:
+            for h in map(check_hash, hashes):
+                self._pinned.add(h)
+                if (self.root / h).exists():
+                    whole.append(h)
+                elif (self._partial / h).exists():
+                    partial[h] = (self._partial / h).stat().st_size
+        return whole, partial
+
+    def receive(self, h: str, offset: int, total: int, data: bytes) -> bool:
+        """Append a chunk of ``h``'s bytes at ``offset`` (of ``total``); True once the entry is whole
+        and its hash checked. A chunk at 0 starts the entry over; any other not at the end of what
+        arrived is refused (the sender asks :meth:`held` where to go on)."""
+        check_hash(h)
+        if not 0 < total <= MAX_TENSOR_BYTES or offset < 0 or offset + len(data) > total:
+            raise StatusError("INVALID_ARGUMENT", f"a chunk of {len(data)} bytes at {offset} of a {total}-byte tensor")
+        with self._lock:
+            if (self.root / h).exists():
+                return True  # another transfer brought it
+            part = self._partial / h
+            have = part.stat().st_size if part.exists() else 0
+            if offset == 0 and have:  # the sender starts over
+                part.unlink()
+                have = 0
+            if offset != have:
+                raise StatusError("FAILED_PRECONDITION", f"tensor {h[:12]}: {have} bytes have arrived, not {offset}")
+            with open(part, "ab") as f:
+                f.write(data)
+            if have + len(data) < total:
+                return False
+            got = file_hash(part)
+            if got != h:
+                part.unlink()
+                raise StatusError("DATA_LOSS", f"tensor {h[:12]} arrived with hash {got[:12]}: discarded")
+            try:
+                self._make_room(total)
+            except StatusError:
+                part.unlink()  # whole, but with no room for it: sent again once there is
+                raise
+            os.replace(part, self.root / h)
+            return True
+
+    # --- what a stage loads -------------------------------------------------------------------
+    def path(self, h: str) -> Path:
+        """The entry ``h``, its hash checked again (``DATA_LOSS`` and deleted when it is wrong or
+        gone), marked used now."""
+        p = self.root / check_hash(h)
+        if not p.exists():
+            raise StatusError("DATA_LOSS", f"tensor {h[:12]} is not in the weights cache")
+        got = file_hash(p)
+        if got != h:
+            log.warning("weights cache entry %s is corrupt (its bytes hash to %s): deleted", h[:12], got[:12])
+            p.unlink(missing_ok=True)
+            raise StatusError("DATA_LOSS", f"tensor {h[:12]} in the weights cache is corrupt: deleted")
+        now = time.time()
+        os.utime(p, (now, now))
+        return p
+
+    def hold_only(self, hashes: set[str]) -> None:
+        """The entries the daemon's stages now hold: the ones kept from eviction."""
+        with self._lock:
+            self._pinned = set(hashes)
+
+    def nbytes(self) -> int:
+        return sum(p.stat().st_size for p in self.root.iterdir() if p.is_file())
+
+    def _make_room(self, incoming: int) -> None:
+        if self.budget is None:
+            return
+        entries = sorted((p for p in self.root.iterdir() if p.is_file()), key=lambda p: p.stat().st_mtime)
+        total = sum(p.stat().st_size for p in entries)
+        for p in entries:
+            if total + incoming <= self.budget:
+                return
+            if p.name in self._pinned:
+                continue
+            total -= p.stat().st_size
+            p.unlink(missing_ok=True)
+            log.info("weights cache: evicted %s (least recently used) to stay within %.1f GB", p.name[:12],
+                     self.budget / 1e9)
+        if total + incoming > self.budget:
+            raise StatusError("RESOURCE_EXHAUSTED", f"the weights cache's budget ({self.budget / 1e9:.2f} GB) is "
+                              f"smaller than the weights this daemon is given; raise --weights-cache-gb")

