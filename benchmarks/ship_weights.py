@@ -45,6 +45,8 @@ def deploy(spec: ClusterSpec, model: str, num_units: int) -> tuple[float, list]:
     pipe.load(model, cut_stages(spec, [num_units * i // n for i in range(1, n)], num_units), torch.float32)
     seconds = time.perf_counter() - t0
     transfers = pipe.transfers
+    for t, loaded in zip(transfers, pipe.loads):
+        t.load_s = loaded.load_s  # the daemon's own Load, after the transfer
     pipe.close()
     return seconds, transfers
 
@@ -81,7 +83,8 @@ def main() -> None:
         shaped = link_rate(d.emulate.get("rate"))
         rows.append({"daemon": d.name, "bytes": t.sent_bytes, "seconds": round(t.seconds, 3),
                      "MB_s": round(t.rate / 1e6, 1), "link_MB_s": round(shaped / 1e6, 1) if shaped else None,
-                     "of_link": round(t.rate / shaped, 2) if shaped else None, "second_deploy_bytes": again.sent_bytes})
+                     "of_link": round(t.rate / shaped, 2) if shaped else None, "second_deploy_bytes": again.sent_bytes,
+                     "load_s": [round(t.load_s, 2), round(again.load_s, 2)]})
     result = {"model": args.model, "first_deploy_s": round(first_s, 2), "second_deploy_s": round(second_s, 2),
               "speedup": round(first_s / second_s, 1), "daemons": rows}
     if args.json:
@@ -90,7 +93,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['daemon']:>6}: {r['bytes'] / 1e6:7.1f} MB in {r['seconds']:6.2f} s = {r['MB_s']:6.1f} MB/s"
               + (f" ({r['of_link']:.2f} of its {r['link_MB_s']} MB/s link)" if r["of_link"] else "")
-              + f"; second deploy sent {r['second_deploy_bytes']} bytes")
+              + f"; its Load {r['load_s'][0]} s; second deploy sent {r['second_deploy_bytes']} bytes, "
+              f"its Load {r['load_s'][1]} s")
     print(f"deploy: first {first_s:.2f} s (sending), second {second_s:.2f} s (from the caches, after a restart): "
           f"{first_s / second_s:.1f}x faster")
     shutil.rmtree(work, ignore_errors=True)

@@ -7,6 +7,7 @@ its worker thread by (:mod:`runtime.cluster.emulate`).
 
 from __future__ import annotations
 
+import gc
 import logging
 import shlex
 import signal
@@ -48,6 +49,10 @@ def serve(options: DaemonOptions) -> int:
     server.start()
     log.warning("hpipe daemon %s serving %s on %s:%d (pid-safe stop: SIGTERM)%s", options.name, options.device,
                 options.host, port, _decode_path(options.device))
+    # what the imports made lives as long as the daemon: leave it out of every later collection
+    # (a deployment's memory checks collect garbage; a full pass over torch's and transformers'
+    # objects took 0.17 s of a Load, 0.5 s on a 30% CPU share)
+    gc.freeze()
     stopped = threading.Event()
 
     def on_signal(signum, frame):
