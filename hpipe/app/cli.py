@@ -96,6 +96,7 @@ def _generate_parser(sub) -> None:
     g.add_argument("--slices", type=_int_list, help="prompt token slice lengths (must sum to the prompt length)")
     g.add_argument("--cluster", help="run through the daemons of this cluster file instead of in-process")
     _dequantize_argument(g)
+    _quantize_argument(g)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=commands.generate)
 
@@ -106,6 +107,7 @@ def _profile_parser(sub) -> None:
     pr = sub.add_parser("profile", help="measure every device and link of a cluster (or simulate from specs)")
     pr.add_argument("--cluster", required=True)
     pr.add_argument("--model", default="smollm2-135m", help="model source, config.json, or random:NAME shape")
+    _quantize_argument(pr)
     pr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     pr.add_argument("--max-len", type=_positive,
                     help=f"longest input to profile for (default: the model's context, at most {DEFAULT_MAX_LEN}: "
@@ -155,6 +157,11 @@ def _dequantize_argument(parser) -> None:
                         "before quantized kernels; the reference they are tested against)")
 
 
+def _quantize_argument(parser) -> None:
+    parser.add_argument("--quantize", choices=["q8_0", "q4_0", "q4_k"], help="a safetensors model's matrices in these "
+                        "GGUF blocks, made once and cached (the daemons compute on the blocks, as with a GGUF file)")
+
+
 def _prefix_cache_arguments(parser) -> None:
     parser.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                         help="prefill every prompt whole, reusing no KV block of an earlier one (to compare)")
@@ -171,6 +178,7 @@ def _plan_or_model(parser) -> None:
                                        "plan for this model here, and stop what was started at the end")
     parser.add_argument("--cluster", help="cluster file (token, TLS); default: the plan's daemon addresses, or "
                                           "with --model one daemon on this machine")
+    _quantize_argument(parser)
     parser.add_argument("--max-len", type=_positive, help="with --model: the longest input to plan for "
                                                           "(default: 4096, or the model's context if shorter)")
 

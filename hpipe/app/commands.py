@@ -44,7 +44,7 @@ def generate(args: argparse.Namespace) -> int:
     from hpipe.model.generate import LocalModel
     from hpipe.model.generate import generate as local_generate
     from hpipe.model.sampling import SamplingParams
-    from hpipe.model.sources import resolve_model
+    from hpipe.model.sources import quantized_model, resolve_model
     from hpipe.model.stage import parse_dtype
 
     if args.threads:
@@ -57,6 +57,7 @@ def generate(args: argparse.Namespace) -> int:
         from hpipe.core.cluster import ClusterSpec
 
         cluster = ClusterSpec.load(args.cluster)  # a bad cluster file fails before the model loads
+    args.model = quantized_model(args.model, args.quantize)
     source = resolve_model(args.model)
     dtype = parse_dtype(args.dtype, args.device)
     tokenizer = source.tokenizer()
@@ -151,11 +152,12 @@ def profile(args: argparse.Namespace) -> int:
     from hpipe.app.profile_report import summary
     from hpipe.core.cluster import ClusterSpec
     from hpipe.core.shapes import quantization_bits
-    from hpipe.model.sources import model_shape
+    from hpipe.model.sources import model_shape, quantized_model
     from profiler.grid import DEFAULT_MAX_LEN
 
     check_output(args.output, "profile")
     spec = ClusterSpec.load(args.cluster)
+    args.model = quantized_model(args.model, args.quantize)
     name, cfg = model_shape(args.model)
     max_len = args.max_len or min(cfg.max_position_embeddings, DEFAULT_MAX_LEN)
     if not args.max_len and max_len < cfg.max_position_embeddings:

@@ -97,11 +97,14 @@ def planned(args: argparse.Namespace, serving: bool):
     if args.plan:
         if args.max_len:
             raise InputError("--max-len goes with --model (a plan has its own)")
+        if args.quantize:
+            raise InputError("--quantize goes with --model (a plan names its model: profile with --quantize)")
         the_plan = load_plan(args.plan)
         yield the_plan, cluster_for(the_plan, args.cluster), resolve_model(the_plan.model_name)
         return
     from hpipe.app.one_box import planned as on_the_spot
+    from hpipe.model.sources import quantized_model
 
-    with on_the_spot(args.model, args.cluster, max_len=args.max_len, seq_len=None, serving=serving,
+    with on_the_spot(quantized_model(args.model, args.quantize), args.cluster, max_len=args.max_len, seq_len=None, serving=serving,
                      dequantize=args.dequantize) as got:
         yield got

@@ -30,7 +30,8 @@ from hpipe.model.quant import TYPES, QuantizedWeight
 INDEX = "tensors.json"
 
 #: the architectures whose GGUF tensors hpipe maps, and whether the converter permuted Q and K
-ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma3": False}
+#: ("hf": blocks hpipe's --quantize wrote, in Hugging Face's names and layout, hpipe.model.quantize)
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma3": False, "hf": False}
 #: what a norm's stored weight adds to the Hugging Face one (llama.cpp's converter stores Gemma's
 #: ``1 + weight``; transformers subtracts the one again, and so does this store)
 NORM_OFFSET = {"gemma3": 1.0}

@@ -62,6 +62,9 @@ class ModelSource:
         if self.gguf is None:
             return WeightStore(self.path)
         if dequantize:
+            if self.gguf.suffix != ".gguf":
+                raise ModelSourceError(f"{self.name} was quantized by --quantize: for float32 weights, use the model "
+                                       "it was made from")
             _dequantized_import(self.gguf, self.path)
             return WeightStore(self.path)
         from hpipe.model.gguf_weights import INDEX, GGUFWeights
@@ -109,7 +112,9 @@ def resolve_model(spec: str) -> ModelSource:
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelSourceError(f"{path}: directory has no config.json (expected a Hugging Face model directory)")
-        src = ModelSource(name=path.name, path=path)
+        from hpipe.model.quantize import BLOCKS, is_quantized_dir
+
+        src = ModelSource(name=path.name, path=path, gguf=path / BLOCKS if is_quantized_dir(path) else None)
         src.config  # validate the architecture now, with a clear error
         return src
     raise ModelSourceError(
@@ -171,13 +176,13 @@ def import_gguf(gguf: Path, name: str | None = None) -> ModelSource:
     target = cache_root() / "models" / f"{gguf.stem}-{file_key(gguf)}"
     if not (target / "config.json").exists():
         log.warning("importing %s's config and tokenizer into %s (once; later runs reuse it)", gguf.name, target)
-        _write_once(target, lambda tmp: _write_import(gguf, tmp))
+        write_once(target, lambda tmp: _write_import(gguf, tmp))
     if not (target / INDEX).exists():
-        _write_once(target / INDEX, lambda tmp: write_index(gguf, tmp), file=INDEX)
+        write_once(target / INDEX, lambda tmp: write_index(gguf, tmp), file=INDEX)
     return ModelSource(name=name, path=target, gguf=gguf)
 
 
-def _write_once(target: Path, write, file: str | None = None) -> None:
+def write_once(target: Path, write, file: str | None = None) -> None:
     """Run ``write(tmp_dir)`` and move its result to ``target`` (a directory, or ``file`` inside
     the temporary directory): readers never see a half-written import, and of two processes
     importing at once one wins."""
@@ -234,7 +239,7 @@ def _dequantized_import(gguf: Path, target: Path) -> None:
             lines = child.stderr.strip().splitlines() or [f"exit status {child.returncode}"]
             raise ModelSourceError(f"{gguf}: cannot write its float32 copy ({lines[-1]})")
 
-    _write_once(target / "model.safetensors", write, file="model.safetensors")
+    write_once(target / "model.safetensors", write, file="model.safetensors")
 
 
 def write_dequantized(gguf: str, out: str) -> int:
@@ -255,6 +260,16 @@ def write_dequantized(gguf: str, out: str) -> int:
         state.pop("lm_head.weight", None)  # shares storage with the embedding
     save_file(state, str(Path(out) / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
     return 0
+
+
+def quantized_model(spec: str, kind: str | None) -> str:
+    """``--model spec --quantize kind``: the directory of ``spec``'s weights in ``kind``'s blocks,
+    made once in the cache (:mod:`hpipe.model.quantize`); ``spec`` itself without ``kind``."""
+    if not kind:
+        return spec
+    from hpipe.model.quantize import quantized_dir
+
+    return str(quantized_dir(resolve_model(spec), kind))
 
 
 def model_shape(spec: str) -> tuple[str, ModelConfig]:

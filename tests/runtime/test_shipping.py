@@ -1,6 +1,7 @@
 """Weights travel from the coordinator to daemons without the model's files (runtime.coordinator.ship,
 runtime.daemon.weights_cache): the same tokens, only each daemon's units, nothing twice, faults mended."""
 
+import json
 import os
 
 import grpc
@@ -178,5 +179,29 @@ def test_a_new_plan_moves_only_the_units_that_changed_hands(bare, smollm2):
         for t, new, old in zip(pipe.transfers, pipe.stages, [stages[0], stages[2]]):
             moved = {h: n for h, n in nbytes([new.units]).items() if h not in nbytes([old.units])}
             assert moved and t.sent_bytes == sum(moved.values())
+    finally:
+        pipe.close()
+
+
+def test_a_model_quantized_here_is_shipped_as_its_blocks(bare, tiny_chat_model, tmp_path):
+    """--quantize makes a directory of blocks in this machine's cache; bare daemons are sent them."""
+    import shutil
+
+    from hpipe.model.sources import quantized_model, resolve_model
+
+    made = quantized_model(str(tiny_chat_model), "q8_0")
+    q = resolve_model(str(shutil.copytree(made, tmp_path / "elsewhere")))  # where these daemons may not read
+    local = generate(LocalModel(q).open, q.tokenizer(), PROMPT, context=q.config.max_position_embeddings,
+                     eos_ids=[], chat=False, max_new_tokens=MAX_NEW).token_ids
+    spec = ClusterSpec("bare", tuple(DaemonSpec.at(d.name, d.address) for d in bare[:2]))
+    pipe = Pipeline(spec)
+    try:
+        pipe.load(str(q.path), cut_stages(spec, [3], q.config.num_units), torch.float32)
+        assert all(t.sent_bytes > 0 for t in pipe.transfers)
+        assert sum(t.sent_bytes for t in pipe.transfers) <= q.gguf.stat().st_size * 1.01 + \
+            json.loads((q.path / "tensors.json").read_text())["tensors"]["model.embed_tokens.weight"]["bytes"]
+        got = generate_on_cluster(pipe, q, q.tokenizer(), PROMPT, chat=False, max_new_tokens=MAX_NEW,
+                                  sampling=SamplingParams(), slices=None).token_ids
+        assert got == local
     finally:
         pipe.close()
