@@ -14,6 +14,7 @@ import sys
 from dataclasses import fields
 from typing import NoReturn, Sequence
 
+from hpipe import __version__
 from hpipe.app import commands
 from hpipe.core.cluster import DaemonOptions, option_flag
 from hpipe.core.errors import HpipeError
@@ -251,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="hpipe", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output on stderr")
+    parser.add_argument("--version", action="version", version=f"hpipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
 
@@ -260,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print a systemd unit that runs this daemon and restarts it when it fails, then exit")
     dm.set_defaults(func=commands.daemon)
 
-    cl = sub.add_parser("cluster", help="start, stop or inspect the local daemons of a cluster file")
+    cl = sub.add_parser("cluster", help="start, stop or inspect the daemons of a cluster file (here, or over SSH)")
     cl.add_argument("action", choices=["up", "down", "status", "supervise"],
                     help="supervise: what `up` starts in the background to restart daemons that die")
     cl.add_argument("file")

@@ -213,6 +213,9 @@ class DaemonSpec(DaemonOptions):
     """A daemon as a cluster file lists it: its options, plus emulation and what-if settings."""
 
     emulate: dict = field(default_factory=dict, hash=False, compare=False)
+    #: how ``hpipe cluster up`` reaches its machine (runtime.cluster.remote): to (user@host), port, key,
+    #: known_hosts, hpipe (the command that runs hpipe there); empty: a daemon of this machine
+    ssh: dict = field(default_factory=dict, hash=False, compare=False)
     #: published specs for what-if planning: peak_tflops, mem_bw_gbs, memory, efficiency, overhead_us
     spec: dict = field(default_factory=dict, hash=False, compare=False)
 
@@ -259,6 +262,18 @@ def _spec(who: str, spec) -> dict:
     if not isinstance(spec, dict) or any(k not in spec for k in need):
         raise HpipeError(f"{who}: spec needs {', '.join(need)}")
     return {**spec, "memory": parse_size(spec["memory"])}
+
+
+def _ssh(who: str, ssh, rel) -> dict:
+    """``ssh: user@host`` or ``ssh: {to: user@host, port, key, known_hosts, hpipe}`` (paths relative
+    to the cluster file)."""
+    if not ssh:
+        return {}
+    ssh = {"to": ssh} if isinstance(ssh, str) else ssh
+    if not isinstance(ssh, dict) or not re.fullmatch(r"[^@\s]+@[^@\s]+", str(ssh.get("to", ""))) or \
+            set(ssh) - {"to", "port", "key", "known_hosts", "hpipe"}:
+        raise HpipeError(f"{who}: ssh is user@host, or {{to: user@host, port, key, known_hosts, hpipe}}")
+    return {**ssh, **{k: str(rel(ssh[k])) for k in ("key", "known_hosts") if ssh.get(k)}}
 
 
 def bundled_clusters() -> dict[str, Path]:
@@ -334,7 +349,7 @@ class ClusterSpec:
                 raise HpipeError(f"{who} needs at least an address (host:port)")
             d = dict(d)
             host, port = split_address(str(d.pop("address")), who)
-            emulate, spec = d.pop("emulate", None) or {}, d.pop("spec", None)
+            emulate, spec, ssh = d.pop("emulate", None) or {}, d.pop("spec", None), _ssh(who, d.pop("ssh", None), rel)
             if not isinstance(emulate, dict):
                 raise HpipeError(f"{who}: emulate must be a mapping")
             for key in ("tls_cert", "tls_key"):
@@ -346,7 +361,7 @@ class ClusterSpec:
                 d["model_dirs"] = raw["model_dirs"]
             options = DaemonOptions.from_values({"name": f"d{i}", **d, "host": host, "port": port}, who)
             daemons.append(DaemonSpec(**{**vars(options), "token_file": token_file, "tls_ca": tls_ca},
-                                      emulate=emulate, spec=_spec(who, spec)))
+                                      emulate=emulate, spec=_spec(who, spec), ssh=ssh))
         return cls(name=str(raw.get("name", path.stem)), daemons=tuple(daemons), path=path.resolve(),
                    token_file=token_file, tls_ca=tls_ca, links=dict(raw.get("links") or {}))
 

@@ -39,10 +39,11 @@ def up(cluster: ClusterSpec, timeout_s: float = 180.0, restart: bool = True) -> 
     ``restart``, a supervisor process (:mod:`runtime.cluster.supervisor`) then restarts any that dies."""
     from runtime.cluster import emulate
 
-    remote = [d.name for d in cluster.daemons if not (d.is_local or emulate.in_emulated_net(d.host))]
+    remote = [d.name for d in cluster.daemons if not (d.is_local or d.ssh or emulate.in_emulated_net(d.host))]
     if remote:
-        raise HpipeError(f"cluster up starts local daemons only; start {', '.join(remote)} on their machines "
-                         "with `hpipe daemon` (`hpipe daemon --print-systemd-unit` writes a unit that restarts it)")
+        raise HpipeError(f"cluster up starts daemons on this machine, or over SSH where an entry says how (ssh: "
+                         f"user@host); start {', '.join(remote)} on their machines with `hpipe daemon` (`hpipe daemon "
+                         "--print-systemd-unit` writes a unit that restarts it), or give them ssh:")
     security = Security.of(cluster)
     sdir = state_dir(cluster)
     emu = emulation(cluster, sdir)
@@ -60,6 +61,9 @@ def up(cluster: ClusterSpec, timeout_s: float = 180.0, restart: bool = True) -> 
             client.close()
             continue
         client.close()
+        if d.ssh:
+            status[d.name] = _start_remote(cluster, d, security, timeout_s)
+            continue
         started[d.name] = spawn(d, sdir, emu)
     try:
         for name, proc in started.items():
@@ -101,6 +105,9 @@ def down(cluster: ClusterSpec, timeout_s: float = 15.0) -> dict[str, str]:
             os.kill(sup, signal.SIGKILL)
         status["supervisor"] = f"stopped (pid {sup})"
     for d in cluster.daemons:
+        if d.ssh:
+            status[d.name] = _stop_remote(cluster, d)
+            continue
         pidf = sdir / f"{d.name}.pid"
         if not pidf.exists():
             status[d.name] = "not started by hpipe"
@@ -126,6 +133,40 @@ def down(cluster: ClusterSpec, timeout_s: float = 15.0) -> dict[str, str]:
     for item in Emulation(cluster, sdir).teardown():
         status[f"emulation {item}"] = "removed"
     return status
+
+
+def _start_remote(cluster: ClusterSpec, d, security: Security, timeout_s: float) -> str:
+    """Start daemon ``d`` on its machine over SSH (:mod:`runtime.cluster.remote`); wait until healthy."""
+    from runtime.cluster.remote import Remote
+
+    remote = Remote(d, cluster.name)
+    client = DaemonClient(d.address, security, d.name)
+    try:
+        remote.check_version()
+        how = remote.start(cluster.token_file)
+        deadline = time.monotonic() + timeout_s
+        while not client.health(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise HpipeError(f"daemon {d.name} ({d.address}) not healthy after {timeout_s:.0f}s; its log on "
+                                 f"{remote.to}:\n{remote.log_tail()}")
+            time.sleep(0.3)
+        return how
+    finally:
+        client.close()
+        remote.close()
+
+
+def _stop_remote(cluster: ClusterSpec, d) -> str:
+    from runtime.cluster.remote import Remote
+
+    try:
+        remote = Remote(d, cluster.name)
+    except HpipeError as e:
+        return str(e)
+    try:
+        return remote.stop()
+    finally:
+        remote.close()
 
 
 def status(cluster: ClusterSpec) -> list[dict]:

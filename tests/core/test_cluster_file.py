@@ -80,3 +80,19 @@ def test_bundled_clusters_are_found_by_name():
     assert ClusterSpec.load("local-3").daemons == ClusterSpec.load("clusters/local-3.yaml").daemons
     with pytest.raises(HpipeError, match="bundled clusters: "):
         ClusterSpec.load("no-such-cluster")
+
+
+def test_ssh_entries(tmp_path):
+    (tmp_path / "c.yaml").write_text(
+        "name: s\ndaemons:\n"
+        "  - {name: a, address: '10.0.0.1:5000', ssh: me@10.0.0.1}\n"
+        "  - {name: b, address: '10.0.0.2:5000', ssh: {to: me@10.0.0.2, port: 2222, key: k, hpipe: /v/bin/hpipe}}\n"
+        "  - {name: c, address: '127.0.0.1:5000'}\n")
+    a, b, c = ClusterSpec.load(tmp_path / "c.yaml").daemons
+    assert a.ssh == {"to": "me@10.0.0.1"} and c.ssh == {}
+    assert b.ssh == {"to": "me@10.0.0.2", "port": 2222, "key": str(tmp_path / "k"), "hpipe": "/v/bin/hpipe"}
+    assert "--ssh" not in " ".join(b.options().argv())  # how to reach it is the launcher's, not the daemon's
+    for bad in ("10.0.0.1", "{to: me@h, password: x}", "{port: 22}"):
+        (tmp_path / "c.yaml").write_text(f"name: s\ndaemons:\n  - {{name: a, address: '10.0.0.1:5000', ssh: {bad}}}\n")
+        with pytest.raises(HpipeError, match="ssh is user@host"):
+            ClusterSpec.load(tmp_path / "c.yaml")
