@@ -2,37 +2,58 @@
 
 Each host is a network namespace of this machine (as clusters/emulated-hetero.yaml makes them)
 running Debian's sshd with a host key and a user key made here. `cluster up` logs in with the
-key, checks the remote hpipe's version, copies the token and starts the daemon there; the plan's
-deploy sends each one its units' weights (it has no model file and an empty cache); the answer is
-single-process generation's; `cluster down` stops them. Needs root, iproute2 and sshd (CI
+key, checks the remote hpipe's version, copies the token and starts the daemon there; the job's
+deploy sends each one its units' weights (it has no model file and an empty cache); `hpipe run`'s
+job of 8 documents answers each as single-process generation does; `cluster down` stops them. Needs root, iproute2 and sshd (CI
 installs openssh-server); skipped where any is missing.
 """
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from importlib.resources import files
 
 import pytest
-import torch
 
+from hpipe.app.jobs import JobConfig, build_prompt, prompt_limit, run_job
 from hpipe.core.cluster import ClusterSpec
+from hpipe.core.plan import Plan, StrategyPlan, stages_from_cuts
 from hpipe.model import cpu_kernel
-from hpipe.model.generate import LocalModel, generate
-from hpipe.model.sampling import SamplingParams
+from hpipe.model.generate import LocalModel, generate_ids
 from runtime.cluster import emulate, launcher
 from runtime.cluster.emulate import Emulation
 from runtime.cluster.emulate.net import names
 from runtime.cluster.processes import state_dir
-from runtime.coordinator.pipeline import Pipeline, cut_stages, generate_on_cluster
 from runtime.wire.channels import DaemonClient, Security
 from tests.cluster_helpers import discard_state
 
 SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
 UNAVAILABLE = emulate.unavailable() or (None if SSHD else "needs sshd (apt-get install openssh-server)")
-HOSTS = {"h1": "198.18.0.41", "h2": "198.18.0.42"}
-PROMPT = "Name three colours of the rainbow."
+HOSTS = {"h1": "198.18.0.41", "h2": "198.18.0.42", "h3": "198.18.0.43"}
+INSTRUCTION = "Summarize this report in one sentence."
+NEW_TOKENS = 12
+
+
+def _even_plan(model: str, cfg, cluster: ClusterSpec) -> Plan:
+    """A plan without a profile: the units split evenly over the hosts, prompts sliced in two."""
+    n = len(cluster.daemons)
+    stages = stages_from_cuts([(d.name, d.address) for d in cluster.daemons],
+                              [cfg.num_units * i // n for i in range(1, n)], cfg.num_units)
+    return Plan(model, cfg, "float32", 1, 256, 1024, 16, "even",
+                {"even": StrategyPlan("even", tuple(stages), 1, (128, 128), 0.0)}, {})
+
+
+def _documents(folder, count: int) -> list:
+    paragraphs = [p for p in files("hpipe").joinpath("data/sample_report.md").read_text().split("\n\n") if p.strip()]
+    out = []
+    for i in range(count):
+        path = folder / f"doc{i}.md"
+        path.write_text("\n\n".join(paragraphs[(i + k) % len(paragraphs)] for k in range(1 + i % 3)))
+        out.append(path)
+    return out
 
 
 def _keys(tmp_path):
@@ -82,17 +103,22 @@ def test_cluster_up_over_ssh_on_bare_hosts(tmp_path, smollm2):
         assert all("started on root@" in status[n] for n in HOSTS), status
         assert "already running" in launcher.up(cluster)["h1"]  # a second up leaves them be
 
-        reference = generate(LocalModel(smollm2).open, smollm2.tokenizer(), PROMPT, chat=True, max_new_tokens=8,
-                             context=smollm2.config.max_position_embeddings, eos_ids=smollm2.eos_token_ids()).token_ids
-        pipe = Pipeline(cluster)
-        try:
-            pipe.load(str(model), cut_stages(cluster, [30], smollm2.config.num_units), torch.float32)
-            assert all(t.sent_bytes > 0 for t in pipe.transfers), [t.describe() for t in pipe.transfers]
-            got = generate_on_cluster(pipe, smollm2, smollm2.tokenizer(), PROMPT, chat=True, max_new_tokens=8,
-                                      sampling=SamplingParams(), slices=None).token_ids
-            assert got == reference
-        finally:
-            pipe.close()
+        plan = _even_plan(str(model), smollm2.config, cluster)
+        docs = _documents(tmp_path, 8)
+        out = tmp_path / "answers.jsonl"
+        summary = run_job(plan, cluster, smollm2, [str(d) for d in docs], out,
+                          JobConfig(instruction=INSTRUCTION, chat=True, max_new_tokens=NEW_TOKENS))
+        assert not summary["failed"], summary
+        rows = {r["document"]: r for r in map(json.loads, out.read_text().splitlines())}
+        tok, local = smollm2.tokenizer(), LocalModel(smollm2)
+        for d in docs:  # every answer is single-process generation's
+            ids, _ = build_prompt(tok, INSTRUCTION, d.read_text(), True, prompt_limit(plan), "none")
+            ref = generate_ids(local.open, tok, ids, context=smollm2.config.max_position_embeddings,
+                               eos_ids=smollm2.eos_token_ids(), max_new_tokens=NEW_TOKENS)
+            assert rows[str(d)]["token_ids"] == ref.token_ids, d.name
+        for name in HOSTS:  # each host's cache holds its units' tensors only, sent to it
+            held = sum(p.stat().st_size for p in (tmp_path / f"weights-{name}").iterdir() if p.is_file())
+            assert 0 < held < 0.6 * model.stat().st_size, (name, held)
         down = launcher.down(cluster)
         assert all("stopped on root@" in down[n] for n in HOSTS), down
         for d in cluster.daemons:
