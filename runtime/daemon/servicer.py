@@ -128,7 +128,6 @@ class StageServicer(pb_grpc.StageServiceServicer):
         return pb.ResumeReply(progress=[pb.Progress(sequence_id=i, stage=st, computed=c, logged=g)
                                         for i, st, c, g in progress])
 
-
     @handled
     def HeldTensors(self, request, context):
         local = self.server.reads_locally(request.model, request.file_key)
