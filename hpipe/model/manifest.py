@@ -60,10 +60,6 @@ class TensorEntry:
     nbytes: int
     hash: str
 
-    def to_dict(self) -> dict:
-        return {"name": self.name, "type": self.type, "shape": list(self.shape), "offset": self.offset,
-                "bytes": self.nbytes, "hash": self.hash}
-
 
 @dataclass(frozen=True)
 class Manifest:

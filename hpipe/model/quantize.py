@@ -26,7 +26,6 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from hpipe.core.errors import InputError, ModelSourceError
 from hpipe.core.paths import cache_root
@@ -86,15 +85,12 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
 
 
 def _model_key(model_dir: Path) -> str:
-    """Identity of a checkpoint: its config and each weight file's name, size and edges."""
+    """Identity of a checkpoint: its config and each weight file's name and identity."""
+    from hpipe.model.sources import file_key
+
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     for f in sorted(model_dir.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with f.open("rb") as fh:
-            h.update(fh.read(1 << 20))
-            fh.seek(max(0, size - (1 << 20)))
-            h.update(fh.read(1 << 20))
+        h.update(f"{f.name}:{file_key(f)}".encode())
     return h.hexdigest()[:16]
 
 
@@ -141,11 +137,3 @@ def _write(source, ggml_type: int, out: Path) -> None:
 
 def is_quantized_dir(path: Path) -> bool:
     return (path / BLOCKS).exists() and (path / "tensors.json").exists()
-
-
-def dequantized(data: bytes, ggml_type: int, shape) -> torch.Tensor:
-    """The float32 values of ``data`` (for tests and checks), by the gguf package."""
-    from gguf import GGMLQuantizationType, quants
-
-    arr = np.frombuffer(data, dtype=np.uint8).reshape(shape[0], -1)
-    return torch.from_numpy(quants.dequantize(arr, GGMLQuantizationType(ggml_type)).copy()).reshape(shape)

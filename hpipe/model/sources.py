@@ -156,7 +156,7 @@ def _assembled(name: str, package: str, fname: str) -> Path:
 
 
 def file_key(path: Path) -> str:
-    """Identity of a GGUF file: its size and a hash of its first and last MiB."""
+    """Identity of a model file: its size and a hash of its first and last MiB."""
     h = hashlib.sha256()
     size = path.stat().st_size
     h.update(str(size).encode())

@@ -111,9 +111,6 @@ class WeightsCache:
         with self._lock:
             self._pinned = set(hashes)
 
-    def nbytes(self) -> int:
-        return sum(p.stat().st_size for p in self.root.iterdir() if p.is_file())
-
     def _make_room(self, incoming: int) -> None:
         if self.budget is None:
             return
