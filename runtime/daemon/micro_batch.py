@@ -3,7 +3,9 @@
 Every entry's sequence is looked up again here: one that failed or closed since its layout, or
 that a new session took over (``Resume``), is computed as a dead row (no cache read or written),
 so its blocks, freed on this same thread, are never touched after they are given back; so is an
-entry whose earlier positions this stage never computed. A compute error fails the micro-batch's
+entry whose earlier positions this stage never computed. A dead row always travels with a failure
+naming its sequence: the stages after this one do not write their caches from it, and the
+coordinator does not sample it. A compute error fails the micro-batch's
 sequences, and zeros of the right shape go on in its place, so the stages after it and the
 coordinator still see the micro-batch complete, with the failures named.
 """
@@ -46,6 +48,11 @@ class MicroBatches:
             seq = self.sequences.find(e.sequence_id)
             if seq is not None and seq.session != layout.session:
                 seq = None  # taken over by a recovering coordinator's new session
+            if seq is None and e.sequence_id not in failures:
+                # closed (or taken over) since its layout: its row is computed dead, and says so, so no
+                # stage after this one writes its cache from the row and nobody samples its logits
+                failures[e.sequence_id] = pb.Failure(sequence_id=e.sequence_id, code="NOT_FOUND", message=(
+                    f"stage {stage.index}: sequence {e.sequence_id} was closed before this micro-batch was computed"))
             if seq is not None and seq.error:
                 failures.setdefault(e.sequence_id, pb.Failure(sequence_id=e.sequence_id, code=seq.code or "ABORTED",
                                                               message=seq.error))

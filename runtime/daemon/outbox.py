@@ -35,6 +35,7 @@ class Outbox:
         self._links: dict[tuple[str, int], Connection] = {}  # successor's data address -> connection
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
+        self._closed = threading.Event()  # set first when the daemon shuts down: nothing more leaves
         self._thread = threading.Thread(target=self._loop, name="stage-sender", daemon=True)
         self._thread.start()
 
@@ -62,6 +63,9 @@ class Outbox:
         self._queue.put((stage, act, None, layout))
 
     def close(self) -> None:
+        """Send nothing more: what is queued or still being computed is dropped, not passed on (a
+        daemon shutting down frees its sequences, and their rows are no stage's input)."""
+        self._closed.set()
         self._queue.put(_STOP)
         with self._lock:
             conns = [*self._links.values(), *self._sessions.values()]
@@ -78,7 +82,7 @@ class Outbox:
     def _loop(self) -> None:
         while True:
             item = self._queue.get()
-            if item is _STOP:
+            if item is _STOP or self._closed.is_set():
                 return
             stage, act, payload, layout = item
             t0 = time.perf_counter()

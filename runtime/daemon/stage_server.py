@@ -347,8 +347,8 @@ class StageServer:
     def shutdown(self) -> None:
         self._stopping.set()
         self.data.stop()
+        self.outbox.close()  # first: rows computed after the sequences are freed below must not leave
+        self.worker.stop()
         for seq_id in self.sequences.ids():
             self._free(seq_id)
-        self.worker.stop()
-        self.outbox.close()
 

@@ -224,6 +224,27 @@ def test_idle_sequence_is_freed(daemon, tiny_dirs):
     assert c.call("Status", pb.StatusRequest()).kv_bytes == 0
 
 
+def test_a_sequence_closed_before_its_micro_batch_is_computed_fails_it_rather_than_sending_its_row(daemon, tiny_dirs):
+    """Its layout found the sequence, then a close freed it: the micro-batch computes its row dead
+    and names it failed, so no later stage writes its cache from that row and nobody samples it
+    (a daemon shutting down frees its sequences under micro-batches still queued alike)."""
+    c = daemon.client()
+    load(c, tiny_dirs["llama"], 0, 8)
+    co = Coordinator(daemon)
+    co.send([entry(3, 0, 2, max_len=32), entry(4, 0, 2, max_len=32)], torch.tensor([1, 2, 5, 6]), stage=0)
+    _, _, failed = co.result(384)
+    assert not failed
+    co.conn.send(pb.Frame(layout=pb.MicroBatch(id=co.next, entries=[entry(3, 2, 1), entry(4, 2, 1)])))
+    co.conn.send(pb.Frame(close=pb.CloseSequences(sequence_ids=[3])))  # in order: after the layout, before the data
+    data = torch.tensor([7, 8])
+    co.conn.send(pb.Frame(activation=pb.Activation(session=co.session, micro_batch=co.next, stage=0,
+                                                   payload_bytes=data.numel() * data.element_size())), data)
+    _, logits, failed = co.result(384)
+    assert set(failed) == {3} and failed[3][0] == "NOT_FOUND", failed
+    assert logits.shape[0] == 2 and torch.isfinite(logits[1]).all()  # the other sequence is computed
+    co.close()
+
+
 def test_token_required(tiny_dirs):
     d = Served(token="s3cret")
     try:
