@@ -28,24 +28,36 @@ import math
 
 from runtime.coordinator.engine import Engine, Planned, Request
 
+#: prompt tokens left to prefill (a question about a cached document, a short chat turn) that ride
+#: in a micro-batch without long chunks, shortest first (gllm): a daemon's worker runs the fewest
+#: tokens first (runtime.daemon.worker), so such a prompt's first token does not wait for other
+#: documents' prefill on every stage
+SHORT_PROMPT = 64
+
 
 def _prefill(engine: Engine, budget: int, planned: list[Planned], shortest_first: bool) -> None:
     """Prefill chunks into ``planned``, up to ``budget`` tokens, from requests prefilling and then
     waiting ones (admitted as they get their first chunk), oldest first; or, ``shortest_first``,
     the fewest prompt tokens left first, so a short request is never stuck behind a long document's
-    prefill (head-of-line blocking). A lone prompt with nothing else to do takes its plan slices
+    prefill (head-of-line blocking), and a micro-batch with a short one (``SHORT_PROMPT``) takes no
+    long chunk. A lone prompt with nothing else to do takes its plan slices
     whole, whatever the budget: HPipe's pipelined prefill."""
     busy = {id(p.request) for p in planned}
     running = sorted((r for r in engine.running if r.prefilling and r.ready and id(r) not in busy),
                      key=lambda r: r.arrival_s)
     candidates = running + list(engine.waiting)
-    if shortest_first:
-        candidates.sort(key=lambda r: r.waiting_tokens)  # stable: the oldest first among equals
+    if shortest_first:  # stable: the oldest first among equals; a waiting one by what is not cached
+        left = {id(r): engine.cache.uncached(r) for r in engine.waiting} if engine.cache is not None else {}
+        candidates.sort(key=lambda r: left.get(id(r), r.waiting_tokens))
+    else:
+        left = {}
     lone = len(candidates) == 1 and not planned
-    admitting = True
+    admitting, short = True, False
     for r in candidates:
         if budget <= 0:
             return
+        if short and left.get(id(r), r.waiting_tokens) > SHORT_PROMPT:
+            return  # a short prompt's micro-batch stays small: daemons run small ones first
         if r in engine.waiting:
             if not admitting:
                 continue
@@ -57,6 +69,7 @@ def _prefill(engine: Engine, budget: int, planned: list[Planned], shortest_first
         n = r.next_chunk() if lone else min(r.next_chunk(), budget)
         planned.append(Planned(r, n))
         budget -= n
+        short = short or (shortest_first and r.waiting_tokens <= SHORT_PROMPT)  # (admitted: what is not cached)
 
 
 def _decoding(engine: Engine) -> list[Request]:

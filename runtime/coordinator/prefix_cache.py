@@ -180,15 +180,22 @@ class PrefixCache:
             r.hit, r.claimed, r.filled = [], [], 0
 
     # --- a request's life -------------------------------------------------------------------
+    def _names(self, r: Request) -> list[int]:
+        if r.block_names is None or r.block_names[0] is not r.prefix:  # named once per prefix
+            # at least one token is computed: its logits give the next
+            r.block_names = (r.prefix, self.names(r.prefix[:-1]))
+        return r.block_names[1]
+
+    def uncached(self, r: Request) -> int:
+        """The tokens ``r`` (waiting) would prefill if it were admitted now."""
+        return len(r.prefix) - self.lookup(self._names(r))[0] * self.block_size
+
     def admit(self, r: Request) -> tuple[bool, list[int]]:
         """Decide ``r``'s hit as it is admitted: it begins with the cached blocks of its prefix
         (its prefill starts after them) and claims the rest of its full blocks, which every stage
         keeps as they are filled. (False, []) when another request is filling its next block: it
         waits for that (``r.deferred``). Else (True, the names evicted to make its claims)."""
-        if r.block_names is None or r.block_names[0] is not r.prefix:  # named once per prefix
-            # at least one token is computed: its logits give the next
-            r.block_names = (r.prefix, self.names(r.prefix[:-1]))
-        names = r.block_names[1]
+        names = self._names(r)
         hit, pending = self.lookup(names)
         r.deferred = pending
         if pending:

@@ -87,7 +87,7 @@ class StageServer:
         self.layouts = Layouts(lambda: self.stages, self.sequences, self.replay_log, self.outbox, self._stopping,
                                self.prefixes)
         self.worker = Worker(MicroBatches(self.sequences, self.io, self.outbox, self.stats, self.layouts),
-                             on_worker_start)
+                             on_worker_start, shape=_shape)
         self.data = DataServer(host, token, self._serve_connection, tls_server, port=data_port,
                                admit=self.owners.claim)
         self._reaper = threading.Thread(target=self._reap_loop, name="stage-reaper", daemon=True)
@@ -352,3 +352,8 @@ class StageServer:
         for seq_id in self.sequences.ids():
             self._free(seq_id)
 
+
+def _shape(item: tuple) -> tuple[int, frozenset]:
+    """A queued micro-batch's tokens and sequences (the worker runs small ones first)."""
+    layout = item[1]
+    return layout.tokens, frozenset(e.sequence_id for e in layout.entries)

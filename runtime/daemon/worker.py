@@ -1,15 +1,23 @@
-"""A daemon's device worker: one thread that runs every micro-batch and every device call in
-order, so model work never overlaps and an idle daemon uses no CPU.
+"""A daemon's device worker: one thread that runs every micro-batch and every device call, so
+model work never overlaps and an idle daemon uses no CPU.
 
 Micro-batches are handed to ``compute``; functions queued with :meth:`Worker.call` (loads,
-profiling, a session's take-over) run between them, on the same thread and under the same limits.
+profiling, a session's take-over) run between them, on the same thread and under the same limits,
+after everything queued before them and before anything queued after.
+
+Small first. Among the micro-batches waiting, the one with the fewest tokens runs next, if no
+micro-batch queued before it names one of its sequences (a sequence's positions are computed in
+order). A question about a cached document, or a decode step, queued behind long prefill chunks
+of other documents would wait for every one of them on every stage it passes; taken first, it
+waits at most for the chunk being computed (``docs/decisions/prefix-cache.md``). Total work is the
+same; a micro-batch passed over ``MAX_PASSED`` times runs next, so none waits for good.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+from collections import deque
 from typing import Callable
 
 from hpipe.core.errors import StatusError
@@ -17,6 +25,9 @@ from hpipe.core.errors import StatusError
 log = logging.getLogger(__name__)
 
 _STOP = object()
+
+#: how many later, smaller micro-batches may run before a waiting one
+MAX_PASSED = 4
 
 
 class _Call:
@@ -36,21 +47,25 @@ class _Call:
 
 
 class Worker:
-    def __init__(self, compute: Callable[..., None], on_start: Callable[[], None] | None = None):
-        self._compute, self._on_start = compute, on_start
-        self._queue: queue.Queue = queue.Queue()
+    def __init__(self, compute: Callable[..., None], on_start: Callable[[], None] | None = None,
+                 shape: Callable[[tuple], tuple[int, frozenset]] | None = None):
+        """``shape``: a micro-batch's (tokens, sequence ids), for small first; None: in order."""
+        self._compute, self._on_start, self._shape = compute, on_start, shape
+        self._queue: deque = deque()  # [item, its shape, times passed over]
+        self._ready = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="stage-worker", daemon=True)
         self.thread.start()
 
     def put(self, item: tuple) -> None:
-        """Queue a micro-batch: ``compute(*item)`` runs after everything queued before it."""
-        self._queue.put(item)
+        """Queue a micro-batch: ``compute(*item)`` runs after every queued micro-batch that names
+        one of its sequences, and after every call queued before it."""
+        self._put([item, self._shape(item) if self._shape else None, 0])
 
     def call(self, fn: Callable[[], object], timeout_s: float | None = None):
         """Run ``fn`` on the worker thread, between micro-batches, and return its result (or raise
         its error); ``DEADLINE_EXCEEDED`` if it has not run within ``timeout_s``."""
         done = _Call(fn)
-        self._queue.put(done)
+        self._put([done, None, 0])
         if not done.event.wait(timeout_s):
             raise StatusError("DEADLINE_EXCEEDED", "the device did not get to the request in time")
         if done.error is not None:
@@ -58,13 +73,39 @@ class Worker:
         return done.result
 
     def stop(self) -> None:
-        self._queue.put(_STOP)
+        self._put([_STOP, None, 0])
+
+    def _put(self, entry: list) -> None:
+        with self._ready:
+            self._queue.append(entry)
+            self._ready.notify()
+
+    def _next(self):
+        """The next thing to run (blocks: an idle daemon uses no CPU)."""
+        with self._ready:
+            while not self._queue:
+                self._ready.wait()
+            q = self._queue
+            pick, named = 0, set()
+            if q[0][1] is not None and q[0][2] < MAX_PASSED:
+                for i, (_, shape, _) in enumerate(q):
+                    if shape is None:  # a call or the stop: nothing after it goes before it
+                        break
+                    tokens, seqs = shape
+                    if tokens < q[pick][1][0] and not (seqs & named):
+                        pick = i
+                    named |= seqs
+            for entry in list(q)[:pick]:
+                entry[2] += 1
+            item = q[pick][0]
+            del q[pick]
+            return item
 
     def _loop(self) -> None:
         if self._on_start:
             self._on_start()
         while True:
-            item = self._queue.get()  # blocks: an idle daemon uses no CPU
+            item = self._next()
             if item is _STOP:
                 return
             if isinstance(item, _Call):

@@ -66,3 +66,42 @@ def test_a_decode_lane_is_a_memory_system_or_a_pinned_cpu_daemon():
     assert decode_lane("g0", "boot-1", "cuda:0", 1, 16) == decode_lane("g0b", "boot-1", "cuda:0", 1, 16)
     # other machines: other lanes
     assert decode_lane("a", "boot-1", "cpu") != decode_lane("a", "boot-2", "cpu")
+
+
+class Admitting(Engine):
+    """A stand-in that admits as the engine does, with a prefix cache."""
+
+    def __init__(self, cache):
+        super().__init__([], lanes=1)
+        self.cache = cache
+
+    def admit(self, r: Request) -> bool:
+        admitted, _ = self.cache.admit(r)
+        if admitted:
+            self.waiting.remove(r)
+            self.running.append(r)
+        return admitted
+
+
+def test_a_question_about_a_cached_document_goes_first_in_a_micro_batch_of_its_own():
+    """Waiting: a long document, a medium one, and a question whose 640-token document is cached.
+    The question has the fewest tokens left to prefill (20, not its 660), so it goes first, and its
+    micro-batch takes no long chunk (the daemons run small micro-batches first); the documents
+    go in the next."""
+    from runtime.coordinator.prefix_cache import PrefixCache
+
+    cache = PrefixCache(16, budget=100)
+    doc = list(range(1, 641))
+    names = cache.names(doc)
+    cache.claim(names, 0)
+    cache.filled(names)
+    cache.release(names)  # cached, held by nobody
+    engine = Admitting(cache)
+    long_doc, medium = Request(list(range(1000, 3000)), 4), Request(list(range(5000, 5300)), 4)
+    question = Request(doc + [7] * 20, 4)
+    engine.waiting = [long_doc, medium, question]
+    first = GLLM().form(engine)
+    assert [(p.request, p.length) for p in first] == [(question, 20)]
+    assert question.begins_at == 640 and question.cached_tokens == 640
+    question.laid_out, question.in_flight = len(question.prefix), 1
+    assert [p.request for p in GLLM().form(engine)] == [medium, long_doc]
