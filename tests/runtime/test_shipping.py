@@ -205,3 +205,61 @@ def test_a_model_quantized_here_is_shipped_as_its_blocks(bare, tiny_chat_model, 
         assert got == local
     finally:
         pipe.close()
+
+
+def test_a_bare_daemon_lost_for_good_mid_job_its_units_alone_go_to_a_survivor(bare, smollm2):
+    """A job on three bare daemons; once answers flow, the middle one stops for good. The engine
+    waits out a short grace, moves its units to a survivor (the re-plan hpipe run makes when a
+    move costs little), and the weights sent are exactly the tensors of the moved units; every
+    answer is single-process generation's."""
+    import dataclasses
+    import random
+
+    from hpipe.model.generate import decode_loop
+    from hpipe.model.sampling import Sampler
+    from runtime.coordinator.engine import Engine
+    from runtime.coordinator.policies import POLICIES
+    from runtime.coordinator.recovery import Redeploy
+    from runtime.coordinator.request import Request
+
+    pipe, stages = deploy(bare, smollm2)
+    cfg, man = smollm2.config, manifest(smollm2.gguf, smollm2.path)
+    gen = random.Random(3)
+    prompts = [[gen.randrange(1, cfg.vocab_size) for _ in range(gen.randrange(40, 120))] for _ in range(8)]
+    moved = []
+
+    def replan(alive, old):  # the lost daemon's units to the first stage's daemon, every cut kept
+        assert alive == [bare[0].name, bare[2].name]
+        new = [dataclasses.replace(s, daemon=bare[0].name, address=bare[0].address) if s.daemon == bare[1].name
+               else s for s in old]
+        moved.append(new)
+        return new
+
+    class LosesB(POLICIES["gllm"]):
+        def form(self, engine):
+            if not moved and any(r.tokens for r in engine.running):
+                bare[1].stop()
+                moved.append(None)
+            return super().form(engine)
+
+    try:
+        redeploy = Redeploy(pipe, str(smollm2.gguf), stages, torch.float32, grace_s=1.0, replan=replan)
+        engine = Engine(pipe.session(), LosesB(), depth=3, recover=redeploy)
+        requests = [engine.add(Request(p, 6)) for p in prompts]
+        engine.run()
+        assert engine.recoveries == 1 and redeploy.events[0]["action"].startswith("moved units"), redeploy.events
+        assert all(not r.error for r in requests), [r.error for r in requests if r.error]
+        model = LocalModel(smollm2)
+        ref = [decode_loop(model.open(len(p) + 6), p, max_new_tokens=6, sampler=Sampler(), eos_ids=[],
+                           slices=[len(p)])[0] for p in prompts]
+        assert [r.tokens for r in requests] == ref
+        # the survivor that took over received the lost stage's tensors it did not hold, nothing else
+        by = {t.daemon: t for t in pipe.transfers}
+        taker, other = by[bare[0].name], by[bare[2].name]
+        held = {e.hash for e in man.entries(tensors_of(cfg, [stages[0].units]))}
+        lost = {e.hash: e.nbytes for e in man.entries(tensors_of(cfg, [stages[1].units]))}
+        assert taker.sent_bytes == sum(n for h, n in lost.items() if h not in held) > 0
+        assert other.sent_bytes == 0
+        engine.session.close()
+    finally:
+        pipe.close()
