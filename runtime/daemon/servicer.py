@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import threading
 import time
 from concurrent import futures
 from typing import Callable
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 SEND_TIMEOUT_S = 30.0
 #: handler threads of a daemon's gRPC server
 RPC_THREADS = 32
+#: refusals of a wrong token that wait out their backoff at once (each holds a handler thread)
+WAITING_REFUSALS = 4
 
 
 def status_code(e: Exception) -> grpc.StatusCode:
@@ -151,14 +154,26 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
-    """Refuse every RPC (health checks included) that lacks the shared token."""
+    """Refuse every RPC (health checks included) that lacks the shared token. A refusal waits as
+    the backoff says (guessing gets slow, :mod:`runtime.wire.backoff`), but only ``WAITING_REFUSALS``
+    of them wait at once, each holding one of the server's ``RPC_THREADS`` handler threads; the
+    others are refused at once (still counted), so callers without the token never take the
+    threads the coordinator's calls need."""
 
     def __init__(self, token: str, backoff: TokenBackoff | None = None):
         self._expected = f"Bearer {token}".encode()
         backoff = backoff or TokenBackoff()
+        waiting = threading.BoundedSemaphore(WAITING_REFUSALS)
 
         def deny(request, context):
-            backoff.refused(grpc_host(context.peer()))  # guessing gets slow (runtime.wire.backoff)
+            host = grpc_host(context.peer())
+            if waiting.acquire(blocking=False):
+                try:
+                    backoff.refused(host)
+                finally:
+                    waiting.release()
+            else:
+                backoff.delay(host)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)

@@ -306,6 +306,30 @@ def test_token_flows_between_daemons(tiny_dirs):
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a test certificate")
+def test_callers_without_the_token_do_not_take_the_handler_threads(tiny_dirs):
+    """96 wrong-token calls at once, each owed a full second of backoff: only a few wait it out
+    (the rest are refused at once), so the coordinator's call is answered without waiting for them
+    (with every handler thread asleep, it would wait 3 s: 96 calls over 32 threads)."""
+    import concurrent.futures
+
+    d = Served(token="s3cret")
+    try:
+        wrong = d.client(Security(token="guess"))
+        for _ in range(6):  # the host's backoff at its most: a second each
+            code_of(lambda: wrong.call("Status", pb.StatusRequest()))
+        good = d.client(Security(token="s3cret"))
+        with concurrent.futures.ThreadPoolExecutor(96) as pool:
+            flood = [pool.submit(code_of, lambda: wrong.call("Status", pb.StatusRequest())) for _ in range(96)]
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            assert good.call("Status", pb.StatusRequest(), timeout=30) is not None
+            waited = time.monotonic() - t0
+            assert all(f.result()[0] == grpc.StatusCode.UNAUTHENTICATED for f in flood)
+        assert waited < 1.0, waited
+    finally:
+        d.stop()
+
+
 def test_tls(tiny_dirs, tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
