@@ -2,10 +2,11 @@
 
 A daemon that does not hold a model's files receives its units' tensors from the coordinator
 (:mod:`runtime.coordinator.ship`) as the file stores them. Each one is a file named by its BLAKE3
-hash (:mod:`hpipe.model.manifest`). Bytes arrive in chunks, appended to ``partial/HASH``; a
-transfer cut off part way goes on from the bytes that arrived (:meth:`WeightsCache.held` says how
-many). A complete entry's hash is checked before it is renamed into place (atomically), and again
-each time a stage loads it; a wrong one is deleted, so it is fetched again. The cache keeps at most
+hash (:mod:`hpipe.model.manifest`). Bytes arrive in chunks, appended to ``partial/HASH`` and hashed
+as they arrive (so a whole entry is not read again: the link does not wait for that); a transfer
+cut off part way goes on from the bytes that arrived (:meth:`WeightsCache.held` says how many; they
+are hashed once more then). A complete entry's hash is checked before it is renamed into place
+(atomically), and again each time a stage loads it; a wrong one is deleted, so it is fetched again. The cache keeps at most
 ``budget`` bytes: the entries used least recently go first, never those a deployment has asked
 for or holds. Only weights are cached, never activations.
 """
@@ -18,6 +19,8 @@ import re
 import threading
 import time
 from pathlib import Path
+
+import blake3
 
 from hpipe.core.errors import StatusError
 from hpipe.model.manifest import file_hash
@@ -42,6 +45,8 @@ class WeightsCache:
         self._partial.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._pinned: set[str] = set()  # what deployments asked for or hold: never evicted
+        self._hashing: dict[str, tuple[blake3.blake3, int]] = {}  # a partial entry's hash so far, and its bytes
+        self._bytes: int | None = None  # whole entries' bytes (counted when first needed)
 
     # --- what a coordinator asks --------------------------------------------------------------
     def held(self, hashes: list[str]) -> tuple[list[str], dict[str, int]]:
@@ -74,11 +79,18 @@ class WeightsCache:
                 have = 0
             if offset != have:
                 raise StatusError("FAILED_PRECONDITION", f"tensor {h[:12]}: {have} bytes have arrived, not {offset}")
+            hasher, hashed = self._hashing.pop(h, (None, -1))
+            if hashed != have:  # new, or bytes from before a restart: hash what is there
+                hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+                if have:
+                    hasher.update_mmap(part)
             with open(part, "ab") as f:
                 f.write(data)
+            hasher.update(data)
             if have + len(data) < total:
+                self._hashing[h] = (hasher, have + len(data))
                 return False
-            got = file_hash(part)
+            got = hasher.hexdigest()
             if got != h:
                 part.unlink()
                 raise StatusError("DATA_LOSS", f"tensor {h[:12]} arrived with hash {got[:12]}: discarded")
@@ -88,6 +100,7 @@ class WeightsCache:
                 part.unlink()  # whole, but with no room for it: sent again once there is
                 raise
             os.replace(part, self.root / h)
+            self._bytes += total
             return True
 
     # --- what a stage loads -------------------------------------------------------------------
@@ -97,10 +110,14 @@ class WeightsCache:
         p = self.root / check_hash(h)
         if not p.exists():
             raise StatusError("DATA_LOSS", f"tensor {h[:12]} is not in the weights cache")
+        size = p.stat().st_size
         got = file_hash(p)
         if got != h:
             log.warning("weights cache entry %s is corrupt (its bytes hash to %s): deleted", h[:12], got[:12])
-            p.unlink(missing_ok=True)
+            with self._lock:
+                if self._bytes is not None and p.exists():
+                    self._bytes -= size
+                p.unlink(missing_ok=True)
             raise StatusError("DATA_LOSS", f"tensor {h[:12]} in the weights cache is corrupt: deleted")
         now = time.time()
         os.utime(p, (now, now))
@@ -112,16 +129,19 @@ class WeightsCache:
             self._pinned = set(hashes)
 
     def _make_room(self, incoming: int) -> None:
-        if self.budget is None:
+        if self._bytes is None:
+            self._bytes = sum(p.stat().st_size for p in self.root.iterdir() if p.is_file())
+        if self.budget is None or self._bytes + incoming <= self.budget:
             return
         entries = sorted((p for p in self.root.iterdir() if p.is_file()), key=lambda p: p.stat().st_mtime)
-        total = sum(p.stat().st_size for p in entries)
+        total = self._bytes = sum(p.stat().st_size for p in entries)
         for p in entries:
             if total + incoming <= self.budget:
                 return
             if p.name in self._pinned:
                 continue
             total -= p.stat().st_size
+            self._bytes = total
             p.unlink(missing_ok=True)
             log.info("weights cache: evicted %s (least recently used) to stay within %.1f GB", p.name[:12],
                      self.budget / 1e9)
