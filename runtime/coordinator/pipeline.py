@@ -110,15 +110,19 @@ class Pipeline:
         daemons = [self.cluster.daemon(n) for n in names]
         stage_daemon = [names.index(s.daemon) for s in stages]
         self.clients = [DaemonClient(d.address, self.security, d.name) for d in daemons]
-        ports, lanes = [], []
-        for d, client in zip(daemons, self.clients):
+
+        def ask(d: int) -> tuple[int, str]:  # each daemon's data port and decode lane, all at once
+            spec, client = daemons[d], self.clients[d]
             try:
-                ports.append(client.call("Status", pb.StatusRequest(), timeout=10.0).data_port)
+                port = client.call("Status", pb.StatusRequest(), timeout=10.0).data_port
                 info = client.call("GetDeviceInfo", pb.DeviceInfoRequest(), timeout=10.0)
-                lanes.append(decode_lane(d.name, info.host_id or d.host, info.device, info.cpus, info.host_cpus))
             except grpc.RpcError as e:
-                raise StageFailure(f"{d.name} at {d.address} is not responding: {e.code().name}: {e.details()}") \
-                    from None
+                raise StageFailure(f"{spec.name} at {spec.address} is not responding: {e.code().name}: "
+                                   f"{e.details()}") from None
+            return port, decode_lane(spec.name, info.host_id or spec.host, info.device, info.cpus, info.host_cpus)
+
+        with ThreadPoolExecutor(max_workers=len(daemons)) as pool:
+            ports, lanes = map(list, zip(*pool.map(ask, range(len(daemons)))))
         wire = [stage_to_wire(s, ports[stage_daemon[i]]) for i, s in enumerate(stages)]
         requests = [pb.LoadRequest(model=model, dtype=dtype_to_wire(dtype), stages=wire, kv_pool_bytes=kv_pool_bytes,
                                    dequantize=self.dequantize,

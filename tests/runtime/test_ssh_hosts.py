@@ -3,8 +3,8 @@
 Each host is a network namespace of this machine (as clusters/emulated-hetero.yaml makes them)
 running Debian's sshd with a host key and a user key made here. `cluster up` logs in with the
 key, checks the remote hpipe's version, copies the token and starts the daemon there; the job's
-deploy sends each one its units' weights (it has no model file and an empty cache); `hpipe run`'s
-job of 8 documents answers each as single-process generation does; `cluster down` stops them. Needs root, iproute2 and sshd (CI
+deploy sends each one its units' weights (it has no model file and an empty cache); `hpipe run`
+of 8 documents answers each as single-process generation does; `cluster down` stops them. Needs root, iproute2 and sshd (CI
 installs openssh-server); skipped where any is missing.
 """
 
@@ -18,11 +18,13 @@ from importlib.resources import files
 
 import pytest
 
-from hpipe.app.jobs import JobConfig, build_prompt, prompt_limit, run_job
+from hpipe.app.cli import main
+from hpipe.app.jobs import build_prompt, prompt_limit
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan, StrategyPlan, stages_from_cuts
 from hpipe.model import cpu_kernel
 from hpipe.model.generate import LocalModel, generate_ids
+from hpipe.model.manifest import manifest, tensors_of
 from runtime.cluster import emulate, launcher
 from runtime.cluster.emulate import Emulation
 from runtime.cluster.emulate.net import names
@@ -104,21 +106,25 @@ def test_cluster_up_over_ssh_on_bare_hosts(tmp_path, smollm2):
         assert "already running" in launcher.up(cluster)["h1"]  # a second up leaves them be
 
         plan = _even_plan(str(model), smollm2.config, cluster)
+        (tmp_path / "plan.json").write_text(plan.to_json())
         docs = _documents(tmp_path, 8)
         out = tmp_path / "answers.jsonl"
-        summary = run_job(plan, cluster, smollm2, [str(d) for d in docs], out,
-                          JobConfig(instruction=INSTRUCTION, chat=True, max_new_tokens=NEW_TOKENS))
-        assert not summary["failed"], summary
+        assert main(["run", "--plan", str(tmp_path / "plan.json"), "--cluster", str(tmp_path / "ssh.yaml"),
+                     "--instruction", INSTRUCTION, "--chat", "--max-new-tokens", str(NEW_TOKENS), "-o", str(out),
+                     *map(str, docs)]) == 0
         rows = {r["document"]: r for r in map(json.loads, out.read_text().splitlines())}
+        assert len(rows) == len(docs) and not any("error" in r for r in rows.values())
         tok, local = smollm2.tokenizer(), LocalModel(smollm2)
         for d in docs:  # every answer is single-process generation's
             ids, _ = build_prompt(tok, INSTRUCTION, d.read_text(), True, prompt_limit(plan), "none")
             ref = generate_ids(local.open, tok, ids, context=smollm2.config.max_position_embeddings,
                                eos_ids=smollm2.eos_token_ids(), max_new_tokens=NEW_TOKENS)
             assert rows[str(d)]["token_ids"] == ref.token_ids, d.name
-        for name in HOSTS:  # each host's cache holds its units' tensors only, sent to it
-            held = sum(p.stat().st_size for p in (tmp_path / f"weights-{name}").iterdir() if p.is_file())
-            assert 0 < held < 0.6 * model.stat().st_size, (name, held)
+        man = manifest(smollm2.gguf, smollm2.path)
+        for stage in plan.chosen.stages:  # each host's cache holds its units' tensors only, sent to it
+            share = sum({e.hash: e.nbytes for e in man.entries(tensors_of(smollm2.config, [stage.units]))}.values())
+            held = sum(p.stat().st_size for p in (tmp_path / f"weights-{stage.daemon}").iterdir() if p.is_file())
+            assert held == share, (stage.daemon, held, share)
         down = launcher.down(cluster)
         assert all("stopped on root@" in down[n] for n in HOSTS), down
         for d in cluster.daemons:
