@@ -126,6 +126,10 @@ class CostModel:
     def stage_time(self, dev: int, a: int, bnd: int, s: int, c: int, batch: int, head: bool = True) -> float:
         return float(self.stage_times(dev, a, bnd, [s], [c], batch, head)[0])
 
+    def link(self, src: int, dst: int):
+        """The measured link from device ``src`` to ``dst`` (latency_s, bandwidth_Bps)."""
+        return self._links[src, dst]
+
     def comm_time(self, src: int, dst: int, s, batch: int):
         """Seconds to send slices of ``s`` tokens from device ``src`` to ``dst`` (``s`` may be an array)."""
         nbytes = np.asarray(s, dtype=float) * batch * self.profile.activation_bytes_per_token()

@@ -27,6 +27,8 @@ import numpy as np
 from planner.costs import CostModel, Workload
 from planner.cuts import Cuts, comm_matrix, count_matrices, min_max_cuts, stage_table
 
+PHASES = ("prefill", "decode", "both")
+
 
 @dataclass(frozen=True)
 class Mix:
@@ -41,8 +43,11 @@ class Mix:
             raise ValueError(f"a serving mix needs positive lengths and batch: {self}")
 
 
-def unit_work(cost: CostModel, dev: int, mix: Mix) -> np.ndarray:
-    """Seconds one mean request costs on ``dev``, per unit kind: ``[embed, attn, mlp, head]``."""
+def unit_work(cost: CostModel, dev: int, mix: Mix, phase: str = "both") -> np.ndarray:
+    """Seconds one mean request costs on ``dev``, per unit kind: ``[embed, attn, mlp, head]``; its
+    ``phase``: ``prefill``, ``decode`` or ``both`` (their sum)."""
+    if phase not in PHASES:
+        raise ValueError(f"a request's phase is one of {', '.join(PHASES)}, not {phase!r}")
     g = cost.daemons[dev].compute
     n = math.ceil(mix.prompt / mix.chunk)
     s = np.array([min(mix.chunk, mix.prompt - i * mix.chunk) for i in range(n)], dtype=float)
@@ -54,22 +59,25 @@ def unit_work(cost: CostModel, dev: int, mix: Mix) -> np.ndarray:
     def decode(kind: str) -> float:
         return per_token * g[kind].time(b, ctx if kind == "attn" else 0, 1)
 
-    return np.array([
-        float(g["embed"].times(s, c, 1).sum()) + decode("embed"),
-        float(g["attn"].times(s, c, 1).sum()) + decode("attn"),
-        float(g["mlp"].times(s, np.zeros_like(c), 1).sum()) + decode("mlp"),
+    prefill = np.array([
+        float(g["embed"].times(s, c, 1).sum()),
+        float(g["attn"].times(s, c, 1).sum()),
+        float(g["mlp"].times(s, np.zeros_like(c), 1).sum()),
         # the head computes the logits of each sampled row: the prompt's last, then each answer token's
-        g["head"].time(1, 0, 1) + decode("head"),
+        g["head"].time(1, 0, 1),
     ])
+    decoding = np.array([decode(kind) for kind in ("embed", "attn", "mlp", "head")])
+    return {"prefill": prefill, "decode": decoding, "both": prefill + decoding}[phase]
 
 
-def serving_table(cost: CostModel, work: Workload, mix: Mix) -> np.ndarray:
-    """``W[m, a, b]``: seconds of one mean request on units [a, b) of device m (inf where they do not fit)."""
+def serving_table(cost: CostModel, work: Workload, mix: Mix, phase: str = "both") -> np.ndarray:
+    """``W[m, a, b]``: seconds of one mean request (its ``phase``: :func:`unit_work`) on units
+    [a, b) of device m (inf where they do not fit)."""
     counts = count_matrices(cost.L)
     fits = np.isfinite(stage_table(cost, work))
     table = np.full(fits.shape, math.inf)
     for m in range(len(cost.daemons)):
-        w = unit_work(cost, m, mix)
+        w = unit_work(cost, m, mix, phase)
         t = sum(k * w[i] for i, k in enumerate(counts))
         table[m][fits[m]] = t[fits[m]]
     return table

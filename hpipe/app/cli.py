@@ -136,12 +136,17 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--max-len", type=_positive, help="longest input the plan supports (default: --seq-len)")
     pl.add_argument("--strategy", choices=["hpipe", "throughput", "base", "gpipe", "gp-b", "terapipe"],
                     help="the strategy the plan executes (default: hpipe, or throughput with --objective throughput)")
-    pl.add_argument("--objective", choices=["latency", "throughput"], default="latency",
+    pl.add_argument("--objective", choices=["latency", "throughput", "seesaw"], default="latency",
                     help="latency: one --seq-len document as fast as possible (HPipe); throughput: also plan a split "
-                         "for serving many requests of --seq-len prompt and --output-len answer tokens, and execute it")
-    pl.add_argument("--output-len", type=_positive, default=128, help="mean answer tokens (--objective throughput)")
+                         "for serving many requests of --seq-len prompt and --output-len answer tokens, and execute it; "
+                         "seesaw: as throughput, and also a prefill layout and a decode layout with the price of "
+                         "switching between them, their predicted throughput beside one layout's (Seesaw)")
+    pl.add_argument("--seesaw-batch", type=_positive,
+                    help="requests per phase seesaw is priced at (default: as many as the KV pools hold)")
+    pl.add_argument("--output-len", type=_positive, default=128, help="mean answer tokens (--objective throughput, seesaw)")
     pl.add_argument("--decode-batch", type=_positive, default=16,
-                    help="decode tokens per micro-batch the serving split is costed at (--objective throughput)")
+                    help="decode tokens per micro-batch the serving split is costed at (--objective throughput, "
+                         "seesaw)")
     pl.add_argument("--granularity", type=_positive, default=16, help="slice lengths are multiples of this")
     pl.add_argument("--max-ranges-per-device", type=int, choices=(1, 2, 3), metavar="V",
                     help="hpipe may give a daemon up to V unit ranges (an interleaved chain: shorter pipeline fill "

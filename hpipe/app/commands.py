@@ -201,13 +201,15 @@ def plan(args: argparse.Namespace) -> int:
     if measured and work.kv_len > measured:
         print(f"hpipe: the profile was measured up to {measured} tokens; attention past that is extrapolated "
               f"for this {work.kv_len}-token plan", file=sys.stderr)
-    serving = args.objective == "throughput"
+    serving = args.objective in ("throughput", "seesaw")
     strategy = (args.strategy or ("throughput" if serving else "hpipe")).replace("-", "_")
     if strategy == "throughput" and not serving:
         raise InputError("--strategy throughput needs --objective throughput (the split is made for a request mix)")
     ranges = {} if args.max_ranges_per_device is None else {"max_ranges": args.max_ranges_per_device}
     mix = Mix(args.seq_len, args.output_len, args.decode_batch) if serving else None
     result = make_plan(prof, work, strategy=strategy, granularity=args.granularity, mix=mix, **ranges)
+    if args.objective == "seesaw":
+        result = _with_seesaw(result, prof, work, mix, args.seesaw_batch)
     print(plan_table(result), file=sys.stderr)
     write_or_print(result.to_json(), args.output)
     if args.chart:
@@ -223,6 +225,22 @@ def plan(args: argparse.Namespace) -> int:
             "planning_s": result.meta["planning_s"], "plan": args.output,
         }))
     return 0
+
+
+def _with_seesaw(result, prof, work, mix, batch):
+    """``result`` with Seesaw's prediction in its meta (planner.seesaw), printed side by side."""
+    from dataclasses import replace
+
+    from planner.costs import CostModel
+    from planner.seesaw import seesaw, table
+
+    cost = CostModel(prof)
+    prediction = seesaw(cost, work, mix, batch)
+    print(table(prediction, cost, mix), file=sys.stderr)
+    if prediction.choice == "seesaw":
+        print(f"hpipe: the runtime does not switch layouts yet: this plan executes {result.strategy!r} "
+              "(issue #42)", file=sys.stderr)
+    return replace(result, meta={**result.meta, "seesaw": prediction.to_dict(cost)})
 
 
 def run(args: argparse.Namespace) -> int:
