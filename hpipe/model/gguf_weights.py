@@ -4,7 +4,11 @@ The file's tensor index (name, ggml type, shape, offset, bytes) is read once wit
 package when the file is imported (:func:`write_index`: parsing the whole header takes seconds
 and a few hundred MB for a 49k-token vocabulary) and kept as ``tensors.json`` beside the
 imported config; a stage then reads only its own tensors, with plain file reads into memory it
-owns (for the reasons :mod:`hpipe.model.weights` gives).
+owns (for the reasons :mod:`hpipe.model.weights` gives). A daemon's weights cache is the exception
+(:meth:`GGUFWeights.of_files`): each file is one tensor, written once and renamed into place, never
+rewritten, so it is mapped (privately) instead. A tensor used as stored (the embedding, an
+unfused projection) is then the page cache's bytes with no copy, and the mapping goes when the
+tensor does; its Load after a restart is one pass over the bytes (the hash check) instead of two.
 
 Tensors are named as Hugging Face names them (``model.layers.3.self_attn.q_proj.weight``), so a
 stage loads a GGUF exactly as it loads a safetensors checkpoint. Two differences are undone here:
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 from pathlib import Path
@@ -101,10 +106,14 @@ class GGUFWeights:
         maps each name to its ``type``, ``shape``, ``bytes``, ``file`` and ``offset`` there."""
         store = cls.__new__(cls)
         store._setup(label, architecture, {n: {"gguf": n, **e} for n, e in tensors.items()}, cfg)
+        # each file is one tensor, page-aligned: mapped rather than read, so a tensor used as
+        # stored (the embedding, unfused projections) is the page cache's bytes, not a copy
+        store._mapped = True
         return store
 
     def _setup(self, label: str, architecture: str, tensors: dict[str, dict], cfg: ModelConfig) -> None:
         self.label, self.cfg, self.architecture, self._tensors = label, cfg, architecture, tensors
+        self._mapped = False
         if self.architecture not in ARCHITECTURES:
             raise ModelSourceError(f"{label}: GGUF architecture {self.architecture!r} is not supported for "
                                    f"quantized weights (supported: {', '.join(ARCHITECTURES)})")
@@ -140,10 +149,15 @@ class GGUFWeights:
                 file = self._entry(n)["file"]
                 if file not in files:
                     files[file] = open(file, "rb")
+                    if self._mapped and os.fstat(files[file].fileno()).st_size:
+                        f = files.pop(file)
+                        with f:  # a private mapping: writable for torch, never written back
+                            files[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             return {n: self._read(files[self._entry(n)["file"]], n) for n in names}
         finally:
             for f in files.values():
-                f.close()
+                if not isinstance(f, mmap.mmap):  # a mapping lives as long as the tensors made of it
+                    f.close()
 
     def load_stacked(self, names: list[str]) -> torch.Tensor | QuantizedWeight:
         """Tensors stacked along dim 0 (a fused projection); a quantized stack keeps its blocks."""
@@ -165,12 +179,16 @@ class GGUFWeights:
             raise ModelSourceError(f"{self.label}: tensor {e['gguf']} is stored as ggml type {_type_name(t)}, "
                                    f"which hpipe cannot read (it reads {', '.join(v[0] for v in TYPES.values())}); "
                                    "requantize the file, e.g. llama-quantize ... Q4_K_M")
-        if offset < 0 or offset + nbytes > os.fstat(f.fileno()).st_size:
+        size = len(f) if isinstance(f, mmap.mmap) else os.fstat(f.fileno()).st_size
+        if offset < 0 or offset + nbytes > size:
             raise ModelSourceError(f"{self.label}: truncated (tensor {e['gguf']} runs past the end of the file)")
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        f.seek(offset)
-        if f.readinto(memoryview(buf.numpy())) != nbytes:
-            raise ModelSourceError(f"{self.label}: truncated (tensor {e['gguf']})")
+        if isinstance(f, mmap.mmap):
+            buf = torch.frombuffer(f, dtype=torch.uint8, count=nbytes, offset=offset)  # keeps the mapping
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            f.seek(offset)
+            if f.readinto(memoryview(buf.numpy())) != nbytes:
+                raise ModelSourceError(f"{self.label}: truncated (tensor {e['gguf']})")
         if t == 0 and len(shape) > 1:  # float32, as it is
             return buf.view(torch.float32).reshape(shape)
         if len(shape) == 1:  # a norm's or a bias's vector
