@@ -51,7 +51,9 @@ def test_profile_sees_throttled_device_and_shaped_link(tmp_path, smollm2):
     assert 1.8 < ratio < 4.0, ratio
     shaped = profile.link("fast", "slow").bandwidth_Bps
     assert abs(shaped - 12.5e6) / 12.5e6 < 0.15, shaped  # 100 Mbit/s
-    assert profile.link("slow", "fast").bandwidth_Bps > 4 * shaped  # the other direction is not shaped
+    # a host's link bounds what comes in too: slow (no rate of its own) sends to fast at fast's rate
+    into_fast = profile.link("slow", "fast").bandwidth_Bps
+    assert abs(into_fast - 12.5e6) / 12.5e6 < 0.15, into_fast
     # cluster down removed what up created
     assert any(k.startswith("emulation hp-") for k in down), down
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

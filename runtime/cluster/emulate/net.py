@@ -1,5 +1,6 @@
 """Emulated hosts: a network namespace per daemon in 198.18.0.0/24, joined to a bridge by a veth
-pair, its uplink shaped with ``tc`` (``rate``: tbf; ``delay_ms``: netem). Needs root."""
+pair, its link shaped with ``tc`` (``rate``: tbf each way; ``delay_ms``: netem on the way out).
+Needs root."""
 
 from __future__ import annotations
 
@@ -26,8 +27,12 @@ def in_emulated_net(host: str) -> bool:
 
 
 def names(d: DaemonSpec) -> tuple[str, str, str]:
-    tag = re.sub(r"[^a-zA-Z0-9]", "", d.name)[:9] or "d"
+    tag = _tag(d.name)
     return f"hp-{d.name}", f"hpv{tag}", f"hpe{tag}"
+
+
+def _tag(name: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9]", "", name)[:9] or "d"
 
 
 def setup_network(cluster: ClusterSpec, record: State) -> None:
@@ -66,10 +71,26 @@ def setup_network(cluster: ClusterSpec, record: State) -> None:
                                  f"({r.stderr.strip()}); remove delay_ms (rate works without it)")
             parent = ("parent", "1:")
         if rate:
+            burst = f"{_burst_kbit(str(rate))}kbit"
             run(*inside, "tc", "qdisc", "add", "dev", ns_if, *parent, "handle", "2:", "tbf", "rate", str(rate),
-                 "burst", "256kbit", "latency", "100ms")
+                 "burst", burst, "latency", "100ms")
+            # and what comes in: a host's link bounds its downloads too (weights a coordinator
+            # sends it, activations from the stage before), as a real NIC does
+            run("tc", "qdisc", "add", "dev", host_if, "root", "tbf", "rate", str(rate), "burst", burst,
+                "latency", "100ms")
         log.info("emulated host %s at %s (rate %s, delay %s ms)", d.name, d.host, rate, delay)
     record.write(state)
+
+
+def _burst_kbit(rate: str) -> int:
+    """A token bucket for ``rate`` that lets it through at full speed: 4 ms of it (the kernel
+    refills the bucket about every tick; at 1 Gbit/s a 256 kbit bucket passed 0.3-0.5 of the rate),
+    at least 256 kbit."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit)?", rate.strip().lower())
+    if not m:
+        return 256
+    bits = float(m.group(1)) * {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, None: 1}[m.group(2)]
+    return max(256, int(bits * 0.004 / 1e3))
 
 
 def namespace_prefix(d: DaemonSpec) -> list[str]:
@@ -80,8 +101,12 @@ def namespace_prefix(d: DaemonSpec) -> list[str]:
 def teardown(state: dict) -> list[str]:
     removed = []
     for ns in state.get("netns", []):
+        # the veth pair first: deleting one end deletes both at once, while a deleted namespace
+        # takes its end with it only when the kernel gets to it (a cluster brought up again at once
+        # found the old pair's name still taken)
+        subprocess.run(["ip", "link", "del", f"hpv{_tag(ns.removeprefix('hp-'))}"], capture_output=True)
         if subprocess.run(["ip", "netns", "del", ns], capture_output=True).returncode == 0:
-            removed.append(ns)  # deleting the namespace deletes its veth pair
+            removed.append(ns)
     if state.get("bridge"):
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
         removed.append(BRIDGE)
