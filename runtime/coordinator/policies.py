@@ -33,31 +33,36 @@ from runtime.coordinator.engine import Engine, Planned, Request
 #: tokens first (runtime.daemon.worker), so such a prompt's first token does not wait for other
 #: documents' prefill on every stage
 SHORT_PROMPT = 64
+#: waiting requests whose cached prefix gllm looks up to sort them (the rest by their whole prompt)
+LOOKUPS = 64
 
 
-def _prefill(engine: Engine, budget: int, planned: list[Planned], shortest_first: bool) -> None:
+def _prefill(engine: Engine, budget: int, planned: list[Planned], shortest_first: bool,
+             short_apart: bool = False) -> bool:
     """Prefill chunks into ``planned``, up to ``budget`` tokens, from requests prefilling and then
     waiting ones (admitted as they get their first chunk), oldest first; or, ``shortest_first``,
-    the fewest prompt tokens left first, so a short request is never stuck behind a long document's
-    prefill (head-of-line blocking), and a micro-batch with a short one (``SHORT_PROMPT``) takes no
-    long chunk. A lone prompt with nothing else to do takes its plan slices
-    whole, whatever the budget: HPipe's pipelined prefill."""
+    the fewest prompt tokens left first (a waiting one counted without its cached blocks, for the
+    first ``LOOKUPS`` waiting), so a short request is never stuck behind a long document's prefill
+    (head-of-line blocking); with ``short_apart`` too, a micro-batch with a short one
+    (``SHORT_PROMPT``) takes no long chunk. A lone prompt with nothing else to do takes its plan
+    slices whole, whatever the budget: HPipe's pipelined prefill. Whether a long chunk was left
+    out for a short prompt."""
     busy = {id(p.request) for p in planned}
     running = sorted((r for r in engine.running if r.prefilling and r.ready and id(r) not in busy),
                      key=lambda r: r.arrival_s)
     candidates = running + list(engine.waiting)
-    if shortest_first:  # stable: the oldest first among equals; a waiting one by what is not cached
-        left = {id(r): engine.cache.uncached(r) for r in engine.waiting} if engine.cache is not None else {}
+    left: dict[int, int] = {}
+    if shortest_first:  # stable: the oldest first among equals
+        if engine.cache is not None:
+            left = {id(r): engine.cache.uncached(r) for r in engine.waiting[:LOOKUPS]}
         candidates.sort(key=lambda r: left.get(id(r), r.waiting_tokens))
-    else:
-        left = {}
     lone = len(candidates) == 1 and not planned
     admitting, short = True, False
     for r in candidates:
         if budget <= 0:
-            return
+            return False
         if short and left.get(id(r), r.waiting_tokens) > SHORT_PROMPT:
-            return  # a short prompt's micro-batch stays small: daemons run small ones first
+            return True  # a short prompt's micro-batch stays small: daemons run small ones first
         if r in engine.waiting:
             if not admitting:
                 continue
@@ -69,7 +74,8 @@ def _prefill(engine: Engine, budget: int, planned: list[Planned], shortest_first
         n = r.next_chunk() if lone else min(r.next_chunk(), budget)
         planned.append(Planned(r, n))
         budget -= n
-        short = short or (shortest_first and r.waiting_tokens <= SHORT_PROMPT)  # (admitted: what is not cached)
+        short = short or (short_apart and r.waiting_tokens <= SHORT_PROMPT)  # (admitted: what is not cached)
+    return False
 
 
 def _decoding(engine: Engine) -> list[Request]:
@@ -86,6 +92,7 @@ class GLLM:
             raise ValueError(f"spread decode tokens over 'lanes' or 'stages', not {spread!r}")
         self.max_prefill, self.min_prefill, self.iterations, self.kv_thresh, self.spread = \
             max_prefill, min_prefill, iterations, kv_thresh, spread
+        self._apart = False  # the last micro-batch left a long chunk out for a short prompt
 
     def form(self, engine: Engine) -> list[Planned]:
         decoding = sum(1 for r in engine.running if not r.prefilling)
@@ -107,7 +114,10 @@ class GLLM:
         if waiting and (free >= self.kv_thresh or stalled):
             share = self.max_prefill * (free - self.kv_thresh) / (1 - self.kv_thresh)
             budget = max(min(waiting / self.iterations, share), self.min_prefill)
-            _prefill(engine, math.ceil(budget), planned, shortest_first=True)
+            # a micro-batch kept small for a short prompt is followed by one that is not, so a
+            # stream of short prompts never keeps a long document from its chunks
+            self._apart = _prefill(engine, math.ceil(budget), planned, shortest_first=True,
+                                   short_apart=not self._apart)
         return planned
 
 

@@ -105,3 +105,24 @@ def test_a_question_about_a_cached_document_goes_first_in_a_micro_batch_of_its_o
     assert question.begins_at == 640 and question.cached_tokens == 640
     question.laid_out, question.in_flight = len(question.prefix), 1
     assert [p.request for p in GLLM().form(engine)] == [medium, long_doc]
+
+
+def test_a_stream_of_short_prompts_does_not_keep_a_long_document_from_its_chunks():
+    """Short prompts keep a micro-batch small, but never two in a row: with two new short prompts
+    arriving before every micro-batch, every other one still takes a chunk of the long document."""
+    from runtime.coordinator.prefix_cache import PrefixCache
+
+    engine = Admitting(PrefixCache(16, budget=100))
+    long_doc = Request(list(range(1000, 3000)), 4, slicer=lambda n: [256] * (n // 256) + [n % 256] * (n % 256 > 0))
+    engine.waiting = [long_doc]
+    policy = GLLM()
+    with_long = []
+    for k in range(8):
+        engine.waiting += [Request(list(range(5000 + 40 * (2 * k + j), 5000 + 40 * (2 * k + j) + 20)), 4)
+                           for j in range(2)]
+        planned = policy.form(engine)
+        with_long.append(any(p.request is long_doc for p in planned))
+        for p in planned:  # as the engine lays them out
+            p.request.laid_out += p.length
+            p.request.in_flight += 1
+    assert with_long == [False, True] * 4
