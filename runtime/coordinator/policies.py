@@ -33,6 +33,8 @@ from runtime.coordinator.engine import Engine, Planned, Request
 #: tokens first (runtime.daemon.worker), so such a prompt's first token does not wait for other
 #: documents' prefill on every stage
 SHORT_PROMPT = 64
+#: micro-batches in a row that may leave long chunks out for short prompts (then one takes them)
+SMALL_IN_A_ROW = 3
 #: waiting requests whose cached prefix gllm looks up to sort them (the rest by their whole prompt)
 LOOKUPS = 64
 
@@ -92,7 +94,7 @@ class GLLM:
             raise ValueError(f"spread decode tokens over 'lanes' or 'stages', not {spread!r}")
         self.max_prefill, self.min_prefill, self.iterations, self.kv_thresh, self.spread = \
             max_prefill, min_prefill, iterations, kv_thresh, spread
-        self._apart = False  # the last micro-batch left a long chunk out for a short prompt
+        self._apart = 0  # micro-batches in a row that left a long chunk out for a short prompt
 
     def form(self, engine: Engine) -> list[Planned]:
         decoding = sum(1 for r in engine.running if not r.prefilling)
@@ -114,10 +116,11 @@ class GLLM:
         if waiting and (free >= self.kv_thresh or stalled):
             share = self.max_prefill * (free - self.kv_thresh) / (1 - self.kv_thresh)
             budget = max(min(waiting / self.iterations, share), self.min_prefill)
-            # a micro-batch kept small for a short prompt is followed by one that is not, so a
-            # stream of short prompts never keeps a long document from its chunks
-            self._apart = _prefill(engine, math.ceil(budget), planned, shortest_first=True,
-                                   short_apart=not self._apart)
+            # at most SMALL_IN_A_ROW micro-batches in a row are kept small for short prompts, so a
+            # stream of them never keeps a long document from its chunks
+            apart = _prefill(engine, math.ceil(budget), planned, shortest_first=True,
+                             short_apart=self._apart < SMALL_IN_A_ROW)
+            self._apart = self._apart + 1 if apart else 0
         return planned
 
 

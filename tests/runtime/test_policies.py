@@ -108,8 +108,10 @@ def test_a_question_about_a_cached_document_goes_first_in_a_micro_batch_of_its_o
 
 
 def test_a_stream_of_short_prompts_does_not_keep_a_long_document_from_its_chunks():
-    """Short prompts keep a micro-batch small, but never two in a row: with two new short prompts
-    arriving before every micro-batch, every other one still takes a chunk of the long document."""
+    """Short prompts keep a micro-batch small, but at most SMALL_IN_A_ROW in a row: with two new
+    short prompts arriving before every micro-batch, the one after those takes a chunk of the long
+    document."""
+    from runtime.coordinator.policies import SMALL_IN_A_ROW
     from runtime.coordinator.prefix_cache import PrefixCache
 
     engine = Admitting(PrefixCache(16, budget=100))
@@ -125,4 +127,4 @@ def test_a_stream_of_short_prompts_does_not_keep_a_long_document_from_its_chunks
         for p in planned:  # as the engine lays them out
             p.request.laid_out += p.length
             p.request.in_flight += 1
-    assert with_long == [False, True] * 4
+    assert with_long == ([False] * SMALL_IN_A_ROW + [True]) * (8 // (SMALL_IN_A_ROW + 1))
