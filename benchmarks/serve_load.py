@@ -83,16 +83,19 @@ async def client(base: str, model: str, prompt: str, max_tokens: int, cancel_aft
 
 
 def _pools_drain(cluster: ClusterSpec, deadline_s: float) -> bool:
-    """Whether every daemon's KV pools are empty within ``deadline_s``, asked over the control plane."""
+    """Whether every daemon's KV pools hold nothing but the prefix cache's blocks within
+    ``deadline_s`` (idle cached blocks stay, by design, until the pool needs them), asked over the
+    control plane."""
     clients = [DaemonClient(d.address, Security.of(cluster), d.name) for d in cluster.daemons]
     try:
         deadline = time.monotonic() + deadline_s
         while True:
-            used = [p.used_blocks for c in clients for p in c.call("Status", pb.StatusRequest(), timeout=10.0).pools]
+            pools = [p for c in clients for p in c.call("Status", pb.StatusRequest(), timeout=10.0).pools]
+            used = [p.used_blocks - p.cached_blocks for p in pools]
             if not any(used):
                 return True
             if time.monotonic() > deadline:
-                print(f"[serve] blocks still held: {used}", file=sys.stderr)
+                print(f"[serve] blocks held beyond the prefix cache's: {used}", file=sys.stderr)
                 return False
             time.sleep(0.2)
     finally:
