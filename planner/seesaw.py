@@ -39,7 +39,7 @@ import numpy as np
 from hpipe.core.units import ATTN, MLP, unit_kinds
 from planner.costs import FIXED_STAGE_BYTES, CostModel, Workload
 from planner.cuts import comm_matrix, min_max_cuts
-from planner.serving import Mix, serving_table
+from planner.serving import Mix, serving_table, unit_work
 
 #: bytes a second a daemon reads weights it does not hold into memory (its weights cache on local
 #: disk, each entry's hash checked): Gemma 3 270M's 200 MB stages loaded in 0.2-0.3 s on this
@@ -206,9 +206,9 @@ def switch_cost(cost: CostModel, mix: Mix, prefill: Layout, decode: Layout, batc
             continue
         link = cost.link(src, dst)
         send = link.latency_s + attn * kv_unit / link.bandwidth_Bps
-        g = cost.daemons[dst].compute  # the new owner computes the moved run for the batch's prompts
+        per_unit = unit_work(cost, dst, prompts, "prefill")  # the new owner computes the moved run
         redo = link.latency_s + act / link.bandwidth_Bps + batch * sum(
-            _prefill_unit(g, kinds[x], prompts) for x in range(a, b) if kinds[x] in (ATTN, MLP))
+            per_unit[1] if kinds[x] == ATTN else per_unit[2] for x in range(a, b) if kinds[x] in (ATTN, MLP))
         if send <= redo:
             to_decode[dst] = to_decode.get(dst, 0.0) + send
             kv_bytes += attn * kv_unit
@@ -217,13 +217,6 @@ def switch_cost(cost: CostModel, mix: Mix, prefill: Layout, decode: Layout, batc
             recomputed += attn
     return Switch(max(to_decode.values(), default=0.0), max(to_prefill.values(), default=0.0), moved,
                   weight_bytes, kv_bytes, recomputed)
-
-
-def _prefill_unit(g, kind: str, mix: Mix) -> float:
-    n = math.ceil(mix.prompt / mix.chunk)
-    s = np.array([min(mix.chunk, mix.prompt - i * mix.chunk) for i in range(n)], dtype=float)
-    c = np.arange(n, dtype=float) * mix.chunk if kind == ATTN else np.zeros(n)
-    return float(g[kind].times(s, c, 1).sum())
 
 
 def best_layout(table: np.ndarray, comm: np.ndarray, cost: CostModel) -> Layout:
