@@ -10,6 +10,10 @@ from tests.helpers import FAMILIES, make_tiny_model
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# prefill slices of quantized weights in float32 (set before the kernels load, and inherited by
+# daemons the tests start), so every comparison with --dequantize and transformers is exact on any
+# CPU; tests/model/test_quant.py switches bfloat16 on where it tests it
+os.environ.setdefault("HPIPE_PREFILL_GEMM", "float32")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 

@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hpipe_side import load, measure  # noqa: E402
+from perplexity import llama_perplexity, perplexity  # noqa: E402
 
 VERSION = "0.3.36"
 TARGETS = ["llama-batched-bench", "llama-quantize", "llama-perplexity"]
@@ -131,8 +132,12 @@ def main() -> None:
     ap.add_argument("--also", default="", help="more files made from it with llama-quantize, e.g. Q8_0,Q4_K_M")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--perplexity", metavar="TEXT", help="also each file's perplexity on this text, as "
+                    "llama-perplexity computes it, against hpipe's (and the --dequantize model's)")
+    ap.add_argument("--ctx", type=int, default=512, help="--perplexity's chunk length (llama-perplexity's -c)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    from hpipe.model.quant import prefill_in_bfloat16
     from hpipe.model.sources import resolve_model
 
     torch.set_num_threads(args.threads)
@@ -151,7 +156,7 @@ def main() -> None:
             print(f"round {r + 1} {name}: " + ", ".join(f"{k} {ours[k]:.0f}/{theirs.get(k, 0):.0f}" for k in ours),
                   file=sys.stderr)
     report = {"cpu": cpu_model(), "threads": args.threads, "isa": torch.ops.hpipe.quant_variant(),
-              "files": {}}
+              "prefill_gemm": "bfloat16" if prefill_in_bfloat16() else "float32", "files": {}}
     for name, rs in rounds.items():
         rows = {}
         for shape, *_ in SHAPES:
@@ -161,6 +166,8 @@ def main() -> None:
                            "ratio": statistics.median(ratios) if ratios else None,
                            "ratio_range": [min(ratios), max(ratios)] if ratios else None}
         report["files"][f"{name} ({files[name].name})"] = rows
+    if args.perplexity:
+        report["perplexity"] = perplexities(bin_dir, files, stages, Path(args.perplexity), args)
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -171,6 +178,33 @@ def main() -> None:
         for shape, row in rows.items():
             lo, hi = row["ratio_range"] or (0, 0)
             print(f"  {shape:14}{row['hpipe']:9.1f}{row['llama.cpp']:11.1f}{row['ratio'] or 0:8.2f}  {lo:.2f}-{hi:.2f}")
+    if args.perplexity:
+        print(f"\nperplexity on {args.perplexity}, chunks of {args.ctx} (hpipe's prefill GEMM: {report['prefill_gemm']})")
+        for name, row in report["perplexity"].items():
+            print(f"  {name:14} hpipe {row['hpipe']:.4f}  llama.cpp {row['llama.cpp']:.4f}  ratio {row['ratio']:.4f}"
+                  f"  (the --dequantize model: {row['dequantized']:.4f})")
+
+
+def perplexities(bin_dir: Path, files: dict[str, Path], stages: dict, text: Path, args) -> dict:
+    """Each file's perplexity on ``text`` from llama-perplexity and from hpipe (its blocks, and the
+    float32 --dequantize model of the same file)."""
+    from gguf import GGUFReader
+
+    from hpipe.model.sources import resolve_model
+
+    ids = resolve_model(args.model).tokenizer()(text.read_text())["input_ids"]
+    out = {}
+    for name, path in files.items():
+        fields = GGUFReader(str(path)).fields
+        adds = fields.get("tokenizer.ggml.add_bos_token")
+        bos = None
+        if adds is not None and bool(adds.parts[adds.data[0]][0]):
+            bos = int(fields["tokenizer.ggml.bos_token_id"].parts[-1][0])
+        ours = perplexity(stages[name], ids, args.ctx, bos)
+        reference = perplexity(load(str(path), dequantize=True), ids, args.ctx, bos)
+        theirs = llama_perplexity(bin_dir, path, text, args.ctx, args.threads)
+        out[name] = {"hpipe": ours, "llama.cpp": theirs, "ratio": ours / theirs, "dequantized": reference}
+    return out
 
 
 if __name__ == "__main__":

@@ -18,11 +18,32 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from hpipe.core.errors import ModelSourceError
+from hpipe.model import cpu_kernel
 
 #: ggml type id -> (name, values per block, bytes per block) of the types the kernels read (the
 #: sizes are the gguf package's)
 TYPES = {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in (GGMLQuantizationType[n] for n in (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))}
+
+
+def prefill_in_bfloat16() -> bool:
+    """Whether prefill slices (24 rows or more) of quantized weights multiply in bfloat16 with
+    float32 sums: the default where the CPU does so in hardware (AVX512-BF16 or AMX) and torch has
+    MKL's kernel; ``HPIPE_PREFILL_GEMM=float32`` or :func:`set_prefill_gemm` keeps float32
+    (docs/decisions/quantized-kernels.md). False where the kernels are not built."""
+    return cpu_kernel.available() and torch.ops.hpipe.prefill_gemm("") == "bfloat16"
+
+
+def set_prefill_gemm(mode: str) -> str:
+    """Set the prefill GEMM's precision in this process (``"float32"`` or ``"bfloat16"``; a
+    :class:`ModelSourceError` where bfloat16 is asked of a CPU without it); the one it had."""
+    cpu_kernel.require("a bfloat16 prefill GEMM")
+    before = torch.ops.hpipe.prefill_gemm("")
+    try:
+        torch.ops.hpipe.prefill_gemm(mode)
+    except RuntimeError as e:
+        raise ModelSourceError(str(e).splitlines()[0]) from None
+    return before
 
 
 def row_bytes(ggml_type: int, in_features: int) -> int:

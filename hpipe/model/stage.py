@@ -92,6 +92,10 @@ class StageModel(nn.Module):
     def _finish(self, pack: bool | None) -> "StageModel":
         # weights are in place: tie the embedding to the head, pack, switch to inference
         self._tie_embeddings()
+        if self._quantized():  # its prefill attention follows the quantized kernels' precision
+            for m in self.modules():
+                if isinstance(m, Attention):
+                    m.low_precision_prefill = True
         if pack is None:
             pack = packed.applies(self.device, self.dtype)
         if pack:
