@@ -4,8 +4,11 @@ Each round runs every policy once on the same deployment, their order reversed f
 the next, so a machine whose speed drifts slows them alike. A run feeds the requests at their
 arrival times (token ids from the workload's seed; every output as long as the workload says:
 end-of-sequence ignored) and reports output and total tokens/s, time to first token and time per
-output token (p50 and p99), preemptions, and each stage's busy fraction (compute seconds over the
-run's span). Greedy outputs must be the same under every policy; a difference is reported.
+output token (p50 and p99), preemptions (swaps into the daemons' host tier, and positions
+recomputed), and each stage's busy fraction (compute seconds over the run's span). A policy named
+``NAME+recompute`` is that policy with preempted requests recomputed instead of swapped (the
+side-by-side for the host tier). Greedy outputs must be the same under every policy; a
+difference is reported.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ def run_once(plan: Plan, pipe: Pipeline, items: list[WorkItem], policy: str, see
     of one) on the deployed ``pipe``."""
     session = pipe.session()
     offsets = [c.clock_offset() for c in pipe.clients]
-    engine = Engine(session, (make_policy or POLICIES[policy])(), depth=len(pipe.stages), max_running=max_running)
+    name, _, mode = policy.partition("+")
+    engine = Engine(session, (make_policy or POLICIES[name])(), depth=len(pipe.stages), max_running=max_running,
+                    swap=mode != "recompute")
     slicer = plan.slicer()
     done, stop = [0], threading.Event()
     requests: list[Request] = []
@@ -93,7 +98,8 @@ def run_once(plan: Plan, pipe: Pipeline, items: list[WorkItem], policy: str, see
             "output_tokens_per_s": round(out_tokens / span, 2), "total_tokens_per_s": round((in_tokens + out_tokens)
                                                                                             / span, 2),
             "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99), "tpot_p50_s": _pct(tpot, 0.5),
-            "tpot_p99_s": _pct(tpot, 0.99), "preemptions": engine.preemptions, "micro_batches": engine.micro_batches,
+            "tpot_p99_s": _pct(tpot, 0.99), "preemptions": engine.preemptions, "swaps": engine.swaps,
+            "recomputed": engine.recomputed, "micro_batches": engine.micro_batches,
             "stages": stages, "daemon_busy": daemons, "outputs": [r.tokens for r in requests],
             "log": [[round(m["sent_s"] - t0, 4), round(m["back_s"] - t0, 4), m["prefill"], m["decode"]]
                     for m in engine.log]}
@@ -101,9 +107,9 @@ def run_once(plan: Plan, pipe: Pipeline, items: list[WorkItem], policy: str, see
 
 def run_workload(plan: Plan, cluster: ClusterSpec, items: list[WorkItem], policies: list[str], rounds: int = 1,
                  seed: int = 0, kv_pool_bytes: int = 0, dequantize: bool = False) -> dict:
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies if p.partition("+")[0] not in POLICIES or p.partition("+")[2] not in ("", "recompute")]
     if unknown:
-        raise HpipeError(f"unknown policies {unknown} (choose from {', '.join(POLICIES)})")
+        raise HpipeError(f"unknown policies {unknown} (choose from {', '.join(POLICIES)}, each optionally +recompute)")
     with deploy(plan, cluster, kv_pool_bytes=kv_pool_bytes, dequantize=dequantize) as deployed:
         return _rounds(plan, deployed.pipe, items, policies, rounds, seed)
 
@@ -116,7 +122,7 @@ def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[st
             runs[policy].append(result)
             print(f"[bench] round {r + 1} {policy:<8} {result['total_tokens_per_s']:8.1f} tokens/s "
                   f"({result['span_s']:.1f} s), ttft p50 {result['ttft_p50_s'] or 0:.2f} s, "
-                  f"preemptions {result['preemptions']}", file=sys.stderr, flush=True)
+                  f"preemptions {result['preemptions']} (swaps {result['swaps']}, recomputed {result['recomputed']})", file=sys.stderr, flush=True)
     reference = runs[policies[0]][0]["outputs"]
     same = {p: [sum(a == b for a, b in zip(run["outputs"], reference)) for run in rs] for p, rs in runs.items()}
     summary = {}
@@ -126,7 +132,8 @@ def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[st
         for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
             vals = [run[k] for run in rs if run[k] is not None]
             med[k] = statistics.median(vals) if vals else None
-        med["preemptions"] = sum(run["preemptions"] for run in rs)
+        for k in ("preemptions", "swaps", "recomputed"):
+            med[k] = sum(run[k] for run in rs)
         med["stage_busy"] = [statistics.median(run["stages"][i]["busy"] for run in rs)
                              for i in range(len(rs[0]["stages"]))]
         med["daemon_busy"] = {d: statistics.median(run["daemon_busy"][d] for run in rs) for d in rs[0]["daemon_busy"]}
@@ -142,15 +149,16 @@ def table(result: dict) -> str:
     first = next(iter(rows))
     lines = [f"{result['requests']} requests, {result['rounds']} round(s) per policy (medians); stages: "
              + ", ".join(result["stages"]),
-             f"{'policy':<9} {'total tok/s':>11} {'out tok/s':>9} {'/ ' + first:>10} {'ttft p50':>9} {'p99':>7} "
-             f"{'tpot p50':>9} {'p99':>7} {'preempt':>7}  same outputs"]
+             f"{'policy':<15} {'total tok/s':>11} {'out tok/s':>9} {'/ ' + first:>10} {'ttft p50':>9} {'p99':>7} "
+             f"{'tpot p50':>9} {'p99':>7} {'preempt':>7} {'swaps':>6} {'recomputed':>10}  same outputs"]
     base = rows[first]["total_tokens_per_s"]
     for p, r in rows.items():
         def s(v):
             return f"{v:.3f}" if v is not None else "-"
-        lines.append(f"{p:<9} {r['total_tokens_per_s']:>11.1f} {r['output_tokens_per_s']:>9.1f} "
+        lines.append(f"{p:<15} {r['total_tokens_per_s']:>11.1f} {r['output_tokens_per_s']:>9.1f} "
                      f"{r['total_tokens_per_s'] / base:>10.2f} {s(r['ttft_p50_s']):>9} {s(r['ttft_p99_s']):>7} "
-                     f"{s(r['tpot_p50_s']):>9} {s(r['tpot_p99_s']):>7} {r['preemptions']:>7}  "
+                     f"{s(r['tpot_p50_s']):>9} {s(r['tpot_p99_s']):>7} {r['preemptions']:>7} {r['swaps']:>6} "
+                     f"{r['recomputed']:>10}  "
                      + "/".join(f"{n}/{result['requests']}" for n in r["same_outputs"]))
     lines.append("busy fraction per daemon (stages summed): " + "; ".join(
         f"{p}: " + ", ".join(f"{d} {v:.2f}" for d, v in r["daemon_busy"].items()) for p, r in rows.items()))

@@ -12,10 +12,12 @@ pass on this CPU (:func:`hpipe.model.sampling.sample`) while the stages compute 
 
 KV memory. The engine mirrors every stage's KV pool (:mod:`runtime.coordinator.kv_room`), so it
 knows the free blocks of the tightest stage without asking. Before a micro-batch goes out, the
-blocks it needs are found or made: requests not in flight are preempted, newest first; a
-preempted request gives its blocks back and later recomputes its prompt and the tokens it has
-generated (with its sampler's state kept, so its tokens are the same), and is counted in
-``preemptions``. A daemon that still refuses a sequence for want of blocks (another session
+blocks it needs are found or made: requests not in flight are preempted, newest first. A
+preempted request's KV moves to the daemons' host tier while the tier has room for it
+(:mod:`runtime.daemon.kv_tier`, mirrored here like the pools; counted in ``swaps``) and comes
+back when it runs again; otherwise (or with ``swap`` off) it gives its blocks back and later
+recomputes its prompt and the tokens it has generated (with its sampler's state kept, so its
+tokens are the same; counted in ``recomputed`` positions). Both count in ``preemptions``. A daemon that still refuses a sequence for want of blocks (another session
 filled its pool) has that request preempted too, never failed.
 
 The prefix cache (:mod:`runtime.coordinator.prefix_cache`) decides a request's hit as it is
@@ -34,6 +36,7 @@ import torch
 
 from hpipe.model.sampling import SampleError, logprobs, sample
 from runtime.coordinator.kv_room import KVRoom
+from runtime.coordinator.preemption import Preempting
 from runtime.coordinator.request import Request
 from runtime.coordinator.resume import replays, resume_requests
 from runtime.coordinator.session import Session, StageFailure
@@ -41,8 +44,6 @@ from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
 
-#: times a daemon may refuse a request for want of KV blocks before it fails
-MAX_REFUSALS = 8
 #: seconds between the engine's keep-alives of its running requests (a daemon frees a sequence
 #: unnamed for 300 s)
 KEEPALIVE_S = 30.0
@@ -68,13 +69,14 @@ class Sent:
     decode: int
 
 
-class Engine:
+class Engine(Preempting):
     """Runs :class:`Request` s on a session, ``depth`` micro-batches in flight, formed by ``policy``."""
 
     def __init__(self, session: Session, policy, depth: int, max_running: int = 64,
-                 recover: Callable[[str, Session], Session] | None = None, prefix_cache: float | None = None):
+                 recover: Callable[[str, Session], Session] | None = None, prefix_cache: float | None = None,
+                 swap: bool = True):
         """``prefix_cache``: keep a prefix cache, with room for this share of the tightest stage's
-        pool in blocks nobody holds (None: no cache)."""
+        pool in blocks nobody holds (None: no cache); ``swap``: preempt into the host tier."""
         self.session, self.policy, self.depth, self.max_running = session, policy, max(1, depth), max_running
         #: when the pipeline breaks: (error, the broken session's id) -> a new session on a working
         #: pipeline that took over its sequences where it could, or StageFailure (runtime.coordinator.recovery)
@@ -92,8 +94,10 @@ class Engine:
         self.room = KVRoom(min((p.blocks for p in pools), default=0), pools[0].block_size if pools else 16,
                            prefix_cache, salt=f"{session.pipe.model}|{session.pipe.dtype}")
         self.cache = self.room.cache
+        self.swap, self.tier = swap, min((p.tier_blocks for p in pools), default=0)  # the host tier's blocks
+        self.tier_used = 0
         self.micro_batches = 0
-        self.preemptions = 0
+        self.preemptions = self.swaps = self.recomputed = 0
         self._checked = time.monotonic()
         self.log: list[dict] = []  # per micro-batch: when it left and came back, prefill and decode tokens
 
@@ -112,7 +116,11 @@ class Engine:
             self._finish(r, "error", f"RESOURCE_EXHAUSTED: {r.max_len} positions need {self.room.of(r.max_len)} "
                                      f"KV blocks; the tightest stage's pool has {self.room.blocks}")
             return False
-        if self.cache is not None:
+        if r.swapped and self.room.blocks:  # back from the host tier only with room for it and a block more
+            free = self.room.blocks - self.room.used(self.running) + (self.cache.idle if self.cache is not None else 0)
+            if free < r.swapped + 1:
+                return False
+        if self.cache is not None and not r.swapped:  # a swapped request goes on in its own sequence
             admitted, evicted = self.cache.admit(r)
             self.session.evict(evicted)
             if not admitted:
@@ -139,41 +147,6 @@ class Engine:
         if self.cache is not None:
             self.session.evict(self.cache.let_go(r))
 
-    # --- KV blocks ----------------------------------------------------------------------------
-    def kv_free(self) -> float:
-        """The tightest stage's free share of its KV pool, as this engine has laid it out (1 without
-        pools; :mod:`runtime.coordinator.kv_room`)."""
-        return self.room.free_share(self.running)
-
-    def _make_room(self, planned: list[Planned]) -> list[Planned]:
-        """``planned`` with the blocks it needs: while short, idle cached blocks are evicted, then the
-        newest request not in flight is preempted (its entry dropped if it had one)."""
-        while planned and (short := self.room.short(self.running, [(p.request, p.length) for p in planned])) > 0:
-            if self.cache is not None and self.cache.idle:
-                self.session.evict(self.cache.evict(short))
-                continue
-            inside = {id(p.request) for p in planned}
-            idle = [r for r in self.running if r.in_flight == 0 and (r.laid_out or id(r) in inside)]
-            if not idle:
-                return []  # every block belongs to micro-batches in flight: wait for them
-            victim = max(idle, key=lambda r: r.admitted)
-            planned = [p for p in planned if p.request is not victim]
-            if victim.laid_out:
-                self._preempt(victim)
-        return planned
-
-    def _preempt(self, r: Request) -> None:
-        """Free ``r``'s blocks; it recomputes its prompt and tokens when it runs again."""
-        if r.laid_out:
-            self.session.close_sequences([r.seq_id])
-        self._let_go(r)
-        r.new_sequence()
-        r.restart(r.prompt + r.tokens)
-        r.preemptions += 1
-        self.preemptions += 1
-        self.running.remove(r)
-        self.waiting.insert(0, r)
-
     # --- the loop -----------------------------------------------------------------------------
     def run(self, until_idle: bool = True, stop: threading.Event | None = None) -> None:
         """Schedule and collect until every request added is done (``until_idle``), or ``stop`` is
@@ -199,6 +172,11 @@ class Engine:
             for r in reversed(restarted):
                 self.running.remove(r)
                 self.waiting.insert(0, r)  # the oldest first again
+            for r in self.waiting:  # a swapped copy may be lost with a daemon: recompute
+                if r.swapped:
+                    self._unswap(r)
+                    r.new_sequence()
+                    r.restart(r.prompt + r.tokens)
             stale = set(session.resumed) - set(wanted)  # adopted, but no running request goes on with them
             session.close_sequences(sorted(stale))
             old.close()
@@ -232,6 +210,7 @@ class Engine:
                 self.cache.clear(self.running + self.waiting)
             self._in_flight.clear()
             self.room.resize(min((p.blocks for p in pools), default=0))
+            self.tier = min((p.tier_blocks for p in pools), default=0)
             self.depth = max(1, len(session.pipe.stages))
             self.lanes = max(1, session.pipe.lanes)
             self._checked = time.monotonic()
@@ -266,6 +245,7 @@ class Engine:
             prefill = decode = 0
             for p in planned:
                 r = p.request
+                self._unswap(r)  # the daemons bring its KV back as they lay this entry out
                 start = r.laid_out
                 first = start == r.begins_at
                 p.sampled = not r.prefilling or start + p.length == len(r.prefix)
@@ -349,21 +329,6 @@ class Engine:
                 self._finish(r, "error", f"internal error while sampling: {e!r}")
             return [None] * len(owners)
 
-    def _refused(self, r: Request, code: str, message: str) -> None:
-        """A daemon failed ``r``'s sequence: out of KV blocks (or, resuming, without the log to
-        rebuild it), it waits and recomputes (once its entries still in flight are back);
-        otherwise it ends with the error."""
-        if code == "DATA_LOSS" and self.cache is not None and r.hit:  # a stage lacks a block it began with
-            self.cache.drop(r.hit)
-        if code not in ("RESOURCE_EXHAUSTED", "DATA_LOSS"):  # DATA_LOSS: a replay found no log
-            self._finish(r, "error", f"{code}: {message}")
-        elif r.in_flight == 0:
-            r.refusals += 1
-            if r.refusals > MAX_REFUSALS:
-                self._finish(r, "error", f"{code}: {message}")
-            else:
-                self._preempt(r)
-
     def _take(self, r: Request, token: int, now: float) -> None:
         if r.first_token_s is None:
             r.first_token_s = now
@@ -383,6 +348,7 @@ class Engine:
     def _finish(self, r: Request, reason: str, error: str = "") -> None:
         if r.finished:
             return
+        self._unswap(r)
         r.stop_reason, r.error, r.done_s = reason, error, time.monotonic()
         if r in self.running:
             self.running.remove(r)

@@ -73,6 +73,8 @@ def _prefill(engine: Engine, budget: int, planned: list[Planned], shortest_first
                 # prefix: the next may still go in
                 admitting = r.finished or r.deferred
                 continue
+            if not r.prefilling:  # swapped out while decoding: its next token comes with the decode ones
+                continue
         n = r.next_chunk() if lone else min(r.next_chunk(), budget)
         planned.append(Planned(r, n))
         budget -= n

@@ -39,6 +39,7 @@ class Request:
     prefix: list[int] = field(default_factory=list)   # what is prefilled: the prompt, and after a
     slices: list[int] = field(default_factory=list)   # preemption the tokens generated too
     laid_out: int = 0                          # positions sent into the pipeline
+    swapped: int = 0                           # blocks its KV takes in the daemons' host tier (0: none there)
     begins_at: int = 0                         # where its sequence's first entry starts (cached before)
     tokens: list[int] = field(default_factory=list)
     in_flight: int = 0                         # entries of it in flight
@@ -96,7 +97,7 @@ class Request:
     @property
     def waiting_tokens(self) -> int:
         """Prefill tokens not yet sent."""
-        return len(self.prefix) - self.laid_out
+        return max(0, len(self.prefix) - self.laid_out)
 
     @property
     def ready(self) -> bool:

@@ -137,6 +137,12 @@ class Session:
         if seq_ids:
             self._to_every_daemon(pb.Frame(close=pb.CloseSequences(sequence_ids=seq_ids)))
 
+    def swap_out(self, seq_ids: list[int]) -> None:
+        """Every daemon moves these sequences' KV to its host tier (in order after the micro-batches
+        sent before; the next entry naming one brings it back: runtime.daemon.kv_tier)."""
+        if seq_ids:
+            self._to_every_daemon(pb.Frame(swap_out=pb.SwapOut(sequence_ids=seq_ids)))
+
     def evict(self, blocks: list[int]) -> None:
         """Every daemon forgets these cached blocks (in order after the micro-batches sent before)."""
         if blocks:

@@ -66,8 +66,11 @@ class Layouts:
     with each deployment); ``stopping`` is set when the daemon shuts down."""
 
     def __init__(self, stages: Callable[[], dict], sequences: SequenceTable, replay_log: ReplayLog,
-                 outbox: Outbox, stopping: threading.Event, prefixes: PrefixStore):
+                 outbox: Outbox, stopping: threading.Event, prefixes: PrefixStore,
+                 swap_in: Callable[[Sequence], None] | None = None):
         self.stages, self.sequences, self.replay_log, self.prefixes = stages, sequences, replay_log, prefixes
+        #: brings a sequence's KV back from the host tier before it is extended (runtime.daemon.kv_tier)
+        self.swap_in = swap_in
         self.outbox, self.stopping = outbox, stopping
         self._by_key: dict[tuple[int, int], Layout] = {}
         self._ended: deque[int] = deque(maxlen=256)  # sessions ended lately: their late data is skipped
@@ -147,6 +150,12 @@ class Layouts:
         if seq.error:
             layout.fail(e.sequence_id, seq.code or "ABORTED", seq.error)
             return
+        if self.swap_in is not None:
+            try:
+                self.swap_in(seq)
+            except PoolExhausted as err:  # it stays in the tier; the coordinator preempts it again
+                layout.fail(e.sequence_id, "RESOURCE_EXHAUSTED", f"sequence {e.sequence_id}: swapping it in: {err}")
+                return
         for i in stages:
             if e.start > seq.planned[i]:
                 layout.fail(e.sequence_id, "FAILED_PRECONDITION", f"sequence {e.sequence_id}: an entry starts at "

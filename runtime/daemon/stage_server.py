@@ -38,6 +38,7 @@ from hpipe.model.kvpool import BLOCK_SIZE
 from runtime.daemon import deployment, memory
 from runtime.daemon.deployment import Deployment, LoadedStage
 from runtime.daemon.device_io import DeviceIO
+from runtime.daemon.kv_tier import HostTier
 from runtime.daemon.layout import Layouts
 from runtime.daemon.micro_batch import MicroBatches
 from runtime.daemon.outbox import Outbox
@@ -83,9 +84,10 @@ class StageServer:
         self._stopping = threading.Event()
         self.outbox = Outbox(self.sequences, self.replay_log, self.stats, token, tls_client)
         self.prefixes = PrefixStore()
+        self.tier = HostTier()
         self.owners = SessionOwners()
         self.layouts = Layouts(lambda: self.stages, self.sequences, self.replay_log, self.outbox, self._stopping,
-                               self.prefixes)
+                               self.prefixes, swap_in=self._swap_in)
         self.worker = Worker(MicroBatches(self.sequences, self.io, self.outbox, self.stats, self.layouts),
                              on_worker_start, shape=_shape)
         self.data = DataServer(host, token, self._serve_connection, tls_server, port=data_port,
@@ -172,15 +174,18 @@ class StageServer:
         for seq_id in self.sequences.ids():
             self._free(seq_id)
         self.prefixes.clear()
+        self.tier.reset()
         self.stages, self.deployment, self.weight_bytes = {}, None, 0
 
     def _held(self) -> str:
         return ", ".join(str(s.units) for s in self.stages.values())
 
     def pools(self) -> list[dict]:
+        tier = {"tier_blocks": self.tier.capacity(self.stages), "tier_used_blocks": self.tier.used_blocks(BLOCK_SIZE),
+                "swapped_out": self.tier.swapped_out, "swapped_in": self.tier.swapped_in}
         return [{"stage": i, "block_size": s.pool.block_size, "blocks": s.pool.num_blocks,
-                 "used_blocks": s.pool.used_blocks, "block_bytes": s.model.block_bytes(), **self.prefixes.stats(i)}
-                for i, s in self.stages.items() if s.pool is not None]
+                 "used_blocks": s.pool.used_blocks, "block_bytes": s.model.block_bytes(), **self.prefixes.stats(i),
+                 **tier} for i, s in self.stages.items() if s.pool is not None]
 
     def kv_bytes(self) -> int:
         return sum(s.pool.used_blocks * s.model.block_bytes() for s in self.stages.values() if s.pool is not None)
@@ -208,6 +213,8 @@ class StageServer:
                 elif kind == "close" and session:
                     for seq_id in frame.close.sequence_ids:
                         self.close(seq_id, session, conn.peer)
+                elif kind == "swap_out" and session:
+                    self.swap_out(list(frame.swap_out.sequence_ids), session)
                 elif kind == "evict" and session:
                     self.prefixes.evict(session, list(frame.evict.blocks))
                 elif kind == "probe" and not session:  # the profiler times this link (MeasureLink)
@@ -296,6 +303,25 @@ class StageServer:
         self._release(seq)
         return True
 
+    def swap_out(self, seq_ids: list[int], session: int) -> None:
+        """Move ``session``'s sequences to the host tier (:mod:`runtime.daemon.kv_tier`); one the
+        tier has no room for fails with DATA_LOSS and gives its blocks back."""
+        def out():
+            for seq_id in seq_ids:
+                seq = self.sequences.find(seq_id)
+                if seq is None or seq.session != session or seq.error:
+                    continue
+                if not self.tier.swap_out(seq, self.stages):
+                    seq.fail("DATA_LOSS", f"sequence {seq_id} was preempted and the host tier has no room for its KV")
+                    for kv in seq.kv.values():
+                        kv.truncate(0)
+        self.run_on_device(out, timeout_s=60.0)
+
+    def _swap_in(self, seq) -> None:
+        """Before a layout extends ``seq``: its KV back from the host tier, if it is there."""
+        if self.tier.holds(seq.id):
+            self.run_on_device(lambda: self.tier.swap_in(seq, self.stages), timeout_s=60.0)
+
     def _free(self, seq_id: int) -> None:
         seq = self.sequences.pop(seq_id)
         if seq is not None:
@@ -304,6 +330,7 @@ class StageServer:
     def _release(self, seq) -> None:
         for kv in seq.kv.values():
             kv.release()
+        self.tier.drop(seq.id)
         self.replay_log.drop(seq)
 
     def end_session(self, session: int) -> list:

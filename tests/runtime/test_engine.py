@@ -1,5 +1,6 @@
 """The engine over real daemons: every policy gives each request the tokens it gets alone, and a
-KV pool too small for the load preempts and recomputes, losing nothing."""
+KV pool too small for the load preempts (into the daemons' host tier, or to recompute), losing
+nothing."""
 
 import shutil
 import time
@@ -51,10 +52,10 @@ def chunks(n: int) -> list[int]:
     return [7] * (n // 7) + ([n % 7] if n % 7 else [])
 
 
-def run(pipe, prompts, news, policy: str, max_running: int = 64) -> tuple[list, Engine]:
+def run(pipe, prompts, news, policy: str, max_running: int = 64, swap: bool = True) -> tuple[list, Engine]:
     session = pipe.session()
     try:
-        engine = Engine(session, POLICIES[policy](), depth=len(pipe.stages), max_running=max_running)
+        engine = Engine(session, POLICIES[policy](), depth=len(pipe.stages), max_running=max_running, swap=swap)
         requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
         engine.run()
     finally:
@@ -86,16 +87,33 @@ def test_every_policy_gives_each_request_its_own_tokens(tiny, policy):
     assert pools_empty(pipe)
 
 
-def test_a_pool_too_small_for_the_load_preempts_and_loses_nothing(tiny):
+def swaps(pipe) -> tuple[int, int, int]:
+    """The daemons' host tiers: sequences swapped out and in, and blocks still held (summed)."""
+    tiers = {c.name: next(iter(c.call("Status", pb.StatusRequest()).pools)) for c in pipe.clients}
+    return tuple(sum(getattr(p, k) for p in tiers.values()) for k in ("swapped_out", "swapped_in", "tier_used_blocks"))
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_a_pool_too_small_for_the_load_preempts_and_loses_nothing(tiny, swap):
+    """Preempted requests' KV goes to the daemons' host tier and comes back (nothing recomputed
+    while the tier has room), or, without it, is recomputed; the tokens are the same either way."""
     pipe, source, path, _ = tiny
     cfg = source.config
     prompts, news = workload(24, cfg.vocab_size)
     # each stage's pool: 20 blocks of 16 tokens, about a quarter of what the 24 requests hold at once
     pipe.load(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32, kv_pool_bytes=20 * BLOCK)
     assert min(p.blocks for p in pipe.pools()) == 20
-    tokens, engine = run(pipe, prompts, news, "sarathi")
+    assert min(p.tier_blocks for p in pipe.pools()) == 60
+    before = swaps(pipe)
+    tokens, engine = run(pipe, prompts, news, "sarathi", swap=swap)
     assert tokens == alone(source, prompts, news)
     assert engine.preemptions > 0
+    out, back, held = (a - b for a, b in zip(swaps(pipe), before))
+    if swap:
+        assert engine.swaps == engine.preemptions and engine.recomputed == 0
+        assert out == back == 3 * engine.swaps and held == 0  # every daemon swapped each one out and in
+    else:
+        assert engine.swaps == 0 and engine.recomputed > 0 and out == back == 0
     assert pools_empty(pipe)
 
 
@@ -217,4 +235,27 @@ def test_non_finite_logits_fail_the_request_with_a_clear_error(tiny, tmp_path):
     finally:
         session.close()
     assert r.stop_reason == "error" and "non-finite logits" in r.error and r.tokens == []
+    assert pools_empty(pipe)
+
+
+def test_swapped_requests_that_began_with_a_cached_prefix_lose_nothing(tiny):
+    """Under memory pressure with a prefix cache, a request that began with shared cached blocks
+    is swapped out whole and comes back into blocks of its own: the tokens are still its own."""
+    pipe, source, path, _ = tiny
+    cfg = source.config
+    prompts, news = workload(24, cfg.vocab_size)
+    shared = torch.randint(1, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompts = [shared + p for p in prompts]
+    pipe.load(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32, kv_pool_bytes=30 * BLOCK)
+    session = pipe.session()
+    try:
+        engine = Engine(session, POLICIES["gllm"](), depth=len(pipe.stages), prefix_cache=0.2)
+        requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
+        engine.run()
+    finally:
+        session.close()
+    assert all(not r.error for r in requests), [r.error for r in requests]
+    assert [r.tokens for r in requests] == alone(source, prompts, news)
+    assert engine.swaps > 0 and engine.cache.hits > 0
+    assert any(r.preemptions and r.cached_tokens for r in requests)
     assert pools_empty(pipe)
