@@ -160,19 +160,33 @@ class Engine(Preempting):
                 self._recover(str(e))
 
     def _recover(self, error: str) -> None:
-        """Go on on the session ``recover`` gives (or raise its StageFailure). Every running request
-        resumes where every stage can go on from (:mod:`runtime.coordinator.resume`): stages that lost its
-        cache are rebuilt by replays, sent before anything else; a request that cannot be resumed
-        starts again from its token ids, prefilling its prompt and the tokens it has."""
+        """Go on on the session ``recover`` gives (or raise its StageFailure)."""
         old = self.session
-        session = self.recover(error, old)
+        self._go_on(old, self.recover(error, old))
+        self.recoveries += 1
+
+    def switch(self, deploy: Callable[[Session], Session]) -> None:
+        """Go on on another deployment of the pipeline (a Seesaw layout switch): with nothing in
+        flight, ``deploy`` loads it and returns a session that took the current one's sequences
+        over; every running request resumes on it as after a recovery (the stages that kept its
+        KV keep it, replays rebuild it on the stages that moved)."""
+        if self._in_flight:
+            raise RuntimeError("a layout switch needs the pipeline drained")
+        old = self.session
+        self._go_on(old, deploy(old))
+
+    def _go_on(self, old: Session, session: Session) -> None:
+        """Every running request resumes where every stage of ``session`` can go on from
+        (:mod:`runtime.coordinator.resume`): stages that lack its cache are rebuilt by replays,
+        sent before anything else; a request that cannot be resumed starts again from its token
+        ids, prefilling its prompt and the tokens it has."""
         with self._lock:
             self.session = session  # its cache is emptied as it is bound below (rebind)
             wanted, restarted, kept = resume_requests(self.running, session.resumed, len(session.pipe.stages))
             for r in reversed(restarted):
                 self.running.remove(r)
                 self.waiting.insert(0, r)  # the oldest first again
-            for r in self.waiting:  # a swapped copy may be lost with a daemon: recompute
+            for r in self.waiting:  # a swapped copy may be lost with a daemon, or of moved stages
                 if r.swapped:
                     self._unswap(r)
                     r.new_sequence()
@@ -189,14 +203,15 @@ class Engine(Preempting):
                 self.rebind(session)
             except StageFailure as e:  # broke again while resuming: recovered again below
                 broken = str(e)
-            self.recoveries += 1
             self.resumes.append({"resumed": len(self.running),
                                  "kept_positions": kept, "replayed_positions": sum(b.tokens for b in batches),
                                  "restarted": len(restarted)})
             self._checked = time.monotonic()
-            log.warning("resumed %d requests (%d positions kept, %d rebuilt by replays), %d start again",
-                        self.resumes[-1]["resumed"], kept, self.resumes[-1]["replayed_positions"], len(restarted))
+            log.info("resumed %d requests (%d positions kept, %d rebuilt by replays), %d start again",
+                     self.resumes[-1]["resumed"], kept, self.resumes[-1]["replayed_positions"], len(restarted))
         if broken is not None:
+            if self.recover is None:
+                raise StageFailure(broken)
             self._recover(broken)
 
     def rebind(self, session: Session) -> None:
@@ -230,6 +245,9 @@ class Engine(Preempting):
                 self._checked = time.monotonic()
             while len(self._in_flight) < self.depth and self._send_one():
                 pass
+            switch = getattr(self.policy, "switch", None)  # a policy with phases (runtime.coordinator.seesaw)
+            if not self._in_flight and switch is not None and switch(self):
+                continue
             if self._in_flight:
                 self._collect()
             else:

@@ -134,6 +134,26 @@ def extends(a: Deployment | None, b: Deployment) -> bool:
     return _same_pipeline(a, b) and set(a.held) < set(b.held)
 
 
+def reshards(a: Deployment | None, b: Deployment) -> bool:
+    """Whether ``b`` is ``a``'s pipeline with other stages held here (a Seesaw layout switch over
+    the same stages): the stages held in both stay loaded with their sequences."""
+    return _same_pipeline(a, b) and set(a.held) != set(b.held) and not set(a.held) < set(b.held)
+
+
+def give_up(stages: dict[int, LoadedStage], gone: list[int], sequences, replay_log) -> dict[int, LoadedStage]:
+    """``stages`` without the ``gone`` ones: each open sequence gives back its blocks and its
+    replay log on them."""
+    for seq in sequences:
+        for i in gone:
+            kv = seq.kv.pop(i, None)
+            if kv is not None:
+                kv.release()
+            seq.planned.pop(i, None)
+            seq.computed.pop(i, None)
+            replay_log.drop_stage(seq, i)
+    return {i: s for i, s in stages.items() if i not in gone}
+
+
 def check_memory(device: torch.device, budget: int | None, in_use: int, new_bytes: int, what: str) -> None:
     """Refuse ``new_bytes`` more (``RESOURCE_EXHAUSTED``) past the budget or 90% of the free memory."""
     if budget is not None and in_use + new_bytes > budget:

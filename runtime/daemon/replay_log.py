@@ -127,6 +127,13 @@ class ReplayLog:
             log = seq.logs.get(stage) if seq.logs is not None else None
             return log.length if log is not None else 0
 
+    def drop_stage(self, seq, stage: int) -> None:
+        """Free ``seq``'s log of one stage (the stage moved to another daemon)."""
+        with self._lock:
+            log = seq.logs.pop(stage, None) if seq.logs is not None else None
+            if log is not None:
+                self.nbytes -= log.nbytes
+
     def drop(self, seq) -> None:
         """Free every log of ``seq`` (it closed); later appends find it closed."""
         with self._lock:

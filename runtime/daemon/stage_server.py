@@ -123,6 +123,9 @@ class StageServer:
             elif deployment.extends(self.deployment, dep):
                 self._extend(dep)
                 log.info("took over units %s of %s; kept the others", self._held(), dep.model)
+            elif deployment.reshards(self.deployment, dep):
+                self._reshard(dep)
+                log.info("now holds units %s of %s (a layout switch)", self._held(), dep.model)
             elif self.deployment != dep:
                 for hook in self.before_load:
                     hook()
@@ -168,6 +171,22 @@ class StageServer:
             self.weight_bytes += sum(s.model.weight_bytes() for s in added.values())
             self.deployment = dep
         self.run_on_device(extend)
+
+    def _reshard(self, dep: Deployment) -> None:
+        """Hold ``dep``'s stages of the same pipeline (a Seesaw layout switch): the stages held
+        before and now keep their sequences' KV; those no longer held are dropped (their blocks,
+        logs and swapped copies), the new ones loaded beside with empty caches that replays fill."""
+        gone = [i for i in self.stages if i not in dep.held]
+
+        def drop():
+            self.stages = deployment.give_up(self.stages, gone, self.sequences.all(), self.replay_log)
+            self.weight_bytes = sum(s.model.weight_bytes() for s in self.stages.values())
+            self.tier.reset()  # its copies are of the old layout's stages: the coordinator recomputes them
+        self.run_on_device(drop)
+        if any(i not in self.stages for i in dep.held):
+            self._extend(dep)
+        else:
+            self.run_on_device(lambda: (deployment.relink(self.stages, dep), setattr(self, "deployment", dep)))
 
     def _drop_everything(self) -> None:
         """On the worker: forget every sequence and the old stages, before a new deployment loads."""

@@ -1,0 +1,144 @@
+"""Seesaw's phase loop: prefill on one layout, decode on another, switching between them rarely.
+
+Design note (docs/decisions/seesaw.md; papers/seesaw.md §4-5). The planner
+(:mod:`planner.seesaw`) picks a prefill layout and a decode layout of the same daemons. Both run
+here as one pipeline of *fine stages*, the units between any two cuts of either layout
+(:func:`fine_stages`): a layout is those stages on its daemons, a daemon holding several in a
+row. A switch is a redeployment of the same stages on other daemons: every daemon keeps the
+stages it holds in both layouts with their sequences' KV, drops the others and loads the ones it
+gains (:meth:`runtime.daemon.stage_server.StageServer.load`, a reshard), and the engine resumes
+every running request on the new layout as after a recovery: the stages that moved rebuild their
+KV from the activations the stage before them logged (replays), which is Seesaw's "recompute"
+transition; a request whose KV cannot be rebuilt so starts again from its token ids.
+
+:class:`SeesawPhases` is the engine's policy. In the prefill phase it admits waiting requests
+while the KV pools hold every admitted request at its full length (so no prefill is preempted
+and every one finishes), and sends only prefill chunks; when nothing more can be prefilled and
+requests wait to decode, it switches to the decode layout. In the decode phase it sends only
+decode tokens (spread over the micro-batches in flight, as gllm does) until the requests
+decoding fall to ``low_water`` of the batch it began with, or finish, while others wait; then
+it switches back. So a switch happens once per pool-full of requests, never per request, and
+every request's greedy tokens are those of a single layout (the same weights, positions and
+KV). Time to first token is what it costs: a request waits for the phase that prefills it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import replace
+from typing import Callable, Sequence
+
+from hpipe.core.plan import Stage
+from hpipe.core.units import UnitRange
+from runtime.coordinator.engine import Engine, Planned, Request
+from runtime.coordinator.policies import _prefill
+from runtime.coordinator.session import Session
+
+log = logging.getLogger(__name__)
+
+PHASES = ("prefill", "decode")
+
+
+def fine_stages(layouts: dict[str, Sequence[Stage]]) -> dict[str, list[Stage]]:
+    """Each layout as one pipeline of the same stages: the unit ranges between any two cuts of any
+    layout, each on the daemon that holds it in that layout."""
+    first = next(iter(layouts.values()))
+    total, layers = first[-1].units.end, first[0].units.num_layers
+    for name, stages in layouts.items():
+        if stages[0].units.start != 0 or stages[-1].units.end != total or any(
+                a.units.end != b.units.start for a, b in zip(stages, stages[1:])):
+            raise ValueError(f"the {name} layout does not cover units [0, {total}) in order")
+    cuts = sorted({s.units.start for stages in layouts.values() for s in stages} | {total})
+    out = {}
+    for name, stages in layouts.items():
+        fine = []
+        for a, b in zip(cuts, cuts[1:]):
+            owner = next(s for s in stages if s.units.start <= a < s.units.end)
+            fine.append(replace(owner, units=UnitRange(a, b, layers), memory_bytes=0, compute_s=0.0))
+        out[name] = fine
+    return out
+
+
+class SeesawPhases:
+    """The engine's policy for Seesaw; ``deploy(phase, session)`` loads ``phase``'s layout and
+    returns a session that took ``session``'s sequences over (the layout of ``phase`` is loaded
+    when the first request comes)."""
+
+    name = "seesaw"
+
+    def __init__(self, deploy: Callable[[str, Session], Session], phase: str = "prefill", budget: int = 512,
+                 low_water: float = 0.25):
+        if phase not in PHASES:
+            raise ValueError(f"a phase is prefill or decode, not {phase!r}")
+        self.deploy, self.phase, self.budget, self.low_water = deploy, phase, budget, low_water
+        self.batch = 0           # requests decoding when the decode phase began
+        self.switches: list[dict] = []  # each switch: to which phase, when, how long it took
+
+    # --- forming micro-batches ------------------------------------------------------------------
+    def form(self, engine: Engine) -> list[Planned]:
+        if self.phase == "prefill":
+            planned: list[Planned] = []
+            _prefill(_Reserving(engine), self.budget, planned, shortest_first=False)
+            return planned
+        answering = _answering(engine)
+        if self._drained(engine, answering):
+            return []  # let what is in flight come back, then switch
+        quota = math.ceil(len(answering) / max(1, min(engine.lanes, engine.depth)))
+        ready = sorted((r for r in answering if r.ready), key=lambda r: r.admitted)[:quota]
+        # a request resumed by a switch computes its last token again as a one-token chunk
+        return [Planned(r, r.next_chunk() if r.prefilling else 1) for r in ready]
+
+    def _drained(self, engine: Engine, answering: list[Request]) -> bool:
+        """Decode has run low (or out) and requests wait to be prefilled."""
+        return bool(engine.waiting) and len(answering) <= self.low_water * self.batch
+
+    # --- switching --------------------------------------------------------------------------------
+    def switch(self, engine: Engine) -> bool:
+        """With nothing in flight: switch phases if this one has nothing left to do (True if it did)."""
+        answering = _answering(engine)
+        if self.phase == "prefill":
+            if not answering or len(answering) < len(engine.running):  # a prompt is not all read yet
+                return False
+            to = "decode"
+        else:
+            if not self._drained(engine, answering):
+                return False
+            to = "prefill"
+        t0 = time.monotonic()
+        engine.switch(lambda old: self.deploy(to, old))
+        self.phase = to
+        if to == "decode":
+            self.batch = len(_answering(engine))
+        took = time.monotonic() - t0
+        self.switches.append({"to": to, "at_s": t0, "seconds": took, "requests": len(engine.running),
+                              **engine.resumes[-1]})
+        log.info("seesaw: switched to the %s layout in %.2f s (%d requests running)", to, took, len(engine.running))
+        return True
+
+
+def _answering(engine: Engine) -> list[Request]:
+    """Running requests past their prompt (they have a token: decode work, whatever a switch's
+    resume left them to compute again)."""
+    return [r for r in engine.running if r.tokens]
+
+
+class _Reserving:
+    """The engine as the prefill phase admits from it: a waiting request goes in only if the pools
+    hold it, and every request already running, at their full lengths (no prefill is preempted)."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def admit(self, r: Request) -> bool:
+        e, room = self._engine, self._engine.room
+        if room.blocks:
+            shared = (e.cache.ready - e.cache.idle) if e.cache is not None else 0  # cached blocks in use
+            reserved = sum(room.of(x.max_len) for x in e.running) + room.of(r.max_len)
+            if reserved > room.blocks - shared:
+                return False
+        return e.admit(r)

@@ -1,0 +1,80 @@
+"""Seesaw's phase loop over real daemons: a prefill layout and a decode layout of the same three
+daemons, switched between as the phases run dry; every request gets the tokens it gets alone,
+however many switches it lives through, with its KV rebuilt by replays on the stages that moved."""
+
+import pytest
+import torch
+
+from hpipe.core.plan import Stage
+from hpipe.core.units import UnitRange
+from hpipe.model.sources import resolve_model
+from runtime.coordinator.engine import Engine, Request
+from runtime.coordinator.pipeline import Pipeline, cut_stages
+from runtime.coordinator.seesaw import SeesawPhases, fine_stages
+from tests.cluster_helpers import Served, cluster_of
+from tests.runtime.test_engine import BLOCK, alone, chunks, pools_empty, workload
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs):
+    path = tiny_dirs["llama"]
+    daemons = [Served(f"d{i}") for i in range(3)]
+    pipe = Pipeline(cluster_of(*daemons))
+    yield pipe, resolve_model(str(path)), str(path)
+    pipe.close()
+    for d in daemons:
+        d.stop()
+
+
+def test_fine_stages_cut_each_layout_at_every_cut_of_both():
+    def stage(daemon, a, b):
+        return Stage(daemon, f"{daemon}:1", UnitRange(a, b, 4))
+    prefill = [stage("a", 0, 3), stage("b", 3, 6)]
+    decode = [stage("c", 0, 2), stage("a", 2, 6)]
+    fine = fine_stages({"prefill": prefill, "decode": decode})
+    assert [(s.daemon, s.units.start, s.units.end) for s in fine["prefill"]] == [("a", 0, 2), ("a", 2, 3), ("b", 3, 6)]
+    assert [(s.daemon, s.units.start, s.units.end) for s in fine["decode"]] == [("c", 0, 2), ("a", 2, 3), ("a", 3, 6)]
+    with pytest.raises(ValueError, match="does not cover"):
+        fine_stages({"prefill": prefill, "decode": decode[:1]})
+
+
+@pytest.mark.parametrize("low_water", [0.0, 0.75])
+def test_switching_layouts_loses_no_token(tiny, low_water):
+    """Pools that hold a third of the requests at once force several prefill/decode rounds; with
+    ``low_water`` 0.75, decode gives way while most requests still decode, so requests cross
+    switches in the middle of their answers."""
+    pipe, source, path = tiny
+    cfg = source.config
+    n = cfg.num_units
+    names = [d.name for d in pipe.cluster.daemons]
+    prefill = cut_stages(pipe.cluster, [3, 5], n)
+    decode = cut_stages(pipe.cluster, [2, 6], n, daemons=[names[1], names[2], names[0]])
+    layouts = fine_stages({"prefill": prefill, "decode": decode})
+    pool = 24 * BLOCK
+
+    def deploy(phase, old):
+        pipe.load(path, layouts[phase], torch.float32, kv_pool_bytes=pool, adjacent=True)
+        return pipe.session(resume_from=old)
+
+    pipe.load(path, layouts["prefill"], torch.float32, kv_pool_bytes=pool, adjacent=True)
+    prompts, news = workload(24, cfg.vocab_size)
+    news = [m + 8 for m in news]  # answers long enough to be cut by switches
+    phases = SeesawPhases(deploy, low_water=low_water)
+    session = pipe.session()
+    try:
+        engine = Engine(session, phases, depth=len(pipe.stages))
+        requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
+        engine.run()
+    finally:
+        engine.session.close()
+    assert all(r.stop_reason == "length" and not r.error for r in requests), [r.error for r in requests]
+    assert [r.tokens for r in requests] == alone(source, prompts, news)
+    to = [s["to"] for s in phases.switches]
+    assert len(to) >= 3 and to[::2] == ["decode"] * len(to[::2]) and to[1::2] == ["prefill"] * len(to[1::2])
+    # the stages that moved rebuilt their KV from the logs: nothing started again
+    assert sum(s["replayed_positions"] for s in phases.switches) > 0
+    assert sum(s["restarted"] for s in phases.switches) == 0
+    if low_water:  # some requests were decoding when decode gave way
+        assert any(s["to"] == "prefill" and s["resumed"] for s in phases.switches)
+    assert engine.preemptions == 0  # the prefill phase admits only what the pools hold to the end
+    assert pools_empty(pipe)
