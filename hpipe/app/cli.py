@@ -204,10 +204,11 @@ def _run_parser(sub) -> None:
                     help="documents over the plan's max length: fail (none), keep the start (head) or end (tail)")
     rn.add_argument("--parallel", type=_positive, default=16,
                     help="documents in flight at once: their prefill chunks and decode tokens share micro-batches")
-    rn.add_argument("--policy", choices=["gllm", "sarathi", "fcfs", "single"], default="gllm",
+    rn.add_argument("--policy", choices=["gllm", "sarathi", "fcfs", "single", "seesaw"], default="gllm",
                     help="how micro-batches are formed (docs/runtime.md): gllm (token throttling, the default), "
                          "sarathi (a fixed token budget), fcfs (one document at a time), single (one sequence per "
-                         "micro-batch, as hpipe ran before batching)")
+                         "micro-batch, as hpipe ran before batching), seesaw (a plan made with --objective seesaw: "
+                         "prefill on its prefill layout, decode on its decode layout, switching between them)")
     rn.add_argument("--ignore-eos", action="store_true",
                     help="decode --max-new-tokens tokens whatever the model answers (for measurements)")
     rn.add_argument("--strategy", help="run another strategy of the plan (hpipe, throughput, base, gpipe, gp-b, terapipe)")

@@ -146,8 +146,8 @@ def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], resu
     tokenizer = source.tokenizer()
     eos = frozenset(() if job.ignore_eos else source.eos_token_ids())
     strategy = job.strategy or plan.strategy
-    if job.policy not in POLICIES:
-        raise InputError(f"unknown policy {job.policy!r} (choose from {', '.join(POLICIES)})")
+    if job.policy not in POLICIES and job.policy != "seesaw":
+        raise InputError(f"unknown policy {job.policy!r} (choose from {', '.join(POLICIES)}, seesaw)")
     settings = {"model": plan.model_name, "dtype": plan.dtype, "max_new_tokens": job.max_new_tokens,
                 "ignore_eos": job.ignore_eos, "sampling": "greedy"}
     questions = job.questions or (job.instruction,)
@@ -187,11 +187,12 @@ def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], resu
         if skipped:
             log.warning("skipping %d answers already given in %s", skipped, results)
         deployed = deploy(plan, cluster, strategy=strategy, grace_s=job.grace_s, replan=replan,
-                          dequantize=job.dequantize)
+                          dequantize=job.dequantize, seesaw=job.policy == "seesaw")
         redeploy = deployed.recovery
         t0 = time.perf_counter()
         bar = tqdm(total=len(prompts), desc="documents", unit="doc", file=sys.stderr, disable=not sys.stderr.isatty())
-        engine = deployed.engine(POLICIES[job.policy](), max_running=max(1, job.parallel),
+        policy = deployed.phases if job.policy == "seesaw" else POLICIES[job.policy]()
+        engine = deployed.engine(policy, max_running=max(1, job.parallel),
                                  prefix_cache=job.prefix_cache)
 
         def finished(r: Request) -> None:
@@ -242,5 +243,6 @@ def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], resu
             "tokens_per_s": round((stats["prompt_tokens"] + stats["new_tokens"]) / elapsed, 1) if elapsed else None,
             "strategy": strategy, "policy": job.policy, "micro_batches": engine.micro_batches,
             "prefix_cache": engine.cache.stats() if engine.cache is not None else None,
+            "seesaw_switches": deployed.phases.switches if deployed.phases is not None else None,
             "recoveries": [{**event, **(resumed or {})}
                            for event, resumed in itertools.zip_longest(redeploy.events, engine.resumes)]}

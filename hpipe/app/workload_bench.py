@@ -18,13 +18,16 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Callable
 
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError
 from hpipe.core.plan import Plan
+from hpipe.core.units import UnitRange
 from hpipe.core.workload import WorkItem, prompt_ids
-from runtime.coordinator.deploy import deploy
+from hpipe.model.stage import DTYPES
+from runtime.coordinator.deploy import deploy, seesaw_layouts, seesaw_phases
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import Pipeline
 from runtime.coordinator.policies import POLICIES
@@ -45,7 +48,7 @@ def run_once(plan: Plan, pipe: Pipeline, items: list[WorkItem], policy: str, see
     of one) on the deployed ``pipe``."""
     session = pipe.session()
     offsets = [c.clock_offset() for c in pipe.clients]
-    name, _, mode = policy.partition("+")
+    name, _, mode = policy.partition("@")[0].partition("+")
     engine = Engine(session, (make_policy or POLICIES[name])(), depth=len(pipe.stages), max_running=max_running,
                     swap=mode != "recompute")
     slicer = plan.slicer()
@@ -107,18 +110,56 @@ def run_once(plan: Plan, pipe: Pipeline, items: list[WorkItem], policy: str, see
 
 def run_workload(plan: Plan, cluster: ClusterSpec, items: list[WorkItem], policies: list[str], rounds: int = 1,
                  seed: int = 0, kv_pool_bytes: int = 0, dequantize: bool = False) -> dict:
-    unknown = [p for p in policies if p.partition("+")[0] not in POLICIES or p.partition("+")[2] not in ("", "recompute")]
+    def known(p: str) -> bool:
+        name, _, layout = p.partition("@")
+        base, _, mode = name.partition("+")
+        return (base in POLICIES and mode in ("", "recompute") and layout in ("", "prefill", "decode", *plan.strategies)
+                or p == "seesaw")
+    unknown = [p for p in policies if not known(p)]
     if unknown:
-        raise HpipeError(f"unknown policies {unknown} (choose from {', '.join(POLICIES)}, each optionally +recompute)")
+        raise HpipeError(f"unknown policies {unknown} (choose from {', '.join(POLICIES)}, each optionally +recompute "
+                         "and @prefill, @decode or @STRATEGY; or seesaw)")
     with deploy(plan, cluster, kv_pool_bytes=kv_pool_bytes, dequantize=dequantize) as deployed:
-        return _rounds(plan, deployed.pipe, items, policies, rounds, seed)
+        layouts = _layouts(plan, cluster, policies, deployed.recovery.stages)
+        return _rounds(plan, deployed.pipe, items, policies, rounds, seed, layouts, kv_pool_bytes)
 
 
-def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[str], rounds: int, seed: int) -> dict:
+def _layouts(plan: Plan, cluster: ClusterSpec, policies: list[str], deployed: list) -> dict[str, list]:
+    """The stages each policy runs on: the deployed strategy's, another strategy's, one Seesaw
+    layout as a plain pipeline, or (``seesaw``) the two layouts' fine stages."""
+    out = {}
+    for p in policies:
+        layout = "seesaw" if p == "seesaw" else p.partition("@")[2]
+        if layout in ("prefill", "decode"):
+            found = plan.meta.get("seesaw") or {}
+            if layout not in found:
+                raise HpipeError(f"{p}: the plan has no Seesaw layouts (hpipe plan --objective seesaw)")
+            layers = deployed[0].units.num_layers
+            out[p] = [replace(deployed[0], daemon=s["daemon"], address=cluster.daemon(s["daemon"]).address,
+                              units=UnitRange(*s["units"], layers)) for s in found[layout]]
+        elif layout == "seesaw":
+            out[p] = seesaw_layouts(plan, cluster)
+        else:
+            out[p] = plan.strategies[layout].stages if layout else deployed
+    return out
+
+
+def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[str], rounds: int, seed: int,
+            layouts: dict, kv_pool_bytes: int) -> dict:
     runs: dict[str, list[dict]] = {p: [] for p in policies}
+    dtype = DTYPES[plan.dtype]
     for r in range(rounds):
         for policy in (policies if r % 2 == 0 else policies[::-1]):
-            result = run_once(plan, pipe, items, policy, seed)
+            make = None
+            if policy == "seesaw":
+                pipe.load(plan.model_name, layouts[policy]["prefill"], dtype, kv_pool_bytes, adjacent=True)
+                phases = seesaw_phases(pipe, plan.model_name, layouts[policy], dtype, kv_pool_bytes)
+                make = lambda phases=phases: phases  # noqa: E731
+            else:
+                pipe.load(plan.model_name, layouts[policy], dtype, kv_pool_bytes)
+            result = run_once(plan, pipe, items, "gllm" if policy == "seesaw" else policy, seed, make_policy=make)
+            if policy == "seesaw":
+                result["switches"] = phases.switches
             runs[policy].append(result)
             print(f"[bench] round {r + 1} {policy:<8} {result['total_tokens_per_s']:8.1f} tokens/s "
                   f"({result['span_s']:.1f} s), ttft p50 {result['ttft_p50_s'] or 0:.2f} s, "
@@ -137,6 +178,9 @@ def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[st
         med["stage_busy"] = [statistics.median(run["stages"][i]["busy"] for run in rs)
                              for i in range(len(rs[0]["stages"]))]
         med["daemon_busy"] = {d: statistics.median(run["daemon_busy"][d] for run in rs) for d in rs[0]["daemon_busy"]}
+        if any("switches" in run for run in rs):  # seesaw: layout switches a run, their seconds
+            med["switches"] = statistics.median(len(run["switches"]) for run in rs)
+            med["switch_s"] = statistics.median(sum(x["seconds"] for x in run["switches"]) for run in rs)
         med["same_outputs"] = same[p]
         med["failed"] = sum(len(run["failed"]) for run in rs)
         summary[p] = med
@@ -160,6 +204,9 @@ def table(result: dict) -> str:
                      f"{s(r['tpot_p50_s']):>9} {s(r['tpot_p99_s']):>7} {r['preemptions']:>7} {r['swaps']:>6} "
                      f"{r['recomputed']:>10}  "
                      + "/".join(f"{n}/{result['requests']}" for n in r["same_outputs"]))
+    for p, r in rows.items():
+        if "switches" in r:
+            lines.append(f"{p}: {r['switches']:.0f} layout switches a run, {r['switch_s']:.2f} s in them")
     lines.append("busy fraction per daemon (stages summed): " + "; ".join(
         f"{p}: " + ", ".join(f"{d} {v:.2f}" for d, v in r["daemon_busy"].items()) for p, r in rows.items()))
     lines.append("busy fraction per stage: " + "; ".join(

@@ -3,7 +3,10 @@
 ``deploy(plan, cluster)`` loads one of the plan's strategies onto the cluster's daemons and
 returns the :class:`Deployed` pipeline with its recovery (:class:`Redeploy`), which an engine
 takes as its ``recover``: a stage that dies is waited for and deployed again, or planned around.
-Ad-hoc pipelines without a plan (``--cuts``, tests) use :meth:`Pipeline.load` directly.
+Ad-hoc pipelines without a plan (``--cuts``, tests) use :meth:`Pipeline.load` directly. With
+``seesaw``, a plan made with ``hpipe plan --objective seesaw`` is deployed as its prefill layout,
+and :attr:`Deployed.phases` is the policy that switches it to the decode layout and back
+(:mod:`runtime.coordinator.seesaw`); the recovery always redeploys the layout in use.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from typing import Callable
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import InputError
 from hpipe.core.plan import Plan, Stage
+from hpipe.core.units import UnitRange
 from hpipe.model.stage import DTYPES
 from runtime.coordinator.engine import Engine
 from runtime.coordinator.pipeline import Pipeline
 from runtime.coordinator.recovery import GRACE_S, MAX_RECOVERIES, Redeploy
+from runtime.coordinator.seesaw import SeesawPhases, fine_stages
 from runtime.coordinator.session import Session, StageFailure
 from runtime.wire.channels import Security
 
@@ -31,6 +36,7 @@ class Deployed:
 
     pipe: Pipeline
     recovery: Redeploy
+    phases: SeesawPhases | None = None  # a seesaw deployment's policy (it switches the layouts)
 
     def session(self, result_timeout_s: float = 600.0) -> Session:
         """A new session; a daemon lost since the deployment is waited for and the plan deployed
@@ -70,24 +76,29 @@ class Deployed:
 def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_pool_bytes: int = 0,
            grace_s: float = GRACE_S, replan: Callable[[list[str], list[Stage]], list[Stage]] | None = None,
            security: Security | None = None, max_recoveries: int | None = MAX_RECOVERIES,
-           dequantize: bool = False) -> Deployed:
+           dequantize: bool = False, seesaw: bool = False) -> Deployed:
     """Load ``strategy`` (default: the plan's) of ``plan`` onto ``cluster``; each daemon's KV pools
     ``kv_pool_bytes`` in all (0: the daemon sizes them). ``grace_s`` and ``replan`` say how the
     recovery waits for a lost daemon and what it does when one stays away, ``max_recoveries`` how
     often it may (None: always, for a server; :mod:`runtime.coordinator.recovery`). A daemon that
     is down or dies while the plan loads is waited for in the same way: deploying is a phase that
     recovers like the others. ``dequantize``: a GGUF model's daemons hold float32 weights, not the
-    blocks the file stores (the reference the quantized path is tested against)."""
+    blocks the file stores (the reference the quantized path is tested against). ``seesaw``: the
+    plan's two Seesaw layouts, switched between (:attr:`Deployed.phases`)."""
     name = strategy or plan.strategy
     if name not in plan.strategies:
         raise InputError(f"the plan has no strategy {name!r} (it has {', '.join(plan.strategies)})")
     stages, dtype = plan.strategies[name].stages, DTYPES[plan.dtype]
+    layouts = seesaw_layouts(plan, cluster) if seesaw else None
+    if layouts:
+        stages = layouts["prefill"]
     pipe = Pipeline(cluster, security, dequantize)
     recovery = Redeploy(pipe, plan.model_name, stages, dtype, kv_pool_bytes, grace_s=grace_s, replan=replan,
                         max_times=max_recoveries)
+    phases = seesaw_phases(pipe, plan.model_name, layouts, dtype, kv_pool_bytes, recovery) if layouts else None
     try:
         try:
-            pipe.load(plan.model_name, stages, dtype, kv_pool_bytes)
+            pipe.load(plan.model_name, stages, dtype, kv_pool_bytes, adjacent=bool(layouts))
         except StageFailure as e:
             if e.lasting:
                 raise
@@ -96,4 +107,28 @@ def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_
     except BaseException:
         pipe.close()
         raise
-    return Deployed(pipe, recovery)
+    return Deployed(pipe, recovery, phases)
+
+
+def seesaw_phases(pipe: Pipeline, model: str, layouts: dict[str, list[Stage]], dtype, kv_pool_bytes: int = 0,
+                  recovery: Redeploy | None = None) -> SeesawPhases:
+    """The policy that switches ``pipe`` between the fine-stage ``layouts`` (it starts in prefill,
+    which the caller has loaded); ``recovery`` follows the layout in use."""
+    def switch(phase: str, old: Session) -> Session:
+        if recovery is not None:
+            recovery.stages = list(layouts[phase])
+        pipe.load(model, layouts[phase], dtype, kv_pool_bytes, adjacent=True)
+        return pipe.session(resume_from=old)
+    return SeesawPhases(switch)
+
+
+def seesaw_layouts(plan: Plan, cluster: ClusterSpec) -> dict[str, list[Stage]]:
+    """The plan's Seesaw prefill and decode layouts as one pipeline of fine stages each
+    (:func:`runtime.coordinator.seesaw.fine_stages`)."""
+    found = plan.meta.get("seesaw")
+    if not found:
+        raise InputError("the plan has no Seesaw layouts: make it with hpipe plan --objective seesaw")
+    layers = next(iter(plan.strategies.values())).stages[0].units.num_layers
+    layouts = {phase: [Stage(s["daemon"], cluster.daemon(s["daemon"]).address, UnitRange(*s["units"], layers))
+                       for s in found[phase]] for phase in ("prefill", "decode")}
+    return fine_stages(layouts)

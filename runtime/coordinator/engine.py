@@ -165,17 +165,18 @@ class Engine(Preempting):
         self._go_on(old, self.recover(error, old))
         self.recoveries += 1
 
-    def switch(self, deploy: Callable[[Session], Session]) -> None:
+    def switch(self, deploy: Callable[[Session], Session]) -> dict:
         """Go on on another deployment of the pipeline (a Seesaw layout switch): with nothing in
         flight, ``deploy`` loads it and returns a session that took the current one's sequences
         over; every running request resumes on it as after a recovery (the stages that kept its
-        KV keep it, replays rebuild it on the stages that moved)."""
+        KV keep it, replays rebuild it on the stages that moved); what was resumed, as
+        :attr:`resumes` has it for a recovery."""
         if self._in_flight:
             raise RuntimeError("a layout switch needs the pipeline drained")
         old = self.session
-        self._go_on(old, deploy(old))
+        return self._go_on(old, deploy(old), record=False)
 
-    def _go_on(self, old: Session, session: Session) -> None:
+    def _go_on(self, old: Session, session: Session, record: bool = True) -> dict:
         """Every running request resumes where every stage of ``session`` can go on from
         (:mod:`runtime.coordinator.resume`): stages that lack its cache are rebuilt by replays,
         sent before anything else; a request that cannot be resumed starts again from its token
@@ -203,16 +204,18 @@ class Engine(Preempting):
                 self.rebind(session)
             except StageFailure as e:  # broke again while resuming: recovered again below
                 broken = str(e)
-            self.resumes.append({"resumed": len(self.running),
-                                 "kept_positions": kept, "replayed_positions": sum(b.tokens for b in batches),
-                                 "restarted": len(restarted)})
+            resumed = {"resumed": len(self.running), "kept_positions": kept,
+                       "replayed_positions": sum(b.tokens for b in batches), "restarted": len(restarted)}
+            if record:
+                self.resumes.append(resumed)
             self._checked = time.monotonic()
             log.info("resumed %d requests (%d positions kept, %d rebuilt by replays), %d start again",
-                     self.resumes[-1]["resumed"], kept, self.resumes[-1]["replayed_positions"], len(restarted))
+                     resumed["resumed"], kept, resumed["replayed_positions"], len(restarted))
         if broken is not None:
             if self.recover is None:
                 raise StageFailure(broken)
             self._recover(broken)
+        return resumed
 
     def rebind(self, session: Session) -> None:
         """Go on on ``session`` (a new one, after a recovery): nothing of the old one is in flight,

@@ -107,13 +107,13 @@ class SeesawPhases:
                 return False
             to = "prefill"
         t0 = time.monotonic()
-        engine.switch(lambda old: self.deploy(to, old))
+        resumed = engine.switch(lambda old: self.deploy(to, old))
         self.phase = to
         if to == "decode":
             self.batch = len(_answering(engine))
         took = time.monotonic() - t0
         self.switches.append({"to": to, "at_s": t0, "seconds": took, "requests": len(engine.running),
-                              **engine.resumes[-1]})
+                              **resumed})
         log.info("seesaw: switched to the %s layout in %.2f s (%d requests running)", to, took, len(engine.running))
         return True
 

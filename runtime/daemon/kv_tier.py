@@ -91,6 +91,15 @@ class HostTier:
         self.swapped_out += 1
         return True
 
+    def swap_out_all(self, seqs: list[Sequence], stages: dict) -> None:
+        """Swap these sequences out; one the tier has no room for fails with DATA_LOSS and gives
+        its blocks back (one failed already is left as it is)."""
+        for seq in seqs:
+            if not seq.error and not seq.closed and not self.swap_out(seq, stages):
+                seq.fail("DATA_LOSS", f"sequence {seq.id} was preempted and the host tier has no room for its KV")
+                for kv in seq.kv.values():
+                    kv.truncate(0)
+
     def swap_in(self, seq: Sequence, stages: dict) -> None:
         """Copy ``seq``'s positions back into blocks of its own on every held stage
         (:class:`hpipe.model.kvpool.PoolExhausted` if a pool has no room: it stays in the tier)."""

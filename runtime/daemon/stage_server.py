@@ -325,16 +325,9 @@ class StageServer:
     def swap_out(self, seq_ids: list[int], session: int) -> None:
         """Move ``session``'s sequences to the host tier (:mod:`runtime.daemon.kv_tier`); one the
         tier has no room for fails with DATA_LOSS and gives its blocks back."""
-        def out():
-            for seq_id in seq_ids:
-                seq = self.sequences.find(seq_id)
-                if seq is None or seq.session != session or seq.error:
-                    continue
-                if not self.tier.swap_out(seq, self.stages):
-                    seq.fail("DATA_LOSS", f"sequence {seq_id} was preempted and the host tier has no room for its KV")
-                    for kv in seq.kv.values():
-                        kv.truncate(0)
-        self.run_on_device(out, timeout_s=60.0)
+        found = [self.sequences.find(i) for i in seq_ids]
+        mine = [seq for seq in found if seq is not None and seq.session == session]
+        self.run_on_device(lambda: self.tier.swap_out_all(mine, self.stages), timeout_s=60.0)
 
     def _swap_in(self, seq) -> None:
         """Before a layout extends ``seq``: its KV back from the host tier, if it is there."""

@@ -268,3 +268,50 @@ def test_ctrl_c_then_run_again_loses_and_repeats_nothing(cluster3, plan_file, tm
     assert main(args[:6] + ["Say one word."] + args[7:] + ["--json", "--max-new-tokens", "2"] + docs) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 12
+
+
+def test_bench_runs_a_seesaw_plan_beside_its_two_layouts(cluster3, plan_file, capsys, tmp_path):
+    """hpipe plan --objective seesaw, then hpipe bench --workload with each Seesaw layout alone
+    (gllm) and seesaw switching between them: the same greedy outputs, and seesaw switched."""
+    path, _ = plan_file
+    seesaw_plan = tmp_path / "seesaw.json"
+    assert main(["plan", "--profile", str(path.parent / "profile.json"), "--seq-len", "96", "--max-len", "256",
+                 "--output-len", "24", "--objective", "seesaw", "-o", str(seesaw_plan)]) == 0
+    data = json.loads(seesaw_plan.read_text())
+    layouts = data["meta"]["seesaw"]
+    # whatever the profile chose, make the decode layout another one: the daemons in turn, other cuts
+    names = [s["daemon"] for s in layouts["prefill"]] + [d.name for d in cluster3.spec.daemons]
+    names = list(dict.fromkeys(names))[:3]
+    end = layouts["prefill"][-1]["units"][1]
+    layouts["decode"] = [{"daemon": names[1], "units": [0, 9]}, {"daemon": names[2], "units": [9, 40]},
+                         {"daemon": names[0], "units": [40, end]}]
+    seesaw_plan.write_text(json.dumps(data))
+    work = tmp_path / "w.jsonl"
+    work.write_text("".join(f'{{"arrival_s": 0, "prompt_tokens": {40 + 13 * i}, "output_tokens": {6 + i}}}\n'
+                            for i in range(8)))
+    policies = ["gllm@prefill", "gllm@decode", "seesaw"]
+    assert main(["bench", "--plan", str(seesaw_plan), "--cluster", str(cluster3.path), "--workload", str(work),
+                 "--policies", ",".join(policies), "--repeat", "1", "--json", "--kv-pool-mb", "4"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    for name in policies:
+        p = out["policies"][name]
+        assert p["same_outputs"] == [8] and p["failed"] == 0, name
+    assert out["policies"]["seesaw"]["switches"] >= 1
+    assert "layout switches a run" in captured.err
+    # hpipe run --policy seesaw: the answers of the plan's single layout
+    docs = []
+    for i in range(4):
+        p = tmp_path / f"doc{i}.md"
+        p.write_text(f"Report {i}. " + "The cat sat on the mat. " * (3 + 2 * i))
+        docs.append(str(p))
+    answers = {}
+    for policy in ("gllm", "seesaw"):
+        out_file = tmp_path / f"{policy}.jsonl"
+        assert main(["run", "--plan", str(seesaw_plan), "--cluster", str(cluster3.path), "--chat", "--instruction",
+                     INSTRUCTION, "--max-new-tokens", "6", "--ignore-eos", "--policy", policy, "--json",
+                     "-o", str(out_file), *docs]) == 0
+        summary = json.loads(capsys.readouterr().out)
+        answers[policy] = {r["document"]: r["token_ids"] for r in map(json.loads, out_file.read_text().splitlines())}
+    assert answers["seesaw"] == answers["gllm"] and len(answers["gllm"]) == 4
+    assert summary["policy"] == "seesaw" and summary["seesaw_switches"]
