@@ -12,6 +12,7 @@ waiting, so the slices pipeline through the stages; each decode step waits for i
 from __future__ import annotations
 
 import logging
+import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -125,7 +126,7 @@ class Pipeline:
             ports, lanes = map(list, zip(*pool.map(ask, range(len(daemons)))))
         wire = [stage_to_wire(s, ports[stage_daemon[i]]) for i, s in enumerate(stages)]
         requests = [pb.LoadRequest(model=model, dtype=dtype_to_wire(dtype), stages=wire, kv_pool_bytes=kv_pool_bytes,
-                                   dequantize=self.dequantize,
+                                   dequantize=self.dequantize, prefill_gemm=os.environ.get("HPIPE_PREFILL_GEMM", ""),
                                    held=[i for i, dd in enumerate(stage_daemon) if dd == d])
                     for d in range(len(daemons))]
 

@@ -30,12 +30,12 @@ import torch
 
 from hpipe.core.cluster import split_address
 from hpipe.core.config import ModelConfig
-from hpipe.core.errors import StatusError
+from hpipe.core.errors import ModelSourceError, StatusError
 from hpipe.core.paths import cache_root
 from hpipe.core.plan import Stage
 from hpipe.core.shapes import RANDOM_PREFIX, is_random, random_config
 from hpipe.core.units import UnitRange
-from hpipe.model import StageModel
+from hpipe.model import StageModel, cpu_kernel, quant
 from hpipe.model.gguf_weights import GGUFWeights
 from hpipe.model.graphs import DecodeGraphs
 from hpipe.model.kvpool import BLOCK_SIZE, KVPool
@@ -65,6 +65,7 @@ class Deployment:
     pool_bytes: int = 0        # for the held stages' KV pools together; 0: sized here
     dequantize: bool = False   # a GGUF model's weights as float32, not as the file's blocks
     shipped: Shipped | None = None  # set: the weights are in the daemon's weights cache, not at ``model``
+    prefill_gemm: str = ""     # quantized prefill slices in "float32" or "bfloat16"; "": the daemon's default
 
 
 @dataclass
@@ -109,6 +110,16 @@ def take_over(stages: dict[int, LoadedStage], added: dict[int, LoadedStage], dep
                 seq.kv[i] = held.pool.sequence(seq.max_len)
             seq.planned[i] = seq.computed[i] = 0
     return out
+
+
+def set_prefill_gemm(mode: str) -> None:
+    """The quantized kernels' prefill precision as a deployment asks (FAILED_PRECONDITION where
+    the CPU has no bfloat16 GEMM); nothing to do without kernels or a word from the coordinator."""
+    if mode and cpu_kernel.available():
+        try:
+            quant.set_prefill_gemm(mode)
+        except ModelSourceError as e:
+            raise StatusError("FAILED_PRECONDITION", str(e)) from None
 
 
 def _same_pipeline(a: Deployment | None, b: Deployment) -> bool:

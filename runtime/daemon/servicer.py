@@ -83,7 +83,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
         dep = Deployment(request.model, compute_dtype(request.dtype, self.server.device),
                          tuple(stage_from_wire(s) for s in request.stages), tuple(request.held),
                          tuple(s.data_port for s in request.stages), request.kv_pool_bytes,
-                         request.dequantize, Shipped.from_wire(request.shipped) if request.HasField("shipped") else None)
+                         request.dequantize, Shipped.from_wire(request.shipped) if request.HasField("shipped") else None,
+                         request.prefill_gemm)
         info = self.server.load(dep)
         pools = [pb.Pool(**p) for p in info.pop("pools")]
         return pb.LoadReply(pools=pools, **info)

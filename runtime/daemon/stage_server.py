@@ -111,6 +111,7 @@ class StageServer:
         t0 = time.perf_counter()
         if dep.shipped is None:
             deployment.check_source(dep.model, self.model_dirs)  # before anything held is dropped
+        deployment.set_prefill_gemm(dep.prefill_gemm)
         with self._lock:
             if deployment.relinks(self.deployment, dep) and self.deployment != dep:
                 # a daemon of the pipeline came back on a new data port, or a stage moved to
