@@ -12,13 +12,14 @@ pass on this CPU (:func:`hpipe.model.sampling.sample`) while the stages compute 
 
 KV memory. The engine mirrors every stage's KV pool (:mod:`runtime.coordinator.kv_room`), so it
 knows the free blocks of the tightest stage without asking. Before a micro-batch goes out, the
-blocks it needs are found or made: requests not in flight are preempted, newest first. A
-preempted request's KV moves to the daemons' host tier while the tier has room for it
-(:mod:`runtime.daemon.kv_tier`, mirrored here like the pools; counted in ``swaps``) and comes
-back when it runs again; otherwise (or with ``swap`` off) it gives its blocks back and later
-recomputes its prompt and the tokens it has generated (with its sampler's state kept, so its
-tokens are the same; counted in ``recomputed`` positions). Both count in ``preemptions``. A daemon that still refuses a sequence for want of blocks (another session
-filled its pool) has that request preempted too, never failed.
+blocks it needs are found or made: requests not in flight are preempted, newest first
+(:mod:`runtime.coordinator.preemption`). A preempted request's KV moves to the daemons' host
+tier while the tier has room for it (:mod:`runtime.daemon.kv_tier`, mirrored here like the
+pools; counted in ``swaps``) and comes back when it runs again; otherwise (or with ``swap`` off)
+it gives its blocks back and later recomputes its prompt and the tokens it has generated (with
+its sampler's state kept, so its tokens are the same; counted in ``recomputed`` positions). Both
+count in ``preemptions``. A daemon that still refuses a sequence for want of blocks (another
+session filled its pool) has that request recomputed, never failed.
 
 The prefix cache (:mod:`runtime.coordinator.prefix_cache`) decides a request's hit as it is
 admitted; idle cached blocks are evicted for room before any request is preempted.

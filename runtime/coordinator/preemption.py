@@ -15,6 +15,8 @@ MAX_REFUSALS = 8
 
 
 class Preempting:
+    """The engine's KV room: its free share, making room for a micro-batch, preempting, refusals."""
+
     def kv_free(self) -> float:
         """The tightest stage's free share of its KV pool, as this engine has laid it out (1 without
         pools; :mod:`runtime.coordinator.kv_room`)."""
