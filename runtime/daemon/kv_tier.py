@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hpipe.model.kvpool import BLOCK_SIZE
 from runtime.daemon.sequences import Sequence
 
 #: the tier's room per stage, in multiples of the stage's pool blocks
@@ -60,6 +61,11 @@ class HostTier:
 
     def used_blocks(self, block_size: int) -> int:
         return sum(s.blocks(block_size) for s in self._held.values())
+
+    def stats(self, stages: dict) -> dict:
+        """Its room and use in blocks, and the sequences swapped out and in (as ``Status`` reports them)."""
+        return {"tier_blocks": self.capacity(stages), "tier_used_blocks": self.used_blocks(BLOCK_SIZE),
+                "swapped_out": self.swapped_out, "swapped_in": self.swapped_in}
 
     @staticmethod
     def capacity(stages: dict) -> int:
@@ -132,8 +138,9 @@ class HostTier:
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a pool's rows gathered by index: already a copy) in host memory, pinned on a GPU."""
     if t.device.type == "cpu":
-        return t.clone()
+        return t
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t)
     return out

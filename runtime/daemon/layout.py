@@ -153,7 +153,8 @@ class Layouts:
         if self.swap_in is not None:
             try:
                 self.swap_in(seq)
-            except PoolExhausted as err:  # it stays in the tier; the coordinator preempts it again
+            except HpipeError as err:  # no room (it stays in the tier), or the worker did not get to it:
+                # the coordinator recomputes it
                 layout.fail(e.sequence_id, "RESOURCE_EXHAUSTED", f"sequence {e.sequence_id}: swapping it in: {err}")
                 return
         for i in stages:

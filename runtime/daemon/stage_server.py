@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from hpipe.core.errors import StatusError
 from hpipe.core.paths import cache_root
 from hpipe.model.kvpool import BLOCK_SIZE
 from runtime.daemon import deployment, memory
@@ -174,9 +175,8 @@ class StageServer:
         self.run_on_device(extend)
 
     def _reshard(self, dep: Deployment) -> None:
-        """Hold ``dep``'s stages of the same pipeline (a Seesaw layout switch): the stages held
-        before and now keep their sequences' KV; those no longer held are dropped (their blocks,
-        logs and swapped copies), the new ones loaded beside with empty caches that replays fill."""
+        """Hold ``dep``'s stages of the same pipeline (a Seesaw layout switch): those held before and
+        now keep their sequences' KV, the others are dropped, the new ones loaded (empty caches)."""
         gone = [i for i in self.stages if i not in dep.held]
 
         def drop():
@@ -201,8 +201,7 @@ class StageServer:
         return ", ".join(str(s.units) for s in self.stages.values())
 
     def pools(self) -> list[dict]:
-        tier = {"tier_blocks": self.tier.capacity(self.stages), "tier_used_blocks": self.tier.used_blocks(BLOCK_SIZE),
-                "swapped_out": self.tier.swapped_out, "swapped_in": self.tier.swapped_in}
+        tier = self.tier.stats(self.stages)
         return [{"stage": i, "block_size": s.pool.block_size, "blocks": s.pool.num_blocks,
                  "used_blocks": s.pool.used_blocks, "block_bytes": s.model.block_bytes(), **self.prefixes.stats(i),
                  **tier} for i, s in self.stages.items() if s.pool is not None]
@@ -324,11 +323,13 @@ class StageServer:
         return True
 
     def swap_out(self, seq_ids: list[int], session: int) -> None:
-        """Move ``session``'s sequences to the host tier (:mod:`runtime.daemon.kv_tier`); one the
-        tier has no room for fails with DATA_LOSS and gives its blocks back."""
-        found = [self.sequences.find(i) for i in seq_ids]
-        mine = [seq for seq in found if seq is not None and seq.session == session]
-        self.run_on_device(lambda: self.tier.swap_out_all(mine, self.stages), timeout_s=60.0)
+        """Move ``session``'s sequences to the host tier (:meth:`HostTier.swap_out_all`)."""
+        mine = [seq for seq in map(self.sequences.find, seq_ids) if seq is not None and seq.session == session]
+        try:
+            self.run_on_device(lambda: self.tier.swap_out_all(mine, self.stages), timeout_s=60.0)
+        except StatusError as e:  # the worker did not get to it: their next entries fail, and are recomputed
+            for seq in mine:
+                seq.fail("DATA_LOSS", f"sequence {seq.id}: swapping it out: {e}")
 
     def _swap_in(self, seq) -> None:
         """Before a layout extends ``seq``: its KV back from the host tier, if it is there."""
