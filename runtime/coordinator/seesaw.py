@@ -62,9 +62,9 @@ def fine_stages(layouts: dict[str, Sequence[Stage]]) -> dict[str, list[Stage]]:
 
 
 class SeesawPhases:
-    """The engine's policy for Seesaw; ``deploy(phase, session)`` loads ``phase``'s layout and
-    returns a session that took ``session``'s sequences over (the layout of ``phase`` is loaded
-    when the first request comes)."""
+    """The engine's policy for Seesaw, starting in ``phase`` (whose layout the caller has loaded);
+    ``deploy(phase, session)`` loads ``phase``'s layout and returns a session that took
+    ``session``'s sequences over."""
 
     name = "seesaw"
 
@@ -136,7 +136,7 @@ class _Reserving:
 
     def admit(self, r: Request) -> bool:
         e, room = self._engine, self._engine.room
-        if room.blocks:
+        if room.blocks and e.running:  # alone, it is the engine's to admit (or to fail, if too long)
             shared = (e.cache.ready - e.cache.idle) if e.cache is not None else 0  # cached blocks in use
             reserved = sum(room.of(x.max_len) for x in e.running) + room.of(r.max_len)
             if reserved > room.blocks - shared:

@@ -78,3 +78,27 @@ def test_switching_layouts_loses_no_token(tiny, low_water):
         assert any(s["to"] == "prefill" and s["resumed"] for s in phases.switches)
     assert engine.preemptions == 0  # the prefill phase admits only what the pools hold to the end
     assert pools_empty(pipe)
+
+
+def test_a_request_longer_than_the_pools_fails_instead_of_waiting(tiny):
+    """The prefill phase admits only what the pools hold to the end; a request that could never
+    fit is failed by the engine (as under any policy), not kept waiting for room."""
+    pipe, source, path = tiny
+    cfg = source.config
+    layouts = fine_stages({"prefill": cut_stages(pipe.cluster, [3, 5], cfg.num_units),
+                           "decode": cut_stages(pipe.cluster, [2, 6], cfg.num_units)})
+    def deploy(phase, old):
+        pipe.load(path, layouts[phase], torch.float32, kv_pool_bytes=2 * BLOCK, adjacent=True)
+        return pipe.session(resume_from=old)
+
+    pipe.load(path, layouts["prefill"], torch.float32, kv_pool_bytes=2 * BLOCK, adjacent=True)
+    session = pipe.session()
+    try:
+        engine = Engine(session, SeesawPhases(deploy), depth=len(pipe.stages))
+        long = engine.add(Request(list(range(1, 40)), 8, slicer=chunks))  # 3 blocks: the pools have 2
+        short = engine.add(Request([5, 6, 7], 4, slicer=chunks))
+        engine.run()
+    finally:
+        engine.session.close()
+    assert long.stop_reason == "error" and "RESOURCE_EXHAUSTED" in long.error
+    assert short.stop_reason == "length" and not short.error
