@@ -238,8 +238,8 @@ def _with_seesaw(result, prof, work, mix, batch):
     prediction = seesaw(cost, work, mix, batch)
     print(table(prediction, cost, mix), file=sys.stderr)
     if prediction.choice == "seesaw":
-        print(f"hpipe: the runtime does not switch layouts yet: this plan executes {result.strategy!r} "
-              "(issue #42)", file=sys.stderr)
+        print(f"hpipe: seesaw is predicted best: run it with hpipe run --policy seesaw (without it, this plan "
+              f"executes {result.strategy!r})", file=sys.stderr)
     return replace(result, meta={**result.meta, "seesaw": prediction.to_dict(cost)})
 
 

@@ -125,7 +125,7 @@ def test_hpipe_plan_objective_seesaw_prints_the_ways_and_keeps_the_prediction(tm
     err = capsys.readouterr().err
     for way in ("prefill layout", "decode layout", "serving layout", "seesaw"):
         assert way in err
-    assert "does not switch layouts yet" in err  # seesaw is chosen here, and the runtime cannot run it
+    assert "run it with hpipe run --policy seesaw" in err  # seesaw is chosen here: how to run it
     the_plan = Plan.from_json(out.read_text())
     assert the_plan.strategy == "throughput"  # what it executes
     prediction = the_plan.meta["seesaw"]
