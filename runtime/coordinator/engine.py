@@ -117,7 +117,8 @@ class Engine(Preempting):
             self._finish(r, "error", f"RESOURCE_EXHAUSTED: {r.max_len} positions need {self.room.of(r.max_len)} "
                                      f"KV blocks; the tightest stage's pool has {self.room.blocks}")
             return False
-        if r.swapped and self.room.blocks:  # back from the host tier only with room for it and a block more
+        if r.swapped and self.room.blocks and self.running:  # back from the host tier with room for it and a
+            # block more (alone, it has the pools: the most it ever held)
             free = self.room.blocks - self.room.used(self.running) + (self.cache.idle if self.cache is not None else 0)
             if free < r.swapped + 1:
                 return False
@@ -184,6 +185,9 @@ class Engine(Preempting):
         ids, prefilling its prompt and the tokens it has."""
         with self._lock:
             self.session = session  # its cache is emptied as it is bound below (rebind)
+            for r in [r for r in self.running if r.swapped]:  # admitted, not yet back: its copy may be gone
+                self.running.remove(r)
+                self.waiting.insert(0, r)
             wanted, restarted, kept = resume_requests(self.running, session.resumed, len(session.pipe.stages))
             for r in reversed(restarted):
                 self.running.remove(r)
