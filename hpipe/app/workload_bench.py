@@ -18,16 +18,14 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import replace
 from typing import Callable
 
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError
 from hpipe.core.plan import Plan
-from hpipe.core.units import UnitRange
 from hpipe.core.workload import WorkItem, prompt_ids
 from hpipe.model.stage import DTYPES
-from runtime.coordinator.deploy import deploy, seesaw_layouts, seesaw_phases
+from runtime.coordinator.deploy import deploy, seesaw_layouts, seesaw_phases, seesaw_plan_layouts
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import Pipeline
 from runtime.coordinator.policies import POLICIES
@@ -131,12 +129,7 @@ def _layouts(plan: Plan, cluster: ClusterSpec, policies: list[str], deployed: li
     for p in policies:
         layout = "seesaw" if p == "seesaw" else p.partition("@")[2]
         if layout in ("prefill", "decode"):
-            found = plan.meta.get("seesaw") or {}
-            if layout not in found:
-                raise HpipeError(f"{p}: the plan has no Seesaw layouts (hpipe plan --objective seesaw)")
-            layers = deployed[0].units.num_layers
-            out[p] = [replace(deployed[0], daemon=s["daemon"], address=cluster.daemon(s["daemon"]).address,
-                              units=UnitRange(*s["units"], layers)) for s in found[layout]]
+            out[p] = seesaw_plan_layouts(plan, cluster)[layout]
         elif layout == "seesaw":
             out[p] = seesaw_layouts(plan, cluster)
         else:

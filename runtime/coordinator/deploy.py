@@ -122,13 +122,17 @@ def seesaw_phases(pipe: Pipeline, model: str, layouts: dict[str, list[Stage]], d
     return SeesawPhases(switch)
 
 
-def seesaw_layouts(plan: Plan, cluster: ClusterSpec) -> dict[str, list[Stage]]:
-    """The plan's Seesaw prefill and decode layouts as one pipeline of fine stages each
-    (:func:`runtime.coordinator.seesaw.fine_stages`)."""
+def seesaw_plan_layouts(plan: Plan, cluster: ClusterSpec) -> dict[str, list[Stage]]:
+    """The plan's Seesaw prefill and decode layouts, each as the planner chose it."""
     found = plan.meta.get("seesaw")
     if not found:
         raise InputError("the plan has no Seesaw layouts: make it with hpipe plan --objective seesaw")
     layers = next(iter(plan.strategies.values())).stages[0].units.num_layers
-    layouts = {phase: [Stage(s["daemon"], cluster.daemon(s["daemon"]).address, UnitRange(*s["units"], layers))
-                       for s in found[phase]] for phase in ("prefill", "decode")}
-    return fine_stages(layouts)
+    return {phase: [Stage(s["daemon"], cluster.daemon(s["daemon"]).address, UnitRange(*s["units"], layers))
+                    for s in found[phase]] for phase in ("prefill", "decode")}
+
+
+def seesaw_layouts(plan: Plan, cluster: ClusterSpec) -> dict[str, list[Stage]]:
+    """The plan's Seesaw layouts as one pipeline of fine stages each
+    (:func:`runtime.coordinator.seesaw.fine_stages`)."""
+    return fine_stages(seesaw_plan_layouts(plan, cluster))
