@@ -218,6 +218,7 @@ int64_t total_rows(const std::vector<Part>& parts) {
 // rows of x from which a panel of dequantized weights and MKL's GEMM beat one pass over the blocks
 constexpr int64_t kGemmRows = 24;
 constexpr int64_t kPanelValues = int64_t{1} << 20;  // a panel: 4 MiB of float32 weights (1, 4, 8 and 16 MiB measured; 4 best)
+constexpr int64_t kBf16PanelValues = int64_t{1} << 21;  // and 4 MiB of bfloat16 ones (2, 4 and 8 MiB measured; 4 best)
 
 // whether this CPU multiplies bfloat16 in hardware: AVX512-BF16 (CPUID.7.1:EAX[5]) or AMX-BF16
 // (CPUID.7.0:EDX[22]); elsewhere MKL would emulate it, slower than float32
@@ -228,6 +229,28 @@ bool cpu_has_bf16() {
   if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1u)) return __builtin_cpu_supports("avx512f");
 #endif
   return false;
+}
+
+// n floats rounded to bfloat16 (to nearest, ties to even, as torch rounds): AVX512-BF16's
+// conversion where the CPU has it, else one value at a time
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f,avx512bf16"))) void to_bf16_avx512(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
+  for (; i < n; ++i) y[i] = c10::BFloat16(x[i]).x;
+}
+#endif
+
+void to_bf16(const float* x, uint16_t* y, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool avx512_bf16 = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1u) && __builtin_cpu_supports("avx512f");
+  }();
+  if (avx512_bf16) return to_bf16_avx512(x, y, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) y[i] = c10::BFloat16(x[i]).x;
 }
 
 bool bf16_gemm_available() {
@@ -265,26 +288,37 @@ Tensor qlinear(const Tensor& x_in, const Tensor& blocks, const Tensor& parts_t, 
   int64_t col = 0;
   for (const Part& p : parts) {
     const uint8_t* b = base + p.offset;
-    if (m >= kGemmRows) {
+    if (m >= kGemmRows && bf16) {
+      // out[:, col+n0 : +rows] = xb @ panel.T, summed in float32 (row-major, B transposed); each
+      // weight row dequantized into L1 and rounded to bfloat16 from there
+      if (!xb.defined()) xb = x.to(at::kBFloat16);
+      const int64_t panel_rows = std::max<int64_t>(16, kBf16PanelValues / k);
+      Tensor panel = at::empty({std::min(panel_rows, p.rows), k}, x.options().dtype(at::kBFloat16));
+      for (int64_t n0 = 0; n0 < p.rows; n0 += panel_rows) {
+        const int64_t rows = std::min(panel_rows, p.rows - n0);
+        uint16_t* dst = reinterpret_cast<uint16_t*>(panel.data_ptr());
+        at::parallel_for(0, rows, 8, [&](int64_t a, int64_t z) {
+          std::vector<float> row(k);
+          for (int64_t r = a; r < z; ++r) {
+            v.dequant_rows(p.type, b + (n0 + r) * p.row_bytes, p.row_bytes, 0, 1, k, row.data());
+            to_bf16(row.data(), dst + r * k, k);
+          }
+        });
+        cblas_gemm_bf16bf16f32(101, 111, 112, static_cast<int>(m), static_cast<int>(rows), static_cast<int>(k), 1.0f,
+                               reinterpret_cast<const uint16_t*>(xb.data_ptr()), static_cast<int>(k), dst,
+                               static_cast<int>(k), 0.0f, out.data_ptr<float>() + col + n0, static_cast<int>(n_out));
+      }
+    } else if (m >= kGemmRows) {
       const int64_t panel_rows = std::max<int64_t>(16, kPanelValues / k);
       Tensor panel = at::empty({std::min(panel_rows, p.rows), k}, x.options());
-      if (bf16 && !xb.defined()) xb = x.to(at::kBFloat16);
       for (int64_t n0 = 0; n0 < p.rows; n0 += panel_rows) {
         const int64_t rows = std::min(panel_rows, p.rows - n0);
         float* dst = panel.data_ptr<float>();
         at::parallel_for(0, rows, 8, [&](int64_t a, int64_t z) {
           v.dequant_rows(p.type, b + n0 * p.row_bytes, p.row_bytes, a, z, k, dst + a * k);
         });
-        if (bf16) {  // out[:, col+n0 : +rows] = xb @ panel.T, summed in float32 (row-major, B transposed)
-          const Tensor pb = panel.narrow(0, 0, rows).to(at::kBFloat16);
-          cblas_gemm_bf16bf16f32(101, 111, 112, static_cast<int>(m), static_cast<int>(rows), static_cast<int>(k),
-                                 1.0f, reinterpret_cast<const uint16_t*>(xb.data_ptr()), static_cast<int>(k),
-                                 reinterpret_cast<const uint16_t*>(pb.data_ptr()), static_cast<int>(k), 0.0f,
-                                 out.data_ptr<float>() + col + n0, static_cast<int>(n_out));
-        } else {
-          Tensor cols = out.narrow(1, col + n0, rows);
-          at::mm_out(cols, x, panel.narrow(0, 0, rows).t());
-        }
+        Tensor cols = out.narrow(1, col + n0, rows);
+        at::mm_out(cols, x, panel.narrow(0, 0, rows).t());
       }
     } else if (m > 0) {
       float* o = out.data_ptr<float>() + col;
