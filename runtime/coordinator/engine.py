@@ -22,7 +22,8 @@ count in ``preemptions``. A daemon that still refuses a sequence for want of blo
 session filled its pool) has that request recomputed, never failed.
 
 The prefix cache (:mod:`runtime.coordinator.prefix_cache`) decides a request's hit as it is
-admitted; idle cached blocks are evicted for room before any request is preempted.
+admitted; idle cached blocks are evicted for room before any request is preempted. An engine that
+holds requests yet sends nothing ends them one at a time with an error (:mod:`runtime.coordinator.stall`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from runtime.coordinator.preemption import Preempting
 from runtime.coordinator.request import Request
 from runtime.coordinator.resume import replays, resume_requests
 from runtime.coordinator.session import Session, StageFailure
+from runtime.coordinator.stall import StallGuard
 from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ class Engine(Preempting):
         self.micro_batches = 0
         self.preemptions = self.swaps = self.recomputed = 0
         self._checked = time.monotonic()
+        self._stall = StallGuard()
         self.log: list[dict] = []  # per micro-batch: when it left and came back, prefill and decode tokens
 
     # --- requests -----------------------------------------------------------------------------
@@ -260,6 +263,9 @@ class Engine(Preempting):
                 self._collect()
             else:
                 with self._arrived:  # nothing could be sent (waiting on arrivals, or memory)
+                    stuck = self._stall.idle(self)
+                    if stuck is not None:
+                        self._finish(stuck, "error", self._stall.error(self))
                     self._arrived.wait(0.01)
 
     def _send_one(self) -> bool:

@@ -214,6 +214,45 @@ def test_a_running_request_that_waits_is_never_freed_by_a_stage_idle_timeout(tin
     assert [waits.tokens] == alone(source, [prompt], [3])
 
 
+def test_an_engine_that_can_send_nothing_ends_a_request_with_an_error_instead_of_waiting(tiny, monkeypatch):
+    """A policy that never sends one running request (a scheduling bug, as one that waits for room
+    the pools cannot give) and never admits another: the engine ends the stuck ones with a clear
+    error after the stall guard's deadline, the others get their own tokens, and run() returns."""
+    from runtime.coordinator import stall
+
+    pipe, source, path, _ = tiny
+    cfg = source.config
+    pipe.load(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32)
+    monkeypatch.setattr(stall, "STALL_S", 0.5)
+    prompts, news = workload(4, cfg.vocab_size)
+
+    class Shuns(POLICIES["gllm"]):  # prompt 0 is admitted but never sent; prompt 3 never admitted
+        def form(self, engine):
+            if shunned[1] in engine.waiting:
+                engine.waiting.remove(shunned[1])
+                formed = [p for p in super().form(engine) if p.request is not shunned[0]]
+                engine.waiting.append(shunned[1])
+                return formed
+            return [p for p in super().form(engine) if p.request is not shunned[0]]
+
+    session = pipe.session()
+    try:
+        engine = Engine(session, Shuns(), depth=len(pipe.stages))
+        requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
+        shunned = (requests[0], requests[3])
+        t0 = time.monotonic()
+        engine.run()
+        took = time.monotonic() - t0
+    finally:
+        session.close()
+    for r in shunned:
+        assert r.stop_reason == "error" and r.error.startswith("INTERNAL: the scheduler stalled"), r.error
+        assert r.tokens == []
+    assert [r.tokens for r in requests[1:3]] == alone(source, prompts[1:3], news[1:3])
+    assert took < 30
+    assert pools_empty(pipe)
+
+
 def test_non_finite_logits_fail_the_request_with_a_clear_error(tiny, tmp_path):
     """A model whose hidden states overflow gives NaN logits: the request fails saying so, it does
     not answer with argmax-of-NaN tokens, and the daemons free its sequence."""
