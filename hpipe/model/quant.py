@@ -11,6 +11,8 @@ dequantizes its own weights once at load.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +29,30 @@ TYPES = {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in (GGMLQuantizationType[n
 
 
 def prefill_in_bfloat16() -> bool:
-    """Whether prefill slices (24 rows or more) of quantized weights multiply in bfloat16 with
-    float32 sums: the default where the CPU does so in hardware (AVX512-BF16 or AMX) and torch has
+    """Whether prefill slices (entries of two tokens or more) of quantized weights multiply in
+    bfloat16 with float32 sums (decode tokens and the head stay float32): the default where the CPU does so in hardware (AVX512-BF16 or AMX) and torch has
     MKL's kernel; ``HPIPE_PREFILL_GEMM=float32`` or :func:`set_prefill_gemm` keeps float32
     (docs/decisions/quantized-kernels.md). False where the kernels are not built."""
     return cpu_kernel.available() and torch.ops.hpipe.prefill_gemm("") == "bfloat16"
+
+
+#: the rows of the micro-batch being computed that belong to prefill slices (bool ``[tokens]``), set
+#: by the stage around its blocks (:func:`prefill_rows`); None: every row is float32
+_PREFILL_ROWS: ContextVar[torch.Tensor | None] = ContextVar("hpipe_prefill_rows", default=None)
+
+
+@contextmanager
+def prefill_rows(rows: torch.Tensor | None):
+    """Within: the :class:`QuantLinear` s marked ``low_precision`` multiply these rows (bool
+    ``[tokens]``) in bfloat16 while :func:`prefill_in_bfloat16`, the others in float32. A row's
+    precision is its entry's, never its neighbours': a decode token beside a prefill slice, or a
+    decode micro-batch of any size, stays float32, and a slice's rows sum the same whatever
+    shares its micro-batch (tests/model/test_quant.py)."""
+    token = _PREFILL_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _PREFILL_ROWS.reset(token)
 
 
 def set_prefill_gemm(mode: str) -> str:
@@ -142,6 +163,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("blocks", weight.data, persistent=False)
         self.register_buffer("parts", weight.parts, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
+        #: whether prefill rows (:func:`prefill_rows`) multiply in bfloat16: set on a stage's
+        #: attention and MLP projections, never on the head (logits stay float32)
+        self.low_precision = False
 
     @property
     def weight_bytes(self) -> int:
@@ -149,7 +173,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.bias is not None else _NONE
-        return torch.ops.hpipe.qlinear(x, self.blocks, self.parts, bias)
+        return torch.ops.hpipe.qlinear(x, self.blocks, self.parts, bias,
+                                       _PREFILL_ROWS.get() if self.low_precision else None)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

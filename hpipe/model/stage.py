@@ -21,7 +21,7 @@ from hpipe.model import cpu_kernel, packed
 from hpipe.model.kvcache import StageCache
 from hpipe.model.kvpool import BLOCK_SIZE, BatchKV, Entry, KVPool
 from hpipe.model.layers import Attention, FeedForward, Head, build_unit, checkpoint_names, fused_rows, is_norm
-from hpipe.model.quant import TYPES, QuantEmbedding, QuantizedWeight, QuantLinear, random_weight
+from hpipe.model.quant import TYPES, QuantEmbedding, QuantizedWeight, QuantLinear, prefill_rows, random_weight
 from hpipe.model.rope import Rotary
 from hpipe.model.weights import WeightStore
 
@@ -51,6 +51,7 @@ class StageModel(nn.Module):
         self.rotaries = {b.rope: Rotary(b.rope, cfg.head_dim, cfg.max_position_embeddings, self.device)
                          for b in self.blocks.values() if isinstance(b, Attention)}
         self._kernel: cpu_kernel.StageKernel | None = None  # built on its first decode micro-batch
+        self._low_precision = False  # whether its quantized projections compute prefill rows in bfloat16
 
     # --- construction -------------------------------------------------------------------
     @classmethod
@@ -92,10 +93,13 @@ class StageModel(nn.Module):
     def _finish(self, pack: bool | None) -> "StageModel":
         # weights are in place: tie the embedding to the head, pack, switch to inference
         self._tie_embeddings()
-        if self._quantized():  # its prefill attention follows the quantized kernels' precision
-            for m in self.modules():
-                if isinstance(m, Attention):
-                    m.low_precision_prefill = True
+        if self._quantized():  # its prefill slices follow the quantized kernels' precision, the head does not
+            for block in self.modules():
+                if isinstance(block, (Attention, FeedForward)):
+                    block.low_precision_prefill = isinstance(block, Attention)
+                    for m in block.modules():
+                        if isinstance(m, QuantLinear):
+                            m.low_precision = self._low_precision = True
         if pack is None:
             pack = packed.applies(self.device, self.dtype)
         if pack:
@@ -237,13 +241,15 @@ class StageModel(nn.Module):
             return self._decode_kernel(x, tables, entries, pool)
         kv = BatchKV(entries, pool, self.device) if pool is not None else None
         x = x[None]
-        for u, block in self.blocks.items():
-            if isinstance(block, Attention):
-                x = block(x, *tables[block.rope], kv)
-            elif self.units.has_head and int(u) == self.units.end - 1:
-                return self._logits(x[0], entries)
-            else:
-                x = block(x)
+        lengths = torch.tensor([e.length for e in entries])
+        with prefill_rows((lengths > 1).repeat_interleave(lengths) if self._low_precision else None):
+            for u, block in self.blocks.items():
+                if isinstance(block, Attention):
+                    x = block(x, *tables[block.rope], kv)
+                elif self.units.has_head and int(u) == self.units.end - 1:
+                    return self._logits(x[0], entries)
+                else:
+                    x = block(x)
         return x[0]
 
     def rotations(self, positions: torch.Tensor) -> dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]]:

@@ -4,17 +4,33 @@ SmolLM2, one stage: nine sequences of different lengths in one KV pool; one micr
 prefill chunks (of different sizes, some the first of their sequence) with decode tokens.
 """
 
+import pytest
 import torch
 
+from hpipe.core.errors import ModelSourceError
 from hpipe.core.units import UnitRange
 from hpipe.model import StageModel
 from hpipe.model.kvpool import Entry, KVPool
+from hpipe.model.quant import set_prefill_gemm
 
 PROMPTS = [37, 5, 120, 64, 9, 200, 17, 90, 3]   # tokens already in each sequence's cache
 NEXT = [1, 16, 1, 33, 1, 1, 40, 1, 8]           # what the mixed micro-batch adds (1: a decode token)
 
 
-def test_mixed_micro_batch_equals_each_sequence_alone(smollm2):
+@pytest.fixture(params=["float32", "bfloat16"])
+def prefill_gemm(request):
+    """Both precisions of the quantized prefill (bfloat16 skipped where the CPU lacks it)."""
+    try:
+        before = set_prefill_gemm(request.param)
+    except ModelSourceError as e:
+        pytest.skip(str(e))
+    yield request.param
+    set_prefill_gemm(before)
+
+
+def test_mixed_micro_batch_equals_each_sequence_alone(smollm2, prefill_gemm):
+    """With the prefill in bfloat16 too: a row's precision is its entry's (decode tokens float32,
+    prefill slices bfloat16), never the micro-batch's, so what shares a micro-batch changes nothing."""
     cfg = smollm2.config
     stage = StageModel.from_checkpoint(smollm2.weights(), cfg, UnitRange.full(cfg.num_layers))
     gen = torch.Generator().manual_seed(0)

@@ -181,9 +181,10 @@ def bfloat16_prefill():
 
 
 def test_the_bfloat16_prefill_gemm_is_the_rounded_product(bfloat16_prefill):
-    """From 24 rows, a product is the float32 sum of the bfloat16-rounded activations and
-    dequantized weights (to float32's summation error), in every part of a stacked weight; under
-    24 rows, and with float32 chosen again, it stays float32's."""
+    """The rows marked as prefill's multiply as the float32 sum of the bfloat16-rounded activations
+    and dequantized weights (to float32's summation error), in every part of a stacked weight,
+    however many they are; the other rows, and every row with float32 chosen again, stay float32's.
+    A row's result does not depend on the rows beside it (bit for bit from two rows up)."""
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
@@ -197,16 +198,24 @@ def test_the_bfloat16_prefill_gemm_is_the_rounded_product(bfloat16_prefill):
     rounded = dense.bfloat16().float()
     assert not torch.equal(rounded, dense)  # so the checks below tell the two apart
 
-    def product(x):
-        return torch.ops.hpipe.qlinear(x, weight.data, weight.parts, torch.empty(0))
+    def product(x, low=None):
+        return torch.ops.hpipe.qlinear(x, weight.data, weight.parts, torch.empty(0), low)
+
+    def every(n):
+        return torch.ones(n, dtype=torch.bool)
 
     x = torch.randn(40, 256)
-    assert max_rel_diff(product(x), x.bfloat16().float() @ rounded.T) <= 1e-5
-    assert max_rel_diff(product(x), x @ dense.T) > 1e-4
-    small = torch.randn(8, 256)
-    assert max_rel_diff(product(small), small @ dense.T) <= 1e-5
+    low = torch.arange(40) % 3 > 0  # rows of prefill slices among decode tokens
+    assert max_rel_diff(product(x, every(40)), x.bfloat16().float() @ rounded.T) <= 1e-5
+    assert max_rel_diff(product(x), x @ dense.T) <= 1e-5  # unmarked: float32, however many rows
+    mixed = product(x, low)
+    assert max_rel_diff(mixed[low], x[low].bfloat16().float() @ rounded.T) <= 1e-5
+    assert max_rel_diff(mixed[~low], x[~low] @ dense.T) <= 1e-5
+    assert max_rel_diff(product(x, every(40)), x @ dense.T) > 1e-4
+    for n in (1, 2, 8):  # a few prefill rows are bfloat16 too, the same bits as among 40
+        assert torch.equal(product(x[:n], every(n)), product(x, every(40))[:n]), n
     set_prefill_gemm("float32")
-    assert max_rel_diff(product(x), x @ dense.T) <= 1e-5
+    assert max_rel_diff(product(x, every(40)), x @ dense.T) <= 1e-5
 
 
 def test_bfloat16_prefill_agrees_with_the_dequantized_model(smollm2, bfloat16_prefill):

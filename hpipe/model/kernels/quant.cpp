@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -267,28 +268,20 @@ std::atomic<bool>& bf16_prefill() {
   return on;
 }
 
-}  // namespace
-
-namespace hpipe {
-
-Tensor qlinear(const Tensor& x_in, const Tensor& blocks, const Tensor& parts_t, const Tensor& bias) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "qlinear takes float32 CPU activations");
-  const int64_t k = x_in.size(-1);
-  const Tensor x = x_in.reshape({-1, k}).contiguous();
-  const int64_t m = x.size(0);
-  const std::vector<Part> parts = parts_of(blocks, parts_t, k);
-  const int64_t n_out = total_rows(parts);
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = n_out;
+// x [m, k] @ the parts' rows .T, float32 out [m, n_out]: in bfloat16 with float32 sums (`bf16`),
+// else in float32 (each weight row dequantized in registers or L1 for a few rows, panels and MKL's
+// GEMM from kGemmRows)
+Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& parts, int64_t n_out, bool bf16) {
+  const int64_t m = x.size(0), k = x.size(1);
+  if (bf16 && m == 1)  // MKL takes another path for one row (1e-6 apart): two rows sum as any number do
+    return product(at::cat({x, x}), base, parts, n_out, true).narrow(0, 0, 1).contiguous();
   Tensor out = at::empty({m, n_out}, x.options());
   const Variant& v = variant();
-  const uint8_t* base = blocks.data_ptr<uint8_t>();
-  const bool bf16 = m >= kGemmRows && bf16_prefill().load();
   Tensor xb;  // x in bfloat16, made once for every part
   int64_t col = 0;
   for (const Part& p : parts) {
     const uint8_t* b = base + p.offset;
-    if (m >= kGemmRows && bf16) {
+    if (bf16 && m > 0) {
       // out[:, col+n0 : +rows] = xb @ panel.T, summed in float32 (row-major, B transposed); each
       // weight row dequantized into L1 and rounded to bfloat16 from there
       if (!xb.defined()) xb = x.to(at::kBFloat16);
@@ -330,16 +323,53 @@ Tensor qlinear(const Tensor& x_in, const Tensor& blocks, const Tensor& parts_t, 
     }
     col += p.rows;
   }
+  return out;
+}
+
+}  // namespace
+
+namespace hpipe {
+
+Tensor qlinear_rows(const Tensor& x_in, const Tensor& blocks, const Tensor& parts_t, const Tensor& bias,
+                    const std::optional<Tensor>& low) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "qlinear takes float32 CPU activations");
+  const int64_t k = x_in.size(-1);
+  const Tensor x = x_in.reshape({-1, k}).contiguous();
+  const int64_t m = x.size(0);
+  const std::vector<Part> parts = parts_of(blocks, parts_t, k);
+  const int64_t n_out = total_rows(parts);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = n_out;
+  const uint8_t* base = blocks.data_ptr<uint8_t>();
+  Tensor out;
+  const int64_t n_low = low.has_value() && bf16_prefill().load() ? [&] {
+    TORCH_CHECK(low->scalar_type() == at::kBool && low->dim() == 1 && low->size(0) == m,
+                "low is bool [", m, "]: the rows that compute in bfloat16");
+    return low->sum().item<int64_t>();
+  }() : 0;
+  if (n_low == 0 || n_low == m) {
+    out = product(x, base, parts, n_out, n_low == m && m > 0);
+  } else {  // each row in its own precision, whatever rows share its micro-batch
+    const Tensor rows_low = low->nonzero().squeeze(1), rows_f32 = low->logical_not().nonzero().squeeze(1);
+    out = at::empty({m, n_out}, x.options());
+    out.index_copy_(0, rows_low, product(x.index_select(0, rows_low), base, parts, n_out, true));
+    out.index_copy_(0, rows_f32, product(x.index_select(0, rows_f32), base, parts, n_out, false));
+  }
   if (bias.numel()) out.add_(bias);
   return out.view(shape);
+}
+
+Tensor qlinear(const Tensor& x, const Tensor& blocks, const Tensor& parts, const Tensor& bias) {
+  return qlinear_rows(x, blocks, parts, bias, std::nullopt);
 }
 
 }  // namespace hpipe
 
 namespace {
 
-Tensor qlinear_op(const Tensor& x, const Tensor& blocks, const Tensor& parts, const Tensor& bias) {
-  return hpipe::qlinear(x, blocks, parts, bias);
+Tensor qlinear_op(const Tensor& x, const Tensor& blocks, const Tensor& parts, const Tensor& bias,
+                  const std::optional<Tensor>& low) {
+  return hpipe::qlinear_rows(x, blocks, parts, bias, low);
 }
 
 // rows `ids` of the matrix [rows, k] the parts hold, dequantized: an embedding lookup
@@ -395,7 +425,7 @@ std::string prefill_gemm(const std::string& mode) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hpipe, m) {
-  m.def("qlinear(Tensor x, Tensor blocks, Tensor parts, Tensor bias) -> Tensor", &qlinear_op);
+  m.def("qlinear(Tensor x, Tensor blocks, Tensor parts, Tensor bias, Tensor? low=None) -> Tensor", &qlinear_op);
   m.def("qembedding(Tensor ids, Tensor blocks, Tensor parts, int k) -> Tensor", &qembedding);
   m.def("dequantize(Tensor blocks, Tensor parts, int k) -> Tensor", &dequantize);
   m.def("quant_variant() -> str", &quant_variant);
