@@ -39,6 +39,30 @@ def time_probes(send, sizes: list[int], repeats: int) -> list[float]:
     return [statistics.median(s) for s in samples]
 
 
+#: seconds a link's probes may take, each direction, by a first rough estimate of its rate: on a
+#: fast link every size and repeat fits; on a Wi-Fi-class one (20 Mbit/s) all of them would take
+#: minutes per pair, so fewer rounds and then fewer of the largest sizes are sent
+LINK_PROBE_BUDGET_S = 10.0
+#: a pilot probe's bytes, sent once to estimate the rate
+PILOT_BYTES = 1 << 20
+
+
+def fit_probes(sizes: list[int], repeats: int, bytes_per_s: float, budget_s: float = LINK_PROBE_BUDGET_S,
+               min_repeats: int = 7, min_sizes: int = 3) -> tuple[list[int], int]:
+    """The probe ``sizes`` (ascending) and ``repeats`` that fit ``budget_s`` on a link of about
+    ``bytes_per_s`` (:func:`time_probes` sends every size ``repeats + 1`` times): rounds first
+    go down to ``min_repeats``, then the largest sizes go, down to ``min_sizes``."""
+    def seconds(s: list[int], r: int) -> float:
+        return (r + 1) * sum(s) / bytes_per_s
+
+    sizes = sorted(sizes)
+    while repeats > min_repeats and seconds(sizes, repeats) > budget_s:
+        repeats -= 1
+    while len(sizes) > min_sizes and seconds(sizes, repeats) > budget_s:
+        sizes = sizes[:-1]
+    return sizes, repeats
+
+
 def fit_link(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
     """``seconds = latency + size / bandwidth``: bandwidth from the larger sizes, latency from the smallest.
 

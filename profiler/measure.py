@@ -15,6 +15,7 @@ with its name: partial results are never written as if complete.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -32,7 +33,7 @@ from hpipe.core.profile import DTYPE_BYTES, ComputeGrid, DaemonProfile, LinkProf
 from hpipe.model.stage import DTYPES
 from profiler.grid import DEFAULT_MAX_LEN, METHOD, SWEEPS, estimate_seconds, grid_axes, grids_from_reply
 from profiler.grid_cache import grid_path, load_grids, store_grids
-from profiler.links import HOST_CPU_TOKENS, MAX_PROBE_BYTES, fit_host_cpu, fit_link
+from profiler.links import HOST_CPU_TOKENS, MAX_PROBE_BYTES, PILOT_BYTES, fit_host_cpu, fit_link, fit_probes
 from profiler.reference import (
     COLOCATION_ROUNDS,
     PROFILE_TIMEOUT_S,
@@ -144,13 +145,18 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
                     continue
                 bar.set_postfix_str(f"link {a.name}->{b.name}")
                 try:
-                    reply = clients[a.name].call("MeasureLink", pb.LinkRequest(
-                        target_address=b.address, target_data_port=data_ports[b.name], sizes=sizes,
-                        repeats=link_repeats), timeout=300.0)
+                    probe = functools.partial(clients[a.name].call, "MeasureLink", timeout=300.0)
+                    target = dict(target_address=b.address, target_data_port=data_ports[b.name])
+                    pilot = probe(pb.LinkRequest(**target, sizes=[PILOT_BYTES], repeats=1)).seconds[0]
+                    these, repeats = fit_probes(sizes, link_repeats, PILOT_BYTES / max(pilot, 1e-6))
+                    if (these, repeats) != (sizes, link_repeats):
+                        log.info("link %s->%s: about %.1f MB/s, so probes up to %d bytes, %d rounds", a.name, b.name,
+                                 PILOT_BYTES / max(pilot, 1e-6) / 1e6, these[-1], repeats)
+                    reply = probe(pb.LinkRequest(**target, sizes=these, repeats=repeats))
                 except grpc.RpcError as e:
                     raise daemon_error(a, f"could not measure its link to {b.name} ({b.address})", e) from None
                 lat, bw = fit_link(list(reply.sizes), list(reply.seconds))
-                send, recv = _host_cpu_costs(a, b, data_ports[b.name], clients, act, link_repeats)
+                send, recv = _host_cpu_costs(a, b, data_ports[b.name], clients, act, repeats, these[-1])
                 links.append(LinkProfile(a.name, b.name, lat, bw, *send, *recv))
                 bar.update(1)
         steal1 = {d.name: _steal(clients[d.name]) for d in cluster.daemons}
@@ -199,14 +205,14 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
-def _host_cpu_costs(a, b, data_port: int, clients: dict[str, DaemonClient], act: int, repeats: int):
+def _host_cpu_costs(a, b, data_port: int, clients: dict[str, DaemonClient], act: int, repeats: int, largest: int):
     """What a message on the link costs the sender's and the receiver's host in CPU, outside their
     device workers: ((per message, per byte) sending, (per message, per byte) receiving).
 
     Both daemons are idle but for the probes, so the change in their ``host_cpu_s`` over a round
     of same-sized probes is what those messages cost; two sizes separate the per-message part."""
     src, dst = clients[a.name], clients[b.name]
-    sizes = [min(act * t, MAX_PROBE_BYTES) for t in HOST_CPU_TOKENS]
+    sizes = [min(act * t, largest) for t in HOST_CPU_TOKENS]
     sent, received = [], []
     for size in sizes:
         before = [_host_cpu(c) for c in (src, dst)]

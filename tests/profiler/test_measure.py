@@ -10,7 +10,7 @@ from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError
 from hpipe.core.profile import ComputeGrid, Profile
 from profiler.grid import grid_axes, grids_from_reply
-from profiler.links import fit_host_cpu, fit_link
+from profiler.links import fit_host_cpu, fit_link, fit_probes
 from profiler.measure import profile_cluster
 from tests.cluster_helpers import free_ports
 
@@ -93,6 +93,17 @@ def test_link_fit_recovers_latency_and_bandwidth():
     sizes = [1_000, 10_000, 100_000, 1_000_000]
     lat, bw = fit_link(sizes, [0.001 + n / 50e6 for n in sizes])
     assert lat == pytest.approx(0.001, rel=1e-6) and bw == pytest.approx(50e6, rel=1e-6)
+
+
+def test_link_probes_fit_a_budget_by_the_links_rough_rate():
+    """Every size and round on a fast link; on a Wi-Fi-class one fewer rounds, then fewer of the
+    largest sizes, so each link takes seconds rather than minutes; never under the minimums."""
+    sizes = [2304 * t for t in (1, 16, 64, 256, 512, 1024, 2048, 4096)]  # SmolLM2's activations, float32
+    assert fit_probes(sizes, 21, 125e6, budget_s=10.0) == (sizes, 21)  # 1 Gbit/s: 3.3 s as asked
+    these, repeats = fit_probes(sizes, 21, 2.5e6, budget_s=10.0)  # 20 Mbit/s: 163 s as asked
+    assert (these, repeats) == (sizes[:5], 7)  # up to 512 tokens (0.47 s each), 8 sends of each
+    assert (repeats + 1) * sum(these) / 2.5e6 <= 10.0
+    assert fit_probes(sizes, 21, 1e4, budget_s=10.0) == (sizes[:3], 7)  # hopeless: the least it measures with
 
 
 def test_host_cpu_fit_separates_per_message_from_per_byte():
