@@ -45,7 +45,7 @@ def run_once(plan: Plan, pipe: Pipeline, items: list[WorkItem], policy: str, see
     """One replay of ``items`` under ``policy`` (made by ``make_policy`` where given, for a variant
     of one) on the deployed ``pipe``."""
     session = pipe.session()
-    offsets = [c.clock_offset() for c in pipe.clients]
+    offsets = {c.name: c.clock_offset() for c in pipe.clients}
     name, _, mode = policy.partition("@")[0].partition("+")
     engine = Engine(session, (make_policy or POLICIES[name])(), depth=len(pipe.stages), max_running=max_running,
                     swap=mode != "recompute")
@@ -79,31 +79,61 @@ def run_once(plan: Plan, pipe: Pipeline, items: list[WorkItem], policy: str, see
         raise
     finally:
         feeder.join()
-        stats = session.close()
+        ended = engine.close()  # every session the run used (a seesaw run switches sessions)
     span = max(r.done_s for r in requests) - t0
     failed = [r.error for r in requests if r.error]
     ttft = [r.first_token_s - r.arrival_s for r in requests if r.first_token_s is not None]
     tpot = [(r.done_s - r.first_token_s) / (len(r.tokens) - 1) for r in requests if len(r.tokens) > 1]
     out_tokens = sum(len(r.tokens) for r in requests)
     in_tokens = sum(len(r.prompt) for r in requests)
-    stages = []
-    for i, (st, s) in enumerate(zip(pipe.stages, stats)):
-        at = offsets[pipe.stage_daemon[i]] + wall0
-        stages.append({"stage": i, "daemon": st.daemon, "busy": round(s.get("compute_s", 0.0) / span, 4),
-                       "micro_batches": s.get("micro_batches", 0),
-                       "spans": [[round(b - at, 5), round(e - at, 5)] for _, _, _, b, e in s.get("spans", ())]})
-    daemons = {}
-    for st in stages:
-        daemons[st["daemon"]] = round(daemons.get(st["daemon"], 0.0) + st["busy"], 4)
+    stages, daemons = _busy(ended, len(pipe.stages), span, offsets, wall0)
+    phases = _phases(ended, getattr(engine.policy, "switches", None))
     return {"policy": policy, "span_s": round(span, 3), "failed": failed,
             "output_tokens_per_s": round(out_tokens / span, 2), "total_tokens_per_s": round((in_tokens + out_tokens)
                                                                                             / span, 2),
             "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99), "tpot_p50_s": _pct(tpot, 0.5),
             "tpot_p99_s": _pct(tpot, 0.99), "preemptions": engine.preemptions, "swaps": engine.swaps,
             "recomputed": engine.recomputed, "micro_batches": engine.micro_batches,
-            "stages": stages, "daemon_busy": daemons, "outputs": [r.tokens for r in requests],
+            "stages": stages, "daemon_busy": daemons, **({"phases": phases} if phases else {}),
+            "outputs": [r.tokens for r in requests],
             "log": [[round(m["sent_s"] - t0, 4), round(m["back_s"] - t0, 4), m["prefill"], m["decode"]]
                     for m in engine.log]}
+
+
+def _busy(ended: list[dict], n_stages: int, span: float, offsets: dict[str, float], wall0: float):
+    """Each stage's busy fraction of the run (its compute over every session, whichever daemon
+    held it), micro-batches and spans; each daemon's (its stages summed)."""
+    stages, daemons = [], {}
+    for i in range(n_stages):
+        compute, micro_batches, spans, owners = 0.0, 0, [], []
+        for e in ended:
+            s, d = (e["stats"][i] if i < len(e["stats"]) else {}), e["daemons"][i]
+            owners.append(d)
+            compute += s.get("compute_s", 0.0)
+            micro_batches += s.get("micro_batches", 0)
+            daemons[d] = daemons.get(d, 0.0) + s.get("compute_s", 0.0) / span
+            at = offsets.get(d, 0.0) + wall0
+            spans += [[round(b - at, 5), round(z - at, 5)] for _, _, _, b, z in s.get("spans", ())]
+        stages.append({"stage": i, "daemon": "/".join(dict.fromkeys(owners)), "busy": round(compute / span, 4),
+                       "micro_batches": micro_batches, "spans": spans})
+    return stages, {d: round(v, 4) for d, v in daemons.items()}
+
+
+def _phases(ended: list[dict], switches: list[dict] | None) -> dict:
+    """A run that switched layouts: per phase, its seconds (switches left out) and each daemon's
+    busy fraction in them ({} for a run on one session)."""
+    if not switches or len(ended) != len(switches) + 1:
+        return {}
+    names = [{"prefill": "decode", "decode": "prefill"}[switches[0]["to"]]] + [x["to"] for x in switches]
+    out: dict[str, dict] = {}
+    for name, e in zip(names, ended):
+        phase = out.setdefault(name, {"seconds": 0.0, "compute": {}})
+        phase["seconds"] += e["seconds"]
+        for d, s in zip(e["daemons"], e["stats"]):
+            phase["compute"][d] = phase["compute"].get(d, 0.0) + s.get("compute_s", 0.0)
+    return {name: {"seconds": round(p["seconds"], 3),
+                   "busy": {d: round(c / max(p["seconds"], 1e-9), 4) for d, c in p["compute"].items()}}
+            for name, p in out.items()}
 
 
 def run_workload(plan: Plan, cluster: ClusterSpec, items: list[WorkItem], policies: list[str], rounds: int = 1,
@@ -174,11 +204,22 @@ def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[st
         if any("switches" in run for run in rs):  # seesaw: layout switches a run, their seconds
             med["switches"] = statistics.median(len(run["switches"]) for run in rs)
             med["switch_s"] = statistics.median(sum(x["seconds"] for x in run["switches"]) for run in rs)
+        if all("phases" in run for run in rs):  # and each phase's seconds and busy fractions
+            med["phases"] = {ph: {"seconds": statistics.median(run["phases"][ph]["seconds"] for run in rs),
+                                  "busy": {d: statistics.median(run["phases"][ph]["busy"].get(d, 0.0) for run in rs)
+                                           for d in rs[0]["phases"][ph]["busy"]}}
+                             for ph in rs[0]["phases"] if all(ph in run["phases"] for run in rs)}
         med["same_outputs"] = same[p]
         med["failed"] = sum(len(run["failed"]) for run in rs)
         summary[p] = med
+    predicted = (plan.meta.get("seesaw") or {}).get("busy") or {}
     return {"requests": len(items), "rounds": rounds, "policies": summary, "runs": runs,
-            "stages": [f"{s.daemon} {s.units}" for s in pipe.stages]}
+            "stages": [f"{s.daemon} {s.units}" for s in pipe.stages],
+            "predicted_busy": {p: predicted[way] for p, way in _WAYS.items() if p in summary and way in predicted}}
+
+
+#: the planner's names (planner.seesaw) for what a policy of the bench runs on
+_WAYS = {"gllm@prefill": "prefill layout", "gllm@decode": "decode layout", "seesaw": "seesaw"}
 
 
 def table(result: dict) -> str:
@@ -200,6 +241,12 @@ def table(result: dict) -> str:
     for p, r in rows.items():
         if "switches" in r:
             lines.append(f"{p}: {r['switches']:.0f} layout switches a run, {r['switch_s']:.2f} s in them")
+        for ph, x in r.get("phases", {}).items():
+            lines.append(f"{p}, {ph} phase: {x['seconds']:.1f} s, busy " + ", ".join(
+                f"{d} {v:.2f}" for d, v in x["busy"].items()))
+    for p, predicted in result.get("predicted_busy", {}).items():
+        lines.append(f"{p}: busy per daemon, measured (planner's prediction at full load): " + ", ".join(
+            f"{d} {rows[p]['daemon_busy'].get(d, 0.0):.2f} ({v:.2f})" for d, v in predicted.items()))
     lines.append("busy fraction per daemon (stages summed): " + "; ".join(
         f"{p}: " + ", ".join(f"{d} {v:.2f}" for d, v in r["daemon_busy"].items()) for p, r in rows.items()))
     lines.append("busy fraction per stage: " + "; ".join(

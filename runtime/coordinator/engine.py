@@ -39,8 +39,8 @@ import torch
 from hpipe.model.sampling import SampleError, logprobs, sample
 from runtime.coordinator.kv_room import KVRoom
 from runtime.coordinator.preemption import Preempting
+from runtime.coordinator.rebind import Rebinding
 from runtime.coordinator.request import Request
-from runtime.coordinator.resume import replays, resume_requests
 from runtime.coordinator.session import Session, StageFailure
 from runtime.coordinator.stall import StallGuard
 from runtime.wire.messages import pb
@@ -72,7 +72,7 @@ class Sent:
     decode: int
 
 
-class Engine(Preempting):
+class Engine(Preempting, Rebinding):
     """Runs :class:`Request` s on a session, ``depth`` micro-batches in flight, formed by ``policy``."""
 
     def __init__(self, session: Session, policy, depth: int, max_running: int = 64,
@@ -86,6 +86,9 @@ class Engine(Preempting):
         self.recover = recover
         self.recoveries = 0
         self.resumes: list[dict] = []  # per recovery: requests resumed, positions kept and replayed, restarted
+        #: each session a recovery or a layout switch ended: its stages' daemons, seconds, statistics
+        self.ended: list[dict] = []
+        self._bound_s, self._switching_s = time.monotonic(), None  # when bound to the session, when a switch began
         self.lanes = max(1, session.pipe.lanes)  # independent decode lanes in the pipeline
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -163,83 +166,6 @@ class Engine(Preempting):
                 if self.recover is None:
                     raise
                 self._recover(str(e))
-
-    def _recover(self, error: str) -> None:
-        """Go on on the session ``recover`` gives (or raise its StageFailure)."""
-        old = self.session
-        self._go_on(old, self.recover(error, old))
-        self.recoveries += 1
-
-    def switch(self, deploy: Callable[[Session], Session]) -> dict:
-        """Go on on another deployment of the pipeline (a Seesaw layout switch): with nothing in
-        flight, ``deploy`` loads it and returns a session that took the current one's sequences
-        over; every running request resumes on it as after a recovery (the stages that kept its
-        KV keep it, replays rebuild it on the stages that moved); what was resumed, as
-        :attr:`resumes` has it for a recovery."""
-        if self._in_flight:
-            raise RuntimeError("a layout switch needs the pipeline drained")
-        old = self.session
-        return self._go_on(old, deploy(old), record=False)
-
-    def _go_on(self, old: Session, session: Session, record: bool = True) -> dict:
-        """Every running request resumes where every stage of ``session`` can go on from
-        (:mod:`runtime.coordinator.resume`): stages that lack its cache are rebuilt by replays,
-        sent before anything else; a request that cannot be resumed starts again from its token
-        ids, prefilling its prompt and the tokens it has."""
-        with self._lock:
-            self.session = session  # its cache is emptied as it is bound below (rebind)
-            for r in [r for r in self.running if r.swapped]:  # admitted, not yet back: its copy may be gone
-                self.running.remove(r)
-                self.waiting.insert(0, r)
-            wanted, restarted, kept = resume_requests(self.running, session.resumed, len(session.pipe.stages))
-            for r in reversed(restarted):
-                self.running.remove(r)
-                self.waiting.insert(0, r)  # the oldest first again
-            for r in self.waiting:  # a swapped copy may be lost with a daemon, or of moved stages
-                if r.swapped:
-                    self._unswap(r)
-                    r.new_sequence()
-                    r.restart(r.prompt + r.tokens)
-            stale = set(session.resumed) - set(wanted)  # adopted, but no running request goes on with them
-            session.close_sequences(sorted(stale))
-            old.close()
-            batches = replays(wanted)
-            broken = None
-            try:
-                by_seq = {r.seq_id: r for r in self.running}
-                for batch in batches:
-                    session.submit(*batch.micro_batch(lambda i: by_seq[i]))
-                self.rebind(session)
-            except StageFailure as e:  # broke again while resuming: recovered again below
-                broken = str(e)
-            resumed = {"resumed": len(self.running), "kept_positions": kept,
-                       "replayed_positions": sum(b.tokens for b in batches), "restarted": len(restarted)}
-            if record:
-                self.resumes.append(resumed)
-            self._checked = time.monotonic()
-            log.info("resumed %d requests (%d positions kept, %d rebuilt by replays), %d start again",
-                     resumed["resumed"], kept, resumed["replayed_positions"], len(restarted))
-        if broken is not None:
-            if self.recover is None:
-                raise StageFailure(broken)
-            self._recover(broken)
-        return resumed
-
-    def rebind(self, session: Session) -> None:
-        """Go on on ``session`` (a new one, after a recovery): nothing of the old one is in flight,
-        the prefix cache is empty, and the pools, depth and lanes are the new pipeline's
-        (:class:`StageFailure` if a daemon of it does not answer)."""
-        pools = session.pipe.pools()
-        with self._lock:
-            self.session = session
-            if self.cache is not None:
-                self.cache.clear(self.running + self.waiting)
-            self._in_flight.clear()
-            self.room.resize(min((p.blocks for p in pools), default=0))
-            self.tier = min((p.tier_blocks for p in pools), default=0)
-            self.depth = max(1, len(session.pipe.stages))
-            self.lanes = max(1, session.pipe.lanes)
-            self._checked = time.monotonic()
 
     def _run(self, until_idle: bool, stop: threading.Event | None) -> None:
         while not (stop and stop.is_set()):

@@ -297,8 +297,15 @@ def test_bench_runs_a_seesaw_plan_beside_its_two_layouts(cluster3, plan_file, ca
     for name in policies:
         p = out["policies"][name]
         assert p["same_outputs"] == [8] and p["failed"] == 0, name
-    assert out["policies"]["seesaw"]["switches"] >= 1
+    seesaw = out["policies"]["seesaw"]
+    assert seesaw["switches"] >= 1
     assert "layout switches a run" in captured.err
+    # what each daemon computed in every session of the run, and in each phase (a switch closes one)
+    assert set(seesaw["daemon_busy"]) == set(names) and all(v > 0 for v in seesaw["daemon_busy"].values())
+    assert set(seesaw["phases"]) == {"prefill", "decode"}
+    assert all(x["seconds"] > 0 and any(v > 0 for v in x["busy"].values()) for x in seesaw["phases"].values())
+    assert set(out["predicted_busy"]) == set(policies)
+    assert "seesaw, decode phase" in captured.err and "planner's prediction" in captured.err
     # hpipe run --policy seesaw: the answers of the plan's single layout
     docs = []
     for i in range(4):
