@@ -25,6 +25,7 @@ prefill whatever the policy.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from runtime.coordinator.engine import Engine, Planned, Request
 
@@ -39,16 +40,18 @@ SMALL_IN_A_ROW = 3
 LOOKUPS = 64
 
 
-def _prefill(engine: Engine, budget: int, planned: list[Planned], shortest_first: bool,
-             short_apart: bool = False) -> bool:
+def prefill_chunks(engine: Engine, budget: int, planned: list[Planned], shortest_first: bool,
+                   short_apart: bool = False, admit: Callable[[Request], bool] | None = None) -> bool:
     """Prefill chunks into ``planned``, up to ``budget`` tokens, from requests prefilling and then
     waiting ones (admitted as they get their first chunk), oldest first; or, ``shortest_first``,
     the fewest prompt tokens left first (a waiting one counted without its cached blocks, for the
     first ``LOOKUPS`` waiting), so a short request is never stuck behind a long document's prefill
     (head-of-line blocking); with ``short_apart`` too, a micro-batch with a short one
     (``SHORT_PROMPT``) takes no long chunk. A lone prompt with nothing else to do takes its plan
-    slices whole, whatever the budget: HPipe's pipelined prefill. Whether a long chunk was left
-    out for a short prompt."""
+    slices whole, whatever the budget: HPipe's pipelined prefill. ``admit`` decides whether a
+    waiting request may start (default: the engine's :meth:`Engine.admit`; a policy may reserve
+    more). Whether a long chunk was left out for a short prompt."""
+    admit = admit or engine.admit
     busy = {id(p.request) for p in planned}
     running = sorted((r for r in engine.running if r.prefilling and r.ready and id(r) not in busy),
                      key=lambda r: r.arrival_s)
@@ -68,7 +71,7 @@ def _prefill(engine: Engine, budget: int, planned: list[Planned], shortest_first
         if r in engine.waiting:
             if not admitting:
                 continue
-            if not engine.admit(r):
+            if not admit(r):
                 # refused for good (too long), or waiting for another request to fill its cached
                 # prefix: the next may still go in
                 admitting = r.finished or r.deferred
@@ -120,7 +123,7 @@ class GLLM:
             budget = max(min(waiting / self.iterations, share), self.min_prefill)
             # at most SMALL_IN_A_ROW micro-batches in a row are kept small for short prompts, so a
             # stream of them never keeps a long document from its chunks
-            apart = _prefill(engine, math.ceil(budget), planned, shortest_first=True,
+            apart = prefill_chunks(engine, math.ceil(budget), planned, shortest_first=True,
                              short_apart=self._apart < SMALL_IN_A_ROW)
             self._apart = self._apart + 1 if apart else 0
         return planned
@@ -135,7 +138,7 @@ class Sarathi:
 
     def form(self, engine: Engine) -> list[Planned]:
         planned = [Planned(r, 1) for r in _decoding(engine)[:self.budget]]
-        _prefill(engine, self.budget - len(planned), planned, shortest_first=False)
+        prefill_chunks(engine, self.budget - len(planned), planned, shortest_first=False)
         return planned
 
 

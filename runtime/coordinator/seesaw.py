@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 from hpipe.core.plan import Stage
 from hpipe.core.units import UnitRange
 from runtime.coordinator.engine import Engine, Planned, Request
-from runtime.coordinator.policies import _prefill
+from runtime.coordinator.policies import prefill_chunks
 from runtime.coordinator.session import Session
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,11 @@ class SeesawPhases:
     def form(self, engine: Engine) -> list[Planned]:
         if self.phase == "prefill":
             planned: list[Planned] = []
-            _prefill(_Reserving(engine), self.budget, planned, shortest_first=False)
+            prefill_chunks(engine, self.budget, planned, shortest_first=False, admit=lambda r: _reserve(engine, r))
             return planned
+        for r in [r for r in engine.waiting if r.tokens]:  # mid-answer, but the switch kept none of its KV
+            if not _reserve(engine, r):  # (every stage moved): it computes its prompt and tokens again
+                break                    # here, and decodes on
         answering = _answering(engine)
         if self._drained(engine, answering):
             return []  # let what is in flight come back, then switch
@@ -109,8 +112,8 @@ class SeesawPhases:
         t0 = time.monotonic()
         resumed = engine.switch(lambda old: self.deploy(to, old))
         self.phase = to
-        if to == "decode":
-            self.batch = len(_answering(engine))
+        if to == "decode":  # with those the switch restarted mid-answer (the decode phase takes them back)
+            self.batch = len(_answering(engine)) + sum(1 for r in engine.waiting if r.tokens)
         took = time.monotonic() - t0
         self.switches.append({"to": to, "at_s": t0, "seconds": took, "requests": len(engine.running),
                               **resumed})
@@ -124,21 +127,13 @@ def _answering(engine: Engine) -> list[Request]:
     return [r for r in engine.running if r.tokens]
 
 
-class _Reserving:
-    """The engine as the prefill phase admits from it: a waiting request goes in only if the pools
-    hold it, and every request already running, at their full lengths (no prefill is preempted)."""
-
-    def __init__(self, engine: Engine):
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def admit(self, r: Request) -> bool:
-        e, room = self._engine, self._engine.room
-        if room.blocks and e.running:  # alone, it is the engine's to admit (or to fail, if too long)
-            shared = (e.cache.ready - e.cache.idle) if e.cache is not None else 0  # cached blocks in use
-            reserved = sum(room.of(x.max_len) for x in e.running) + room.of(r.max_len)
-            if reserved > room.blocks - shared:
-                return False
-        return e.admit(r)
+def _reserve(engine: Engine, r: Request) -> bool:
+    """Admit ``r`` as the prefill phase does: only if the pools hold it and every request already
+    running at their full lengths (no prefill is preempted)."""
+    room = engine.room
+    if room.blocks and engine.running:  # alone, it is the engine's to admit (or to fail, if too long)
+        shared = (engine.cache.ready - engine.cache.idle) if engine.cache is not None else 0  # cached blocks in use
+        reserved = sum(room.of(x.max_len) for x in engine.running) + room.of(r.max_len)
+        if reserved > room.blocks - shared:
+            return False
+    return engine.admit(r)

@@ -80,6 +80,42 @@ def test_switching_layouts_loses_no_token(tiny, low_water):
     assert pools_empty(pipe)
 
 
+def test_a_switch_that_moves_every_stage_recomputes_in_the_decode_phase(tiny):
+    """Layouts with the same cuts on rotated daemons: every stage moves at every switch, so no
+    daemon keeps a sequence and each request mid-answer starts again. It recomputes its prompt and
+    tokens in the decode phase and decodes on there, instead of going back to wait for a prefill
+    phase (which gave one token per pair of switches: 100 switches for 8 short requests), and
+    its tokens are the ones it gets alone."""
+    pipe, source, path = tiny
+    cfg = source.config
+    names = [d.name for d in pipe.cluster.daemons]
+    layouts = fine_stages({"prefill": cut_stages(pipe.cluster, [3, 5], cfg.num_units),
+                           "decode": cut_stages(pipe.cluster, [3, 5], cfg.num_units,
+                                                daemons=[names[1], names[2], names[0]])})
+    pool = 24 * BLOCK
+
+    def deploy(phase, old):
+        pipe.load(path, layouts[phase], torch.float32, kv_pool_bytes=pool, adjacent=True)
+        return pipe.session(resume_from=old)
+
+    pipe.load(path, layouts["prefill"], torch.float32, kv_pool_bytes=pool, adjacent=True)
+    prompts, news = workload(12, cfg.vocab_size)
+    news = [m + 8 for m in news]
+    phases = SeesawPhases(deploy)
+    session = pipe.session()
+    try:
+        engine = Engine(session, phases, depth=len(pipe.stages))
+        requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
+        engine.run()
+    finally:
+        engine.session.close()
+    assert all(r.stop_reason == "length" and not r.error for r in requests), [r.error for r in requests]
+    assert [r.tokens for r in requests] == alone(source, prompts, news)
+    assert sum(s["restarted"] for s in phases.switches if s["to"] == "decode") > 0
+    assert len(phases.switches) <= 12, len(phases.switches)  # a pool-full a round: 6 at most here
+    assert pools_empty(pipe)
+
+
 def test_a_request_longer_than_the_pools_fails_instead_of_waiting(tiny):
     """The prefill phase admits only what the pools hold to the end; a request that could never
     fit is failed by the engine (as under any policy), not kept waiting for room."""
