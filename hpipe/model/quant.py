@@ -56,7 +56,8 @@ def prefill_rows(rows: torch.Tensor | None):
 
 
 def set_prefill_gemm(mode: str) -> str:
-    """Set the prefill GEMM's precision in this process (``"float32"`` or ``"bfloat16"``; a
+    """Set the prefill GEMM's precision in this process (``"float32"``, ``"bfloat16"``, or
+    ``"default"``: bfloat16 where the CPU has it unless ``HPIPE_PREFILL_GEMM=float32``; a
     :class:`ModelSourceError` where bfloat16 is asked of a CPU without it); the one it had."""
     cpu_kernel.require("a bfloat16 prefill GEMM")
     before = torch.ops.hpipe.prefill_gemm("")

@@ -114,10 +114,12 @@ def take_over(stages: dict[int, LoadedStage], added: dict[int, LoadedStage], dep
 
 def set_prefill_gemm(mode: str) -> None:
     """The quantized kernels' prefill precision as a deployment asks (FAILED_PRECONDITION where
-    the CPU has no bfloat16 GEMM); nothing to do without kernels or a word from the coordinator."""
-    if mode and cpu_kernel.available():
+    the CPU has no bfloat16 GEMM); without a word from the coordinator, the daemon's own default
+    (bfloat16 where the CPU has it, unless its environment says HPIPE_PREFILL_GEMM=float32), not
+    what the previous deployment asked. Nothing to do without kernels."""
+    if cpu_kernel.available():
         try:
-            quant.set_prefill_gemm(mode)
+            quant.set_prefill_gemm(mode or "default")
         except ModelSourceError as e:
             raise StatusError("FAILED_PRECONDITION", str(e)) from None
 

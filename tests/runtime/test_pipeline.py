@@ -172,3 +172,27 @@ def test_daemons_hold_the_gguf_blocks(cluster3, smollm2, reference):
             pipe.close()
     assert abs(held[False] - stored) <= 0.1 * stored
     assert held[True] > 4 * held[False]
+
+
+def test_a_deployment_that_says_nothing_of_the_prefill_gemm_gets_the_daemons_default():
+    """A coordinator that asked for one precision does not leave it to the next deployment: a
+    Load without a word (no HPIPE_PREFILL_GEMM where the coordinator runs) gets the daemon's own
+    default again (here float32, from the test suite's environment), not what the last one asked."""
+    from hpipe.core.errors import ModelSourceError
+    from hpipe.model.quant import prefill_in_bfloat16, set_prefill_gemm
+    from runtime.daemon import deployment
+
+    try:
+        before = set_prefill_gemm("bfloat16")
+    except ModelSourceError as e:
+        pytest.skip(str(e))
+    try:
+        deployment.set_prefill_gemm("bfloat16")
+        assert prefill_in_bfloat16()
+        deployment.set_prefill_gemm("")
+        assert not prefill_in_bfloat16()  # the daemon's environment says float32
+        deployment.set_prefill_gemm("bfloat16")
+        deployment.set_prefill_gemm("float32")
+        assert not prefill_in_bfloat16()
+    finally:
+        set_prefill_gemm(before)

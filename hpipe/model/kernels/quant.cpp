@@ -260,11 +260,14 @@ bool bf16_gemm_available() {
 }
 
 // the prefill GEMM's precision: true while bfloat16 (the default where available)
+// the process's own choice: bfloat16 where available, unless HPIPE_PREFILL_GEMM=float32
+bool bf16_by_default() {
+  const char* env = std::getenv("HPIPE_PREFILL_GEMM");
+  return bf16_gemm_available() && !(env != nullptr && std::string(env) == "float32");
+}
+
 std::atomic<bool>& bf16_prefill() {
-  static std::atomic<bool> on{[] {
-    const char* env = std::getenv("HPIPE_PREFILL_GEMM");
-    return bf16_gemm_available() && !(env != nullptr && std::string(env) == "float32");
-  }()};
+  static std::atomic<bool> on{bf16_by_default()};
   return on;
 }
 
@@ -412,13 +415,18 @@ Tensor dequantize(const Tensor& blocks, const Tensor& parts_t, int64_t k) {
 std::string quant_variant() { return variant().name; }
 
 // the prefill GEMM's precision, "bfloat16" or "float32", after setting it to `mode` unless that is
-// empty; "bfloat16" where the CPU or torch lacks it is an error
+// empty ("default": the process's own choice again); "bfloat16" where the CPU or torch lacks it is
+// an error
 std::string prefill_gemm(const std::string& mode) {
-  TORCH_CHECK(mode.empty() || mode == "float32" || mode == "bfloat16",
-              "the prefill GEMM is float32 or bfloat16, not ", mode);
+  TORCH_CHECK(mode.empty() || mode == "float32" || mode == "bfloat16" || mode == "default",
+              "the prefill GEMM is float32, bfloat16 or default, not ", mode);
   TORCH_CHECK(mode != "bfloat16" || bf16_gemm_available(),
               "this CPU (or this torch build) has no bfloat16 GEMM: prefill stays float32");
-  if (!mode.empty()) bf16_prefill().store(mode == "bfloat16");
+  if (mode == "default") {
+    bf16_prefill().store(bf16_by_default());
+  } else if (!mode.empty()) {
+    bf16_prefill().store(mode == "bfloat16");
+  }
   return bf16_prefill().load() ? "bfloat16" : "float32";
 }
 
