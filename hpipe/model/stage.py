@@ -95,8 +95,9 @@ class StageModel(nn.Module):
         self._tie_embeddings()
         if self._quantized():  # its prefill slices follow the quantized kernels' precision, the head does not
             for block in self.modules():
+                if isinstance(block, Attention):
+                    block.low_precision_prefill = True
                 if isinstance(block, (Attention, FeedForward)):
-                    block.low_precision_prefill = isinstance(block, Attention)
                     for m in block.modules():
                         if isinstance(m, QuantLinear):
                             m.low_precision = self._low_precision = True
@@ -241,8 +242,7 @@ class StageModel(nn.Module):
             return self._decode_kernel(x, tables, entries, pool)
         kv = BatchKV(entries, pool, self.device) if pool is not None else None
         x = x[None]
-        lengths = torch.tensor([e.length for e in entries])
-        with prefill_rows((lengths > 1).repeat_interleave(lengths) if self._low_precision else None):
+        with prefill_rows(_prefill_rows(entries) if self._low_precision else None):
             for u, block in self.blocks.items():
                 if isinstance(block, Attention):
                     x = block(x, *tables[block.rope], kv)
@@ -293,6 +293,12 @@ class StageModel(nn.Module):
             if isinstance(m, (QuantLinear, QuantEmbedding)):
                 seen.setdefault(m.blocks.data_ptr(), m.quantized)
         return list(seen.values())
+
+
+def _prefill_rows(entries: list[Entry]) -> torch.Tensor:
+    """Which rows of a micro-batch belong to prefill slices (entries of two tokens or more)."""
+    lengths = torch.tensor([e.length for e in entries])
+    return (lengths > 1).repeat_interleave(lengths)
 
 
 def logit_rows(entries: list[Entry]) -> list[int] | None:

@@ -2,16 +2,17 @@
 // them as torch.ops.hpipe.qlinear / qembedding / dequantize (hpipe/model/quant.py); decode.cpp calls
 // qlinear for a weight stored as blocks.
 //
-// How it computes (docs/decisions/quantized-kernels.md): activations stay float32. A decode
-// micro-batch of a few rows multiplies each weight row as it is dequantized, 16 values at a time
-// in registers; one of 5 to 23 rows dequantizes each weight row once into a buffer in L1 and
-// multiplies it by every activation row there: either way the weights are read from memory once,
-// as stored. A prefill slice (24 rows or more) dequantizes a panel of weight rows at a time and
-// hands it to MKL's GEMM, so the arithmetic runs at GEMM speed and the copy of a panel is all that
-// exists at once: in float32, or, where the CPU multiplies bfloat16 in hardware (AVX512-BF16 or
-// AMX), the panel and the slice rounded to bfloat16 and multiplied with float32 sums and results
-// (MKL's cblas_gemm_bf16bf16f32, 5-6 times float32's speed; HPIPE_PREFILL_GEMM=float32 or
-// torch.ops.hpipe.prefill_gemm("float32") keeps float32).
+// How it computes (docs/decisions/quantized-kernels.md). In float32: a micro-batch of a few rows
+// multiplies each weight row as it is dequantized, 16 values at a time in registers; one of 5 to
+// 23 rows dequantizes each weight row once into a buffer in L1 and multiplies it by every
+// activation row there: either way the weights are read from memory once, as stored. From 24 rows
+// a panel of weight rows is dequantized at a time and handed to MKL's GEMM, so the arithmetic runs
+// at GEMM speed and the copy of a panel is all that exists at once. The rows the caller marks as
+// prefill's (qlinear_rows' `low`), where the CPU multiplies bfloat16 in hardware (AVX512-BF16 or
+// AMX), are multiplied in bfloat16 with float32 sums and results instead: each weight row
+// dequantized and rounded to bfloat16 in L1, panels to MKL's cblas_gemm_bf16bf16f32 (5-6 times
+// float32's speed; HPIPE_PREFILL_GEMM=float32 or torch.ops.hpipe.prefill_gemm("float32") keeps
+// float32). The other rows (decode tokens, the head's) stay float32 whatever shares the call.
 //
 // The hot loops are written once, plainly, and compiled three times, for AVX-512, for AVX2 with
 // FMA and for any x86-64 (or other) CPU; the first call picks the widest the CPU has.
@@ -259,13 +260,13 @@ bool bf16_gemm_available() {
   return available;
 }
 
-// the prefill GEMM's precision: true while bfloat16 (the default where available)
 // the process's own choice: bfloat16 where available, unless HPIPE_PREFILL_GEMM=float32
 bool bf16_by_default() {
   const char* env = std::getenv("HPIPE_PREFILL_GEMM");
   return bf16_gemm_available() && !(env != nullptr && std::string(env) == "float32");
 }
 
+// the prefill GEMM's precision: true while bfloat16
 std::atomic<bool>& bf16_prefill() {
   static std::atomic<bool> on{bf16_by_default()};
   return on;
