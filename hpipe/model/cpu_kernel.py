@@ -85,11 +85,16 @@ def build(verbose: bool = False) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
+def loaded() -> bool:
+    """Whether the kernels are loaded into this process already (asking builds nothing)."""
+    return hasattr(torch.ops.hpipe, "decode_units")
+
+
 def available() -> bool:
     """Whether the kernels are loaded into this process: loaded from the cache on first ask, and
     built into it first where they are not yet (once per source and PyTorch; about a minute)."""
     global _build_error
-    if hasattr(torch.ops.hpipe, "decode_units"):
+    if loaded():
         return True
     library = build_dir() / f"{_name()}.so"
     if not library.exists():

@@ -116,8 +116,9 @@ def set_prefill_gemm(mode: str) -> None:
     """The quantized kernels' prefill precision as a deployment asks (FAILED_PRECONDITION where
     the CPU has no bfloat16 GEMM); without a word from the coordinator, the daemon's own default
     (bfloat16 where the CPU has it, unless its environment says HPIPE_PREFILL_GEMM=float32), not
-    what the previous deployment asked. Nothing to do without kernels."""
-    if cpu_kernel.available():
+    what the previous deployment asked (nothing to do while the kernels are not loaded: nothing
+    set it then). Nothing to do without kernels."""
+    if cpu_kernel.available() if mode else cpu_kernel.loaded():
         try:
             quant.set_prefill_gemm(mode or "default")
         except ModelSourceError as e:
