@@ -84,12 +84,12 @@ def build(verbose: bool = False) -> Path:
     return path / f"{_name()}.so"
 
 
-@functools.lru_cache(maxsize=None)
 def loaded() -> bool:
     """Whether the kernels are loaded into this process already (asking builds nothing)."""
     return hasattr(torch.ops.hpipe, "decode_units")
 
 
+@functools.lru_cache(maxsize=None)
 def available() -> bool:
     """Whether the kernels are loaded into this process: loaded from the cache on first ask, and
     built into it first where they are not yet (once per source and PyTorch; about a minute)."""
