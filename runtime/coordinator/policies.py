@@ -118,7 +118,8 @@ class GLLM:
         # under KVthresh prefill waits for decode to free blocks; with no decode at all, waiting
         # would be for good: then a prefill chunk goes, and the engine makes room for it
         stalled = not planned and not any(r.in_flight for r in engine.running)
-        if waiting and (free >= self.kv_thresh or stalled):
+        # a request swapped out mid-answer waits with no prompt left to send: it is admitted here too
+        if (waiting or engine.waiting) and (free >= self.kv_thresh or stalled):
             share = self.max_prefill * (free - self.kv_thresh) / (1 - self.kv_thresh)
             budget = max(min(waiting / self.iterations, share), self.min_prefill)
             # at most SMALL_IN_A_ROW micro-batches in a row are kept small for short prompts, so a

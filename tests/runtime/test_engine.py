@@ -117,6 +117,40 @@ def test_a_pool_too_small_for_the_load_preempts_and_loses_nothing(tiny, swap):
     assert pools_empty(pipe)
 
 
+def test_gllm_brings_back_a_request_swapped_mid_answer_when_nothing_else_runs(tiny, monkeypatch):
+    """A request preempted into the host tier mid-answer waits with no prompt tokens left to send;
+    with nothing else running, gllm must still admit it (it only admitted while prompt tokens
+    waited, so the engine stalled: caught by the stall guard in fresh-clone CI), and its tokens
+    are the ones it gets alone."""
+    from runtime.coordinator import stall
+
+    pipe, source, path, _ = tiny
+    cfg = source.config
+    pipe.load(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32, kv_pool_bytes=20 * BLOCK)
+    monkeypatch.setattr(stall, "STALL_S", 1.0)
+    prompt = torch.randint(1, cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    swapped: list[Request] = []
+
+    class SwapsItOnce(POLICIES["gllm"]):  # two tokens in, the request goes to the host tier
+        def form(self, engine):
+            for r in engine.running:
+                if len(r.tokens) == 2 and not r.in_flight and not swapped:
+                    swapped.append(r)
+                    engine._preempt(r)
+            return super().form(engine)
+
+    session = pipe.session()
+    try:
+        engine = Engine(session, SwapsItOnce(), depth=len(pipe.stages))
+        r = engine.add(Request(prompt, 6, slicer=chunks))
+        engine.run()
+    finally:
+        session.close()
+    assert swapped and engine.swaps == 1 and engine.recomputed == 0
+    assert not r.error and [r.tokens] == alone(source, [prompt], [6]), r.error
+    assert pools_empty(pipe)
+
+
 @pytest.mark.parametrize("policy,blocked", [("gllm", False), ("sarathi", True)])
 def test_a_short_request_is_not_stuck_behind_a_long_prefill(tiny, tmp_path_factory, policy, blocked):
     """A 64-token request arriving while a 4,096-token document is prefilled is sent before that
