@@ -38,6 +38,25 @@ def test_fine_stages_cut_each_layout_at_every_cut_of_both():
         fine_stages({"prefill": prefill, "decode": decode[:1]})
 
 
+def run_seesaw(pipe, path: str, layouts: dict, pool: int, prompts, news, **kw):
+    """``prompts`` under :class:`SeesawPhases` (``kw``) switching ``pipe`` between ``layouts``
+    (started on prefill), pools of ``pool`` bytes: (the requests, the policy, the engine)."""
+    def deploy(phase, old):
+        pipe.load(path, layouts[phase], torch.float32, kv_pool_bytes=pool, adjacent=True)
+        return pipe.session(resume_from=old)
+
+    pipe.load(path, layouts["prefill"], torch.float32, kv_pool_bytes=pool, adjacent=True)
+    phases = SeesawPhases(deploy, **kw)
+    session = pipe.session()
+    try:
+        engine = Engine(session, phases, depth=len(pipe.stages))
+        requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
+        engine.run()
+    finally:
+        engine.session.close()
+    return requests, phases, engine
+
+
 @pytest.mark.parametrize("low_water", [0.0, 0.75])
 def test_switching_layouts_loses_no_token(tiny, low_water):
     """Pools that hold a third of the requests at once force several prefill/decode rounds; with
@@ -50,23 +69,9 @@ def test_switching_layouts_loses_no_token(tiny, low_water):
     prefill = cut_stages(pipe.cluster, [3, 5], n)
     decode = cut_stages(pipe.cluster, [2, 6], n, daemons=[names[1], names[2], names[0]])
     layouts = fine_stages({"prefill": prefill, "decode": decode})
-    pool = 24 * BLOCK
-
-    def deploy(phase, old):
-        pipe.load(path, layouts[phase], torch.float32, kv_pool_bytes=pool, adjacent=True)
-        return pipe.session(resume_from=old)
-
-    pipe.load(path, layouts["prefill"], torch.float32, kv_pool_bytes=pool, adjacent=True)
     prompts, news = workload(24, cfg.vocab_size)
     news = [m + 8 for m in news]  # answers long enough to be cut by switches
-    phases = SeesawPhases(deploy, low_water=low_water)
-    session = pipe.session()
-    try:
-        engine = Engine(session, phases, depth=len(pipe.stages))
-        requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
-        engine.run()
-    finally:
-        engine.session.close()
+    requests, phases, engine = run_seesaw(pipe, path, layouts, 24 * BLOCK, prompts, news, low_water=low_water)
     assert all(r.stop_reason == "length" and not r.error for r in requests), [r.error for r in requests]
     assert [r.tokens for r in requests] == alone(source, prompts, news)
     to = [s["to"] for s in phases.switches]
@@ -92,23 +97,9 @@ def test_a_switch_that_moves_every_stage_recomputes_in_the_decode_phase(tiny):
     layouts = fine_stages({"prefill": cut_stages(pipe.cluster, [3, 5], cfg.num_units),
                            "decode": cut_stages(pipe.cluster, [3, 5], cfg.num_units,
                                                 daemons=[names[1], names[2], names[0]])})
-    pool = 24 * BLOCK
-
-    def deploy(phase, old):
-        pipe.load(path, layouts[phase], torch.float32, kv_pool_bytes=pool, adjacent=True)
-        return pipe.session(resume_from=old)
-
-    pipe.load(path, layouts["prefill"], torch.float32, kv_pool_bytes=pool, adjacent=True)
     prompts, news = workload(12, cfg.vocab_size)
     news = [m + 8 for m in news]
-    phases = SeesawPhases(deploy)
-    session = pipe.session()
-    try:
-        engine = Engine(session, phases, depth=len(pipe.stages))
-        requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
-        engine.run()
-    finally:
-        engine.session.close()
+    requests, phases, _ = run_seesaw(pipe, path, layouts, 24 * BLOCK, prompts, news)
     assert all(r.stop_reason == "length" and not r.error for r in requests), [r.error for r in requests]
     assert [r.tokens for r in requests] == alone(source, prompts, news)
     assert sum(s["restarted"] for s in phases.switches if s["to"] == "decode") > 0

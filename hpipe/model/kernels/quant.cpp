@@ -224,13 +224,21 @@ constexpr int64_t kBf16PanelValues = int64_t{1} << 21;  // and 4 MiB of bfloat16
 
 // whether this CPU multiplies bfloat16 in hardware: AVX512-BF16 (CPUID.7.1:EAX[5]) or AMX-BF16
 // (CPUID.7.0:EDX[22]); elsewhere MKL would emulate it, slower than float32
+bool cpu_has_avx512_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1u) && __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
 bool cpu_has_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__)
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1u)) return true;
-  if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1u)) return __builtin_cpu_supports("avx512f");
 #endif
-  return false;
+  return cpu_has_avx512_bf16();
 }
 
 // n floats rounded to bfloat16 (to nearest, ties to even, as torch rounds): AVX512-BF16's
@@ -246,10 +254,7 @@ __attribute__((target("avx512f,avx512bf16"))) void to_bf16_avx512(const float* x
 
 void to_bf16(const float* x, uint16_t* y, int64_t n) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const bool avx512_bf16 = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1u) && __builtin_cpu_supports("avx512f");
-  }();
+  static const bool avx512_bf16 = cpu_has_avx512_bf16();
   if (avx512_bf16) return to_bf16_avx512(x, y, n);
 #endif
   for (int64_t i = 0; i < n; ++i) y[i] = c10::BFloat16(x[i]).x;
