@@ -125,3 +125,29 @@ def test_redeployment_does_not_hold_the_old_model():
     finally:
         pipe.close()
         first.stop(), second.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gguf_blocks_stay_quantized_on_the_gpu(smollm2, dtype):
+    """A GPU stage of SmolLM2's Q4_1 file holds the file's bytes on the card (not a dequantized
+    copy) and computes, dequantizing at each use, the logits and tokens of the ``--dequantize``
+    checkpoint in the same dtype (float16: a Pascal card's)."""
+    from hpipe.model.dequant import DequantLinear
+    from hpipe.model.generate import encode_prompt, generate
+
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    quantized = LocalModel(smollm2, dtype=dtype, device="cuda", cuts=(5, 33))
+    held = torch.cuda.memory_allocated() - before
+    weights = sum(s.weight_bytes() for s in quantized.stages)
+    assert any(isinstance(m, DequantLinear) for s in quantized.stages for m in s.modules())
+    assert held < 1.1 * weights and weights < 0.5 * sum(s.parameter_count() for s in quantized.stages) * 2
+    reference = LocalModel(smollm2, dtype=dtype, device="cuda", dequantize=True)
+    tok = smollm2.tokenizer()
+    ids = torch.tensor([encode_prompt(tok, "The committee met on Tuesday to decide", False)], device="cuda")
+    ours = quantized.open(ids.shape[1]).prefill(ids, [ids.shape[1]]).float()
+    ref = reference.open(ids.shape[1]).prefill(ids, [ids.shape[1]]).float()
+    assert max_rel_diff(ours.cpu(), ref.cpu()) <= 1e-3
+    a = generate(quantized.open, tok, "def fibonacci(n):\n    ", context=256, eos_ids=[], max_new_tokens=16)
+    b = generate(reference.open, tok, "def fibonacci(n):\n    ", context=256, eos_ids=[], max_new_tokens=16)
+    assert a.token_ids == b.token_ids

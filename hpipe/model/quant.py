@@ -5,8 +5,8 @@ of its blocks and, for a fused projection whose pieces the file stores in differ
 Q4_K_M file keeps some value projections at Q6_K), one part per piece. :class:`QuantLinear` and
 :class:`QuantEmbedding` compute from those bytes through the C++ kernels
 (``kernels/quant.cpp``, decision: docs/decisions/quantized-kernels.md); nothing dequantizes a
-whole matrix except a stage that computes in another dtype or on another device, which
-dequantizes its own weights once at load.
+whole matrix; a stage that computes in another dtype or on another device keeps the blocks too and
+dequantizes one matrix at a time as it uses it (:mod:`hpipe.model.dequant`).
 """
 
 from __future__ import annotations
@@ -128,6 +128,10 @@ class QuantizedWeight:
         rb = int(self.parts[0, 2])
         data = self.data.view(-1, rb)[order].reshape(-1)
         return QuantizedWeight(data, self.parts.clone(), self.in_features)
+
+    def to(self, device: torch.device) -> "QuantizedWeight":
+        """The same weight with its bytes on ``device`` (the part table stays on the CPU)."""
+        return QuantizedWeight(self.data.to(device), self.parts, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
         """The whole matrix as float32 ``[rows, in_features]`` (bit for bit ggml's dequantization)."""
