@@ -292,6 +292,8 @@ class BatchKV:
         self.live_rows = torch.cat([torch.arange(a, a + len(s), device=device) for a, s in writes]) if writes else None
         self.write_slots = torch.cat([s for _, s in writes]) if writes else None
         self.all_live = self.live_rows is not None and len(self.live_rows) == self.tokens
+        #: attention masks made for this micro-batch, kept for its other layers (:meth:`Attention._attend`)
+        self.masks: dict = {}
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the micro-batch's new keys and values ``[tokens, kv_heads, head_dim]``."""
