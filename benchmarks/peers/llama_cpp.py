@@ -1,7 +1,7 @@
 """hpipe against llama.cpp on the same GGUF file, side by side in interleaved rounds.
 
     python benchmarks/peers/llama_cpp.py [--model smollm2-135m] [--also Q8_0,Q4_K_M]
-                                         [--rounds 3] [--threads 2] [--json]
+                                         [--rounds 3] [--threads 2] [--isa avx2] [--json]
 
 llama.cpp is built once from the ``llama-cpp-python==0.3.36`` sdist on the package index (its
 ``vendor/llama.cpp``; cmake and a C++ compiler; about five minutes on two cores) into
@@ -12,7 +12,10 @@ with SIGILL in its AMX kernels. ``--also`` makes more files from the model with
 
 Each round runs, for every file, ``llama-batched-bench`` (a 512-token prompt, 64 new tokens; one
 sequence and 16) and a 2,048-token prefill, then hpipe's :func:`hpipe_side.measure` of the same
-shapes on the same threads. The table gives each figure's median over the rounds, hpipe's ratio
+shapes on the same threads. ``--isa avx2`` caps both sides at AVX2 with FMA and F16C, as on an
+AVX2-only CPU (an AMD EPYC of this project's VMs): llama.cpp built without AVX-512, hpipe's
+kernels, MKL, oneDNN and ATen capped by their environment variables (set, then the script runs
+itself again), and no bfloat16 prefill. The table gives each figure's median over the rounds, hpipe's ratio
 to llama.cpp's per round, and the ratios' range (this VM drifts 10-20% over minutes).
 """
 
@@ -53,9 +56,16 @@ def cpu_model() -> str:
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
 
 
-def build() -> Path:
-    """llama.cpp's tools, built once for this CPU's instruction sets (AMX off); their folder."""
-    flags = cpu_flags()
+#: what ``--isa avx2`` leaves of the CPU, and the environment that caps each library at it
+AVX2 = {"avx", "avx2", "fma", "f16c"}
+AVX2_ENV = {"HPIPE_CPU_ISA": "avx2", "HPIPE_PREFILL_GEMM": "float32", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def build(cap: set[str] | None = None) -> Path:
+    """llama.cpp's tools, built once for this CPU's instruction sets (AMX off; only those in
+    ``cap`` where given); their folder."""
+    flags = cpu_flags() if cap is None else cpu_flags() & cap
     isa = {"GGML_AVX": "avx" in flags, "GGML_AVX2": "avx2" in flags, "GGML_FMA": "fma" in flags,
            "GGML_F16C": "f16c" in flags, "GGML_AVX512": "avx512f" in flags and "avx512bw" in flags,
            "GGML_AVX512_VNNI": "avx512_vnni" in flags, "GGML_AVX512_BF16": "avx512_bf16" in flags,
@@ -135,13 +145,18 @@ def main() -> None:
     ap.add_argument("--perplexity", metavar="TEXT", help="also each file's perplexity on this text, as "
                     "llama-perplexity computes it, against hpipe's (and the --dequantize model's)")
     ap.add_argument("--ctx", type=int, default=512, help="--perplexity's chunk length (llama-perplexity's -c)")
+    ap.add_argument("--isa", choices=["native", "avx2"], default="native",
+                    help="avx2: both sides capped at AVX2 (an AVX2-only CPU's code paths)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        # the caps must be in the environment before torch, MKL and oneDNN start
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
     from hpipe.model.quant import prefill_in_bfloat16
     from hpipe.model.sources import resolve_model
 
     torch.set_num_threads(args.threads)
-    bin_dir = build()
+    bin_dir = build(AVX2 if args.isa == "avx2" else None)
     base = resolve_model(args.model).gguf
     if base is None:
         raise SystemExit(f"{args.model} is not a GGUF model")
@@ -156,6 +171,7 @@ def main() -> None:
             print(f"round {r + 1} {name}: " + ", ".join(f"{k} {ours[k]:.0f}/{theirs.get(k, 0):.0f}" for k in ours),
                   file=sys.stderr)
     report = {"cpu": cpu_model(), "threads": args.threads, "isa": torch.ops.hpipe.quant_variant(),
+              "capped": args.isa, "torch_cpu": torch.backends.cpu.get_cpu_capability(),
               "prefill_gemm": "bfloat16" if prefill_in_bfloat16() else "float32", "files": {}}
     for name, rs in rounds.items():
         rows = {}
@@ -171,7 +187,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"{report['cpu']}, {args.threads} threads, hpipe kernels: {report['isa']}; tokens/s, medians of "
+    print(f"{report['cpu']}, {args.threads} threads, hpipe kernels: {report['isa']} (torch: {report['torch_cpu']}, "
+          f"prefill GEMM {report['prefill_gemm']}); tokens/s, medians of "
           f"{args.rounds} interleaved rounds")
     for name, rows in report["files"].items():
         print(f"\n{name}\n  {'':14}{'hpipe':>9}{'llama.cpp':>11}{'ratio':>8}  range")

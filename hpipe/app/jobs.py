@@ -234,7 +234,7 @@ def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], resu
         except HpipeError as e:
             engine.fail_all(str(e))
         finally:
-            engine.session.close()
+            engine.close()
             deployed.close()
             bar.close()
     elapsed = time.perf_counter() - t0

@@ -182,7 +182,7 @@ class Backend:
         self.collector.join(timeout=STOP_JOIN_S)
         if self.engine is not None:
             self.engine.fail_all(reason)
-            self.engine.session.close()
+            self.engine.close()
         if self.deployed is not None:
             self.deployed.close()
 
