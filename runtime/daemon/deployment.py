@@ -283,10 +283,11 @@ def _store(dep: Deployment, cfg: ModelConfig, weights_cache: WeightsCache | None
 
 
 def weight_bytes(cfg: ModelConfig, units: UnitRange, dtype: torch.dtype, device: torch.device, store) -> int:
-    """Bytes the weights of ``units`` will take: as the GGUF file stores them where the stage
-    computes from its blocks (float32 on the CPU), else in ``dtype``."""
+    """Bytes the weights of ``units`` will take: as the GGUF file stores them where the stage keeps
+    its blocks (float32 on the CPU, and any GPU stage), else in ``dtype`` (a CPU stage in another
+    dtype dequantizes them once: :meth:`hpipe.model.StageModel._place_quantized`)."""
     dense = sum(p.numel() for p in unit_params(cfg, units)) * dtype.itemsize
-    if not isinstance(store, GGUFWeights) or device.type != "cpu" or dtype != torch.float32:
+    if not isinstance(store, GGUFWeights) or (device.type == "cpu" and dtype != torch.float32):
         return dense
     return sum(store.nbytes(n) for n in {n for u in units for n in checkpoint_tensors(cfg, u)})
 

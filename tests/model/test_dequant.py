@@ -99,3 +99,21 @@ def test_random_blocks_dequantize_at_use(at_use):
     stage = StageModel.random(cfg, UnitRange.full(cfg.num_layers), dtype=torch.bfloat16, weight_type=int(T.Q4_1))
     assert any(isinstance(m, DequantLinear) for m in stage.modules())
     assert stage.weight_bytes() < 0.5 * stage.parameter_count() * 2
+
+
+def test_the_load_check_counts_what_a_stage_will_hold(smollm2, at_use):
+    """A daemon's memory check before it loads (runtime.daemon.deployment.weight_bytes) counts the
+    file's bytes where the stage keeps its blocks (float32 on the CPU, any GPU stage) and the
+    dtype's where a CPU stage dequantizes once; what the built stage holds agrees."""
+    from runtime.daemon.deployment import weight_bytes
+
+    cfg, store = smollm2.config, smollm2.weights()
+    units = UnitRange(0, 20, cfg.num_layers)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # only the device's type is read
+    stored = weight_bytes(cfg, units, torch.float32, cpu, store)
+    assert weight_bytes(cfg, units, torch.bfloat16, gpu, store) == weight_bytes(cfg, units, torch.float16, gpu, store) \
+        == stored
+    dense = weight_bytes(cfg, units, torch.bfloat16, cpu, store)
+    assert stored < 0.5 * dense
+    held = StageModel.from_checkpoint(store, cfg, units, dtype=torch.bfloat16).weight_bytes()  # at use, as on a GPU
+    assert abs(held - stored) <= 0.02 * stored
