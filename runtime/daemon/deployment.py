@@ -239,17 +239,21 @@ def pool_blocks(dep: Deployment, cfg: ModelConfig, ranges: list[UnitRange], weig
 
 def load(dep: Deployment, device: torch.device, budget: int | None, check: Callable[[int, str], None],
          decode_steps: str = "off", only: tuple[int, ...] | None = None, blocks: int | None = None,
-         weights_cache: WeightsCache | None = None) -> dict[int, LoadedStage]:
+         weights_cache: WeightsCache | None = None, parked: dict[int, StageModel] | None = None
+         ) -> dict[int, LoadedStage]:
     """Build every held stage (or the ``only`` ones) and its KV pool of ``blocks`` blocks (default:
     sized here); ``check(bytes, what)`` first refuses what does not fit; ``decode_steps`` is
-    :attr:`StageServer.decode_steps`. Shipped weights are read from ``weights_cache``."""
+    :attr:`StageServer.decode_steps`. Shipped weights are read from ``weights_cache``; a stage in
+    ``parked`` (models this daemon held earlier in the same pipeline) is taken from there instead,
+    its weights neither read nor counted again."""
     cfg = dep.shipped.config() if dep.shipped else model_config(dep.model)
     ranges = validate(dep, cfg)
     held = dep.held
     if only is not None:
         held, ranges = zip(*[(i, u) for i, u in zip(dep.held, ranges) if i in only])
     store = _store(dep, cfg, weights_cache)
-    weights = sum(weight_bytes(cfg, u, dep.dtype, device, store) for u in ranges)
+    parked = {} if parked is None else parked
+    weights = sum(weight_bytes(cfg, u, dep.dtype, device, store) for i, u in zip(held, ranges) if i not in parked)
     if blocks is None:
         blocks = pool_blocks(dep, cfg, ranges, weights, device, budget)
     pools = blocks * sum(KVPool.block_bytes(len(u.attention_layers()), cfg.num_kv_heads, cfg.head_dim, dep.dtype)
@@ -258,7 +262,9 @@ def load(dep: Deployment, device: torch.device, budget: int | None, check: Calla
                            f"({blocks} blocks of {BLOCK_SIZE} tokens)")
     loaded = {}
     for i, units in zip(held, ranges):
-        if store is None:  # random:NAME: this daemon creates its own units' weights
+        if i in parked:
+            model = parked.pop(i)
+        elif store is None:  # random:NAME: this daemon creates its own units' weights
             model = StageModel.random(cfg, units, dtype=dep.dtype, device=device)
         else:
             model = StageModel.from_checkpoint(store, cfg, units, dtype=dep.dtype, device=device)

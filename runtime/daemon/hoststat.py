@@ -1,4 +1,5 @@
-"""CPU time the hypervisor took from this machine ("steal"), read from Linux's ``/proc/stat``.
+"""CPU time the hypervisor took from this machine ("steal"), read from Linux's ``/proc/stat``, and
+the CPU time a daemon spends outside its device worker.
 
 On a virtual machine the physical cores behind the virtual CPUs may also run other guests. The
 time a virtual CPU was ready to run but was not given its core is counted as steal. A bench run
@@ -11,6 +12,8 @@ each daemon lost while it was profiled (``meta.steal_s``).
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -43,3 +46,14 @@ def steal_seconds(cpus: Iterable[int] | None = None, stat: str | None = None) ->
         ticks += int(fields[_STEAL_FIELD])
         seen = True
     return ticks / os.sysconf("SC_CLK_TCK") if seen else None
+
+
+def host_cpu_seconds(worker: threading.Thread) -> float:
+    """CPU seconds this process has used outside the ``worker`` thread (connections, sender, RPC)
+    since it started: what moving activations costs the host, apart from compute."""
+    total = time.process_time()
+    try:
+        inside = time.clock_gettime(time.pthread_getcpuclockid(worker.ident))
+    except (AttributeError, OSError):  # no per-thread clocks on this platform
+        return total
+    return max(total - inside, 0.0)

@@ -36,7 +36,7 @@ import torch
 from hpipe.core.errors import StatusError
 from hpipe.core.paths import cache_root
 from hpipe.model.kvpool import BLOCK_SIZE
-from runtime.daemon import deployment, memory
+from runtime.daemon import deployment, hoststat, memory
 from runtime.daemon.deployment import Deployment, LoadedStage
 from runtime.daemon.device_io import DeviceIO
 from runtime.daemon.kv_tier import HostTier
@@ -44,6 +44,7 @@ from runtime.daemon.layout import Layouts
 from runtime.daemon.micro_batch import MicroBatches
 from runtime.daemon.outbox import Outbox
 from runtime.daemon.owners import SessionOwners
+from runtime.daemon.parking import ParkedStages
 from runtime.daemon.prefix_store import PrefixStore
 from runtime.daemon.replay_log import DEFAULT_BUDGET, ReplayLog
 from runtime.daemon.sequences import SequenceTable
@@ -77,6 +78,7 @@ class StageServer:
         self.stages: dict[int, LoadedStage] = {}  # stage index -> held stage, in pipeline order
         self.deployment: Deployment | None = None
         self.weight_bytes = 0
+        self.parked = ParkedStages()  # the weights of stages a layout switch took away
         self._baseline_memory = 0
         self.sequences = SequenceTable()
         self.replay_log = ReplayLog(replay_budget)
@@ -97,14 +99,8 @@ class StageServer:
         self._reaper.start()
 
     def host_cpu_seconds(self) -> float:
-        """CPU seconds this process has used outside the device worker (connections, sender, RPC)
-        since it started: what moving activations costs the host, apart from compute."""
-        total = time.process_time()
-        try:
-            worker = time.clock_gettime(time.pthread_getcpuclockid(self.worker.thread.ident))
-        except (AttributeError, OSError):  # no per-thread clocks on this platform
-            return total
-        return max(total - worker, 0.0)
+        """CPU seconds outside the device worker since the start (:func:`hoststat.host_cpu_seconds`)."""
+        return hoststat.host_cpu_seconds(self.worker.thread)
 
     # --- deployment -------------------------------------------------------------------------
     def load(self, dep: Deployment) -> dict:
@@ -163,10 +159,10 @@ class StageServer:
         new = tuple(i for i in dep.held if i not in self.stages)
         blocks = min((s.pool.num_blocks for s in self.stages.values() if s.pool is not None), default=None)
         in_use = self.weight_bytes + sum(s.pool.nbytes for s in self.stages.values() if s.pool is not None)
-        added = deployment.load(dep, self.device, self.memory_budget,
-                                lambda n, what: deployment.check_memory(self.device, self.memory_budget, in_use,
-                                                                        n, what),
-                                self.decode_steps, only=new, blocks=blocks, weights_cache=self.weights_cache)
+        added = self.parked.load_beside(new, lambda parked, kept: deployment.load(
+            dep, self.device, self.memory_budget,
+            lambda n, what: deployment.check_memory(self.device, self.memory_budget, in_use + kept, n, what),
+            self.decode_steps, only=new, blocks=blocks, weights_cache=self.weights_cache, parked=parked))
 
         def extend():
             self.stages = deployment.take_over(self.stages, added, dep, self.sequences.all())
@@ -180,8 +176,11 @@ class StageServer:
         gone = [i for i in self.stages if i not in dep.held]
 
         def drop():
+            models = {i: self.stages[i].model for i in gone}
             self.stages = deployment.give_up(self.stages, gone, self.sequences.all(), self.replay_log)
             self.weight_bytes = sum(s.model.weight_bytes() for s in self.stages.values())
+            held = self.weight_bytes + sum(s.pool.nbytes for s in self.stages.values() if s.pool is not None)
+            self.parked.park(models, self.memory_budget, held, self.device)
             self.tier.reset()  # its copies are of the old layout's stages: the coordinator recomputes them
         self.run_on_device(drop)
         if any(i not in self.stages for i in dep.held):
@@ -195,6 +194,7 @@ class StageServer:
             self._free(seq_id)
         self.prefixes.clear()
         self.tier.reset()
+        self.parked.clear()
         self.stages, self.deployment, self.weight_bytes = {}, None, 0
 
     def _held(self) -> str:

@@ -20,6 +20,7 @@ def tiny(tiny_dirs):
     path = tiny_dirs["llama"]
     daemons = [Served(f"d{i}") for i in range(3)]
     pipe = Pipeline(cluster_of(*daemons))
+    pipe.served = daemons  # the tests look into the daemons' stage servers
     yield pipe, resolve_model(str(path)), str(path)
     pipe.close()
     for d in daemons:
@@ -79,6 +80,8 @@ def test_switching_layouts_loses_no_token(tiny, low_water):
     # the stages that moved rebuilt their KV from the logs: nothing started again
     assert sum(s["replayed_positions"] for s in phases.switches) > 0
     assert sum(s["restarted"] for s in phases.switches) == 0
+    # from the second switch on, a daemon takes back the weights of the stages it gave up
+    assert sum(d.stage.parked.reused for d in pipe.served) >= len(to) - 1
     if low_water:  # some requests were decoding when decode gave way
         assert any(s["to"] == "prefill" and s["resumed"] for s in phases.switches)
     assert engine.preemptions == 0  # the prefill phase admits only what the pools hold to the end
