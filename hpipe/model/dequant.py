@@ -1,10 +1,11 @@
 """GGUF blocks dequantized by torch operations on whatever device holds them, at each use.
 
-A stage that does not compute float32 on the CPU (a GPU daemon, or a bfloat16 stage) keeps its
-weights as the file stores them, on its device, and turns one matrix at a time into its compute
-dtype when a forward needs it: :class:`DequantLinear` and :class:`DequantEmbedding`. Resident
-weight bytes are the file's; the price is the dequantization each call, a pass over bytes the
-GPU's memory streams far faster than a CPU's (it works on any card, Pascal's P100 included).
+A GPU stage keeps its weights as the file stores them, on the card, and turns one matrix at a
+time into its compute dtype when a forward needs it: :class:`DequantLinear` and
+:class:`DequantEmbedding`. Resident weight bytes are the file's; the price is the dequantization
+each call, a pass over bytes the GPU's memory streams far faster than a CPU's (it works on any
+card, Pascal's P100 included). A CPU stage in bfloat16 calls :func:`dequantize` once at load
+instead (float32 CPU stages compute on the blocks through the C++ kernels, :mod:`hpipe.model.quant`).
 The arithmetic is ggml's, in the order of the ``gguf`` package's numpy dequantizers, so the
 values equal theirs bit for bit (tested per type) and, in the compute dtype, equal a checkpoint
 dequantized once (``--dequantize``) and cast.

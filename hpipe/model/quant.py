@@ -5,8 +5,8 @@ of its blocks and, for a fused projection whose pieces the file stores in differ
 Q4_K_M file keeps some value projections at Q6_K), one part per piece. :class:`QuantLinear` and
 :class:`QuantEmbedding` compute from those bytes through the C++ kernels
 (``kernels/quant.cpp``, decision: docs/decisions/quantized-kernels.md); nothing dequantizes a
-whole matrix; a stage that computes in another dtype or on another device keeps the blocks too and
-dequantizes one matrix at a time as it uses it (:mod:`hpipe.model.dequant`).
+whole matrix; a GPU stage keeps the blocks too and dequantizes one matrix at a time as it uses it,
+a CPU stage in another dtype dequantizes its own weights once at load (:mod:`hpipe.model.dequant`).
 """
 
 from __future__ import annotations
