@@ -78,8 +78,10 @@ def test_a_stage_dequantizing_at_use_computes_the_dequantized_checkpoint(smollm2
     cfg, store, tok = smollm2.config, smollm2.weights(), smollm2.tokenizer()
     reference = LocalModel(smollm2, dtype=torch.bfloat16, dequantize=True)
     quantized = LocalModel(smollm2, dtype=torch.bfloat16, cuts=(5, 33, 61))
-    assert all(isinstance(m, (DequantLinear, DequantEmbedding)) or not isinstance(m, torch.nn.Linear)
-               for s in quantized.stages for m in s.modules())
+    modules = [m for s in quantized.stages for m in s.modules()]
+    assert not any(isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) for m in modules)  # no dense copy
+    assert sum(isinstance(m, DequantEmbedding) for m in modules) == 1
+    assert sum(isinstance(m, DequantLinear) for m in modules) == 4 * smollm2.config.num_layers + 1  # qkv, o, gate_up, down; the head
     ids = torch.tensor([encode_prompt(tok, "The committee met on Tuesday to decide", False)])
     ours, ref = quantized.open(ids.shape[1]), reference.open(ids.shape[1])
     assert torch.equal(ours.prefill(ids, [4, ids.shape[1] - 4]), ref.prefill(ids, [4, ids.shape[1] - 4]))
