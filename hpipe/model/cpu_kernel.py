@@ -47,7 +47,7 @@ from hpipe.model.quant import QuantLinear
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = (KERNELS / "decode.cpp", KERNELS / "quant.cpp")  # one library; quant.h is part of its key
+SOURCES = (KERNELS / "decode.cpp", KERNELS / "quant.cpp", KERNELS / "bf16_gemm.cpp")  # one library
 ENV = "HPIPE_CPU_KERNEL"  # "off" disables it
 _lock = threading.Lock()
 _enabled = True
@@ -57,7 +57,7 @@ _build_error = ""  # why the kernels could not be built or loaded here, if they 
 
 def _name() -> str:
     """The library's name: it changes with the source, PyTorch and Python."""
-    code = b"".join(f.read_bytes() for f in (*SOURCES, KERNELS / "quant.h"))
+    code = b"".join(f.read_bytes() for f in (*SOURCES, *sorted(KERNELS.glob("*.h"))))  # quant_loops.h too
     key = f"{code.hex()}:openmp:{torch.__version__}:{sys.version_info[:2]}"
     return "hpipe_decode_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 

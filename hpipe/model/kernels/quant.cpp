@@ -277,10 +277,20 @@ bool cpu_is_intel() {
 #endif
 }
 
-bool bf16_gemm_available() {
+// MKL's bfloat16 GEMM, where it runs in hardware
+bool mkl_bf16() {
   static const bool available = cblas_gemm_bf16bf16f32 != nullptr && cpu_has_bf16() && cpu_is_intel();
   return available;
 }
+
+// hpipe's own (bf16_gemm.cpp) elsewhere: AVX512-BF16 on another vendor's CPU, unless
+// HPIPE_CPU_ISA caps the instruction sets below AVX-512
+bool own_bf16() {
+  static const bool available = !mkl_bf16() && hpipe::bf16_dot_available() && std::string(variant().name) == "avx512";
+  return available;
+}
+
+bool bf16_gemm_available() { return mkl_bf16() || own_bf16(); }
 
 // the process's own choice: bfloat16 where available, unless HPIPE_PREFILL_GEMM=float32
 bool bf16_by_default() {
@@ -299,7 +309,7 @@ std::atomic<bool>& bf16_prefill() {
 // GEMM from kGemmRows)
 Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& parts, int64_t n_out, bool bf16) {
   const int64_t m = x.size(0), k = x.size(1);
-  if (bf16 && m == 1)  // MKL takes another path for one row (1e-6 apart): two rows sum as any number do
+  if (bf16 && m == 1 && mkl_bf16())  // MKL takes another path for one row (1e-6 apart): two rows sum as any number do
     return product(at::cat({x, x}), base, parts, n_out, true).narrow(0, 0, 1).contiguous();
   Tensor out = at::empty({m, n_out}, x.options());
   const Variant& v = variant();
@@ -307,7 +317,28 @@ Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& pa
   int64_t col = 0;
   for (const Part& p : parts) {
     const uint8_t* b = base + p.offset;
-    if (bf16 && m > 0) {
+    if (bf16 && m > 0 && own_bf16()) {
+      // the same with hpipe's kernel: each weight row rounded to bfloat16 in L1, then packed
+      if (!xb.defined()) xb = x.to(at::kBFloat16);
+      const int64_t panel_rows = std::max<int64_t>(32, kBf16PanelValues / k / 32 * 32);
+      Tensor panel = at::empty({hpipe::bf16_packed_values(std::min(panel_rows, p.rows), k)},
+                               x.options().dtype(at::kBFloat16));
+      uint16_t* dst = reinterpret_cast<uint16_t*>(panel.data_ptr());
+      for (int64_t n0 = 0; n0 < p.rows; n0 += panel_rows) {
+        const int64_t rows = std::min(panel_rows, p.rows - n0);
+        at::parallel_for(0, rows, 8, [&](int64_t a, int64_t z) {
+          std::vector<float> row(k);
+          std::vector<uint16_t> rounded(k);
+          for (int64_t r = a; r < z; ++r) {
+            v.dequant_rows(p.type, b + (n0 + r) * p.row_bytes, p.row_bytes, 0, 1, k, row.data());
+            to_bf16(row.data(), rounded.data(), k);
+            hpipe::bf16_pack_row(rounded.data(), k, r, dst);
+          }
+        });
+        hpipe::bf16_gemm(reinterpret_cast<const uint16_t*>(xb.data_ptr()), m, k, dst, rows,
+                         out.data_ptr<float>() + col + n0, n_out);
+      }
+    } else if (bf16 && m > 0) {
       // out[:, col+n0 : +rows] = xb @ panel.T, summed in float32 (row-major, B transposed); each
       // weight row dequantized into L1 and rounded to bfloat16 from there
       if (!xb.defined()) xb = x.to(at::kBFloat16);

@@ -19,4 +19,16 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blocks, const at::Tens
 at::Tensor qlinear_rows(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, const at::Tensor& bias,
                         const std::optional<at::Tensor>& low);
 
+// bf16_gemm.cpp: a bfloat16 GEMM with float32 sums on AVX512-BF16, for the CPUs where MKL's is
+// not in hardware (AMD's). Whether this CPU has the instruction:
+bool bf16_dot_available();
+// values of a panel of `rows` weight rows of k (even) bfloat16 values once packed, and row r of it
+// packed (the last 32-row block's unused rows are never read into a result)
+int64_t bf16_packed_values(int64_t rows, int64_t k);
+void bf16_pack_row(const uint16_t* row, int64_t k, int64_t r, uint16_t* packed);
+// out[m, rows] (row stride ldo) = x[m, k] (bfloat16) . the packed rows, float32 sums; a row's bits
+// do not depend on m
+void bf16_gemm(const uint16_t* x, int64_t m, int64_t k, const uint16_t* packed, int64_t rows, float* out,
+               int64_t ldo);
+
 }  // namespace hpipe
