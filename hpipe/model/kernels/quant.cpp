@@ -304,6 +304,16 @@ std::atomic<bool>& bf16_prefill() {
   return on;
 }
 
+// a panel's room, kept by the calling thread from one call to the next: allocated per call, a 4 MiB
+// panel came from mmap and was faulted in page by page each time whenever glibc's threshold for
+// mmap had not risen (SmolLM2's matrices at 24 rows took 63 ms, or 164 ms after other calls)
+template <class T>
+T* panel_room(int64_t values) {
+  thread_local std::vector<T> room;
+  if (static_cast<int64_t>(room.size()) < values) room.resize(values);
+  return room.data();
+}
+
 // x [m, k] @ the parts' rows .T, float32 out [m, n_out]: in bfloat16 with float32 sums (`bf16`),
 // else in float32 (each weight row dequantized in registers or L1 for a few rows, panels and MKL's
 // GEMM from kGemmRows)
@@ -321,9 +331,7 @@ Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& pa
       // the same with hpipe's kernel: each weight row rounded to bfloat16 in L1, then packed
       if (!xb.defined()) xb = x.to(at::kBFloat16);
       const int64_t panel_rows = std::max<int64_t>(32, kBf16PanelValues / k / 32 * 32);
-      Tensor panel = at::empty({hpipe::bf16_packed_values(std::min(panel_rows, p.rows), k)},
-                               x.options().dtype(at::kBFloat16));
-      uint16_t* dst = reinterpret_cast<uint16_t*>(panel.data_ptr());
+      uint16_t* dst = panel_room<uint16_t>(hpipe::bf16_packed_values(std::min(panel_rows, p.rows), k));
       for (int64_t n0 = 0; n0 < p.rows; n0 += panel_rows) {
         const int64_t rows = std::min(panel_rows, p.rows - n0);
         at::parallel_for(0, rows, 8, [&](int64_t a, int64_t z) {
@@ -343,10 +351,9 @@ Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& pa
       // weight row dequantized into L1 and rounded to bfloat16 from there
       if (!xb.defined()) xb = x.to(at::kBFloat16);
       const int64_t panel_rows = std::max<int64_t>(16, kBf16PanelValues / k);
-      Tensor panel = at::empty({std::min(panel_rows, p.rows), k}, x.options().dtype(at::kBFloat16));
+      uint16_t* dst = panel_room<uint16_t>(std::min(panel_rows, p.rows) * k);
       for (int64_t n0 = 0; n0 < p.rows; n0 += panel_rows) {
         const int64_t rows = std::min(panel_rows, p.rows - n0);
-        uint16_t* dst = reinterpret_cast<uint16_t*>(panel.data_ptr());
         at::parallel_for(0, rows, 8, [&](int64_t a, int64_t z) {
           std::vector<float> row(k);
           for (int64_t r = a; r < z; ++r) {
@@ -360,21 +367,20 @@ Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& pa
       }
     } else if (m >= kGemmRows) {
       const int64_t panel_rows = std::max<int64_t>(16, kPanelValues / k);
-      Tensor panel = at::empty({std::min(panel_rows, p.rows), k}, x.options());
+      float* dst = panel_room<float>(std::min(panel_rows, p.rows) * k);
       for (int64_t n0 = 0; n0 < p.rows; n0 += panel_rows) {
         const int64_t rows = std::min(panel_rows, p.rows - n0);
-        float* dst = panel.data_ptr<float>();
         at::parallel_for(0, rows, 8, [&](int64_t a, int64_t z) {
           v.dequant_rows(p.type, b + n0 * p.row_bytes, p.row_bytes, a, z, k, dst + a * k);
         });
         Tensor cols = out.narrow(1, col + n0, rows);
-        at::mm_out(cols, x, panel.narrow(0, 0, rows).t());
+        at::mm_out(cols, x, at::from_blob(dst, {rows, k}, x.options()).t());
       }
     } else if (m > 0) {
       float* o = out.data_ptr<float>() + col;
       const float* xp = x.data_ptr<float>();
       at::parallel_for(0, p.rows, 16, [&](int64_t a, int64_t z) {
-        std::vector<float> w(k);
+        std::vector<float> w(2 * k);
         v.rows_times_x(p.type, b, p.row_bytes, a, z, xp, m, k, o, n_out, w.data());
       });
     }
