@@ -31,8 +31,8 @@ TYPES = {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in (GGMLQuantizationType[n
 def prefill_in_bfloat16() -> bool:
     """Whether prefill slices (entries of two tokens or more) of quantized weights multiply in
     bfloat16 with float32 sums (decode tokens and the head stay float32): the default where the
-    CPU does so in hardware for MKL (an Intel CPU with AVX512-BF16 or AMX: on AMD MKL's kernel is
-    no faster than float32) and torch has MKL's kernel;
+    CPU does so in hardware (AVX512-BF16 or AMX: MKL's GEMM on an Intel CPU, hpipe's own on
+    another vendor's, where MKL's is no faster than float32);
     ``HPIPE_PREFILL_GEMM=float32`` or :func:`set_prefill_gemm` keeps float32
     (docs/decisions/quantized-kernels.md). False where the kernels are not built."""
     return cpu_kernel.available() and torch.ops.hpipe.prefill_gemm("") == "bfloat16"

@@ -218,6 +218,23 @@ def test_the_bfloat16_prefill_gemm_is_the_rounded_product(bfloat16_prefill):
     assert max_rel_diff(product(x, every(40)), x @ dense.T) <= 1e-5
 
 
+def test_hpipes_own_bfloat16_gemm_wherever_the_cpu_has_avx512_bf16():
+    """hpipe's own bfloat16 GEMM (kernels/bf16_gemm.cpp; what an AMD CPU with AVX512-BF16 uses,
+    where MKL's is not in hardware) passes the rounded-product test on an Intel CPU too, where
+    MKL's is the default: HPIPE_BF16_GEMM=hpipe asks for it."""
+    if not _cpu_has("avx512_bf16"):
+        pytest.skip("this CPU has no AVX512-BF16")
+    env = dict(os.environ, HPIPE_BF16_GEMM="hpipe")
+    which = subprocess.run([sys.executable, "-c", "from hpipe.model import cpu_kernel; import torch; "
+                            "cpu_kernel.available(); print(torch.ops.hpipe.bf16_gemm_kernel())"],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert which.stdout.split()[-1:] == ["hpipe"], which.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::"
+                          "test_the_bfloat16_prefill_gemm_is_the_rounded_product"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).parents[2])
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
 def test_bfloat16_prefill_agrees_with_the_dequantized_model(smollm2, bfloat16_prefill):
     """The bar for a kernel that rounds activations: over 2,048 positions of real text, read in
     slices of 512, teacher-forced top-1 agreement with the --dequantize model of at least 99% and

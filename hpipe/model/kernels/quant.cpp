@@ -8,11 +8,13 @@
 // activation row there: either way the weights are read from memory once, as stored. From 24 rows
 // a panel of weight rows is dequantized at a time and handed to MKL's GEMM, so the arithmetic runs
 // at GEMM speed and the copy of a panel is all that exists at once. The rows the caller marks as
-// prefill's (qlinear_rows' `low`), where MKL multiplies bfloat16 in hardware (an Intel CPU with
-// AVX512-BF16 or AMX), are multiplied in bfloat16 with float32 sums and results instead: each weight row
-// dequantized and rounded to bfloat16 in L1, panels to MKL's cblas_gemm_bf16bf16f32 (5-6 times
-// float32's speed; HPIPE_PREFILL_GEMM=float32 or torch.ops.hpipe.prefill_gemm("float32") keeps
-// float32). The other rows (decode tokens, the head's) stay float32 whatever shares the call.
+// prefill's (qlinear_rows' `low`), where the CPU multiplies bfloat16 in hardware (AVX512-BF16 or
+// AMX), are multiplied in bfloat16 with float32 sums and results instead: each weight row
+// dequantized and rounded to bfloat16 in L1, panels to MKL's cblas_gemm_bf16bf16f32 on an Intel
+// CPU (5-6 times float32's speed with AMX), to hpipe's own (bf16_gemm.cpp, about twice float32's)
+// on another vendor's, where MKL's is no faster than float32; HPIPE_PREFILL_GEMM=float32 or
+// torch.ops.hpipe.prefill_gemm("float32") keeps float32.
+// The other rows (decode tokens, the head's) stay float32 whatever shares the call.
 //
 // The hot loops are written once, plainly, and compiled three times, for AVX-512, for AVX2 with
 // FMA and for any x86-64 (or other) CPU; the first call picks the widest the CPU has.
@@ -283,12 +285,20 @@ bool mkl_bf16() {
   return available;
 }
 
-// hpipe's own (bf16_gemm.cpp) elsewhere: AVX512-BF16 on another vendor's CPU, unless
-// HPIPE_CPU_ISA caps the instruction sets below AVX-512
+// hpipe's own (bf16_gemm.cpp) elsewhere: AVX512-BF16 on another vendor's CPU (or on an Intel one
+// with HPIPE_BF16_GEMM=hpipe, how the tests reach it there), unless HPIPE_CPU_ISA caps the
+// instruction sets below AVX-512
 bool own_bf16() {
-  static const bool available = !mkl_bf16() && hpipe::bf16_dot_available() && std::string(variant().name) == "avx512";
+  static const bool available = [] {
+    const char* env = std::getenv("HPIPE_BF16_GEMM");
+    const bool asked = env != nullptr && std::string(env) == "hpipe";
+    return (asked || !mkl_bf16()) && hpipe::bf16_dot_available() && std::string(variant().name) == "avx512";
+  }();
   return available;
 }
+
+// whose bfloat16 GEMM the prefill would use: "hpipe", "mkl" or "none"
+std::string bf16_gemm_kernel() { return own_bf16() ? "hpipe" : mkl_bf16() ? "mkl" : "none"; }
 
 bool bf16_gemm_available() { return mkl_bf16() || own_bf16(); }
 
@@ -319,7 +329,7 @@ T* panel_room(int64_t values) {
 // GEMM from kGemmRows)
 Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& parts, int64_t n_out, bool bf16) {
   const int64_t m = x.size(0), k = x.size(1);
-  if (bf16 && m == 1 && mkl_bf16())  // MKL takes another path for one row (1e-6 apart): two rows sum as any number do
+  if (bf16 && m == 1 && !own_bf16())  // MKL takes another path for one row (1e-6 apart): two rows sum as any number do
     return product(at::cat({x, x}), base, parts, n_out, true).narrow(0, 0, 1).contiguous();
   Tensor out = at::empty({m, n_out}, x.options());
   const Variant& v = variant();
@@ -481,7 +491,7 @@ std::string prefill_gemm(const std::string& mode) {
   TORCH_CHECK(mode.empty() || mode == "float32" || mode == "bfloat16" || mode == "default",
               "the prefill GEMM is float32, bfloat16 or default, not ", mode);
   TORCH_CHECK(mode != "bfloat16" || bf16_gemm_available(),
-              "MKL multiplies bfloat16 in hardware only on an Intel CPU with AVX512-BF16 or AMX (and a torch build with MKL): prefill stays float32 here");
+              "this CPU multiplies no bfloat16 in hardware (AVX512-BF16 or AMX; or this torch build lacks MKL's GEMM, where that is the one used): prefill stays float32 here");
   if (mode == "default") {
     bf16_prefill().store(bf16_by_default());
   } else if (!mode.empty()) {
@@ -498,4 +508,5 @@ TORCH_LIBRARY_FRAGMENT(hpipe, m) {
   m.def("dequantize(Tensor blocks, Tensor parts, int k) -> Tensor", &dequantize);
   m.def("quant_variant() -> str", &quant_variant);
   m.def("prefill_gemm(str mode) -> str", &prefill_gemm);
+  m.def("bf16_gemm_kernel() -> str", &bf16_gemm_kernel);
 }
