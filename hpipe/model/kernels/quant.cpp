@@ -314,9 +314,9 @@ std::atomic<bool>& bf16_prefill() {
   return on;
 }
 
-// a panel's room, kept by the calling thread from one call to the next: allocated per call, a 4 MiB
-// panel came from mmap and was faulted in page by page each time whenever glibc's threshold for
-// mmap had not risen (SmolLM2's matrices at 24 rows took 63 ms, or 164 ms after other calls)
+// a panel's room, kept by the calling thread from one call to the next: allocated per call,
+// SmolLM2's matrices at 24 rows took 63 ms, or 164 ms after other calls (most likely a 4 MiB panel
+// from a fresh mmap, faulted in page by page, whenever glibc's mmap threshold had not risen)
 template <class T>
 T* panel_room(int64_t values) {
   thread_local std::vector<T> room;
