@@ -226,14 +226,7 @@ constexpr int64_t kBf16PanelValues = int64_t{1} << 21;  // and 4 MiB of bfloat16
 
 // whether this CPU multiplies bfloat16 in hardware: AVX512-BF16 (CPUID.7.1:EAX[5]) or AMX-BF16
 // (CPUID.7.0:EDX[22]); elsewhere MKL would emulate it, slower than float32
-bool cpu_has_avx512_bf16() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1u) && __builtin_cpu_supports("avx512f");
-#else
-  return false;
-#endif
-}
+bool cpu_has_avx512_bf16() { return hpipe::bf16_dot_available(); }  // (CPUID read in bf16_gemm.cpp)
 
 bool cpu_has_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__)
