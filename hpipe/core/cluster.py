@@ -11,6 +11,7 @@ daemons:
     device: cpu               # cpu | cuda:N
     threads: 1                # torch CPU threads (optional)
     memory_budget: 2GiB       # optional cap on weights + KV cache
+    memory_share: 0.5         # optional, instead: a share of the device's memory (daemons sharing a GPU)
     replay_budget: 512MiB     # optional: host memory for the replay logs of what its stages sent
     cuda_graphs: false        # optional: GPU decode steps eagerly instead of as CUDA graphs
     model_dirs: [/srv/models] # optional: where Load may read model files, beyond hpipe's cache
@@ -36,6 +37,7 @@ from pathlib import Path
 import yaml
 
 from hpipe.core.errors import HpipeError
+from hpipe.core.shared_gpus import with_memory_shares
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.I)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -111,6 +113,9 @@ class DaemonOptions:
     threads: int | None = field(default=None, metadata=_option("torch CPU threads", _int))
     memory_budget: int | None = field(default=None, metadata=_option("cap on weights + KV cache, e.g. 2GiB",
                                                                      parse_size))
+    memory_share: float | None = field(default=None, metadata=_option(
+        "share of the device's memory, in (0, 1], that weights + KV cache may take (a budget for a daemon that "
+        "shares a GPU; cluster up gives such daemons their gpu_share, or equal parts)", _float))
     replay_budget: int = field(default=REPLAY_BUDGET, metadata=_option(
         "host memory for the activations each stage keeps so a restarted daemon can be rebuilt without "
         "prefilling again, e.g. 512MiB (0: none)", parse_size))
@@ -145,6 +150,8 @@ class DaemonOptions:
             raise HpipeError(f"{who}: threads must be >= 1, got {self.threads}")
         if self.memory_budget is not None and self.memory_budget < 1:
             raise HpipeError(f"{who}: memory budget must be positive, got {self.memory_budget}")
+        if self.memory_share is not None and not 0 < self.memory_share <= 1:
+            raise HpipeError(f"{who}: memory share is a fraction in (0, 1], got {self.memory_share}")
         if self.replay_budget < 0:
             raise HpipeError(f"{who}: replay budget must be >= 0, got {self.replay_budget}")
         if not self.weights_cache_gb > 0:
@@ -362,7 +369,7 @@ class ClusterSpec:
             options = DaemonOptions.from_values({"name": f"d{i}", **d, "host": host, "port": port}, who)
             daemons.append(DaemonSpec(**{**vars(options), "token_file": token_file, "tls_ca": tls_ca},
                                       emulate=emulate, spec=_spec(who, spec), ssh=ssh))
-        return cls(name=str(raw.get("name", path.stem)), daemons=tuple(daemons), path=path.resolve(),
+        return cls(name=str(raw.get("name", path.stem)), daemons=with_memory_shares(daemons), path=path.resolve(),
                    token_file=token_file, tls_ca=tls_ca, links=dict(raw.get("links") or {}))
 
     def link_specs(self) -> dict[tuple[str, str], tuple[float, float]]:

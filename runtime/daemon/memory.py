@@ -18,6 +18,8 @@ import resource
 import psutil
 import torch
 
+from hpipe.core.errors import HpipeError
+
 
 def _malloc_trim():
     try:
@@ -33,10 +35,28 @@ _TRIM = _malloc_trim()
 
 
 def available(device: torch.device) -> int:
-    """Bytes free on ``device`` now: GPU memory, or the machine's available RAM."""
+    """Bytes free on ``device`` now: GPU memory (with what this process's caching allocator holds
+    unused), or the machine's available RAM."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0] + cached)
     return int(psutil.virtual_memory().available)
+
+
+#: of a device's memory, what a share of it may hold in weights and KV pools (the rest: CUDA
+#: contexts, activations, the other processes of a machine)
+SHARE_USABLE = 0.9
+
+
+def budget_of_share(device: torch.device, share: float) -> int:
+    """A memory budget of ``share`` of ``device``'s memory (a GPU's total, or the machine's RAM)."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+            raise HpipeError(f"memory_share of {device}: this machine has no such CUDA device")
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = psutil.virtual_memory().total
+    return int(share * total * SHARE_USABLE)
 
 
 def release_free(device: torch.device) -> None:

@@ -23,7 +23,7 @@ from hpipe.core.cluster import DaemonOptions
 from hpipe.core.errors import HpipeError, InputError, ModelSourceError, StatusError, UnsupportedModelError
 from hpipe.core.paths import cache_root
 from hpipe.model.stage import parse_dtype
-from runtime.daemon import hoststat
+from runtime.daemon import hoststat, memory
 from runtime.daemon.deployment import Deployment
 from runtime.daemon.shipped import Shipped
 from runtime.daemon.stage_server import StageServer
@@ -201,7 +201,11 @@ def build_server(options: DaemonOptions, services: tuple[Service, ...] = (),
                  on_worker_start: Callable[[], None] | None = None) -> tuple[grpc.Server, StageServer, int]:
     """The daemon's gRPC server (not started), its stage server, and the port it bound."""
     security = outgoing_security(options)
-    stage = StageServer(options.device, options.memory_budget, host=options.host, token=security.token,
+    budget = options.memory_budget
+    if budget is None and options.memory_share is not None:
+        budget = memory.budget_of_share(torch.device(options.device), options.memory_share)
+        log.info("memory budget: %.1f GiB (%.0f%% of %s)", budget / 2**30, 100 * options.memory_share, options.device)
+    stage = StageServer(options.device, budget, host=options.host, token=security.token,
                         tls_server=server_context(options.tls_cert, options.tls_key),
                         tls_client=client_context(security.tls_ca), on_worker_start=on_worker_start,
                         cuda_graphs=options.cuda_graphs, model_dirs=options.model_dir_list,

@@ -65,6 +65,7 @@ def test_daemon_options_defined_once_round_trip_through_the_daemon_command(tmp_p
     ("{name: a, address: '127.0.0.1:1', token_file: x}", "set for the whole cluster"),
     ("{name: a, address: '127.0.0.1:1', cuda_graphs: 'no'}", "cuda_graphs 'no' is not valid"),
     ("{name: a, address: '127.0.0.1:1', tls_cert: a.pem}", "go together"),
+    ("{name: a, address: '127.0.0.1:1', memory_share: 1.5}", "memory share is a fraction in \\(0, 1\\]"),
 ])
 def test_bad_daemon_entries(tmp_path, entry, match):
     p = tmp_path / "c.yaml"
@@ -96,3 +97,31 @@ def test_ssh_entries(tmp_path):
         (tmp_path / "c.yaml").write_text(f"name: s\ndaemons:\n  - {{name: a, address: '10.0.0.1:5000', ssh: {bad}}}\n")
         with pytest.raises(HpipeError, match="ssh is user@host"):
             ClusterSpec.load(tmp_path / "c.yaml")
+
+
+def test_daemons_that_share_a_gpu_get_a_share_of_its_memory(tmp_path):
+    """Daemons on one machine's one GPU that set no memory size get their gpu_share (scaled to fit
+    where the percentages pass 100) or equal parts; a daemon alone on its device, a CPU daemon and a
+    daemon that sizes itself are left as they are."""
+    path = tmp_path / "c.yaml"
+
+    def shares(lines: str) -> dict:
+        path.write_text("daemons:\n" + lines)
+        return {d.name: d.memory_share for d in ClusterSpec.load(path).daemons}
+
+    mps = shares("  - {name: a, address: '127.0.0.1:1', device: 'cuda:0', emulate: {gpu_share: 50}}\n"
+                 "  - {name: b, address: '127.0.0.1:2', device: 'cuda:0', emulate: {gpu_share: 30}}\n"
+                 "  - {name: c, address: '127.0.0.1:3', device: 'cuda:0', emulate: {gpu_share: 20}}\n"
+                 "  - {name: d, address: '127.0.0.1:4', device: 'cuda:1'}\n"
+                 "  - {name: e, address: '127.0.0.1:5', device: cpu}\n"
+                 "  - {name: f, address: '127.0.0.1:6', device: cpu}\n")
+    assert mps == {"a": 0.5, "b": 0.3, "c": 0.2, "d": None, "e": None, "f": None}
+    over = shares("  - {name: a, address: '127.0.0.1:1', device: 'cuda:0', emulate: {gpu_share: 100}}\n"
+                  "  - {name: b, address: '127.0.0.1:2', device: 'cuda:0', emulate: {gpu_share: 60}}\n")
+    assert over == {"a": 100 / 160, "b": 60 / 160}
+    equal = shares("  - {name: a, address: '127.0.0.1:1', device: 'cuda:0'}\n"
+                   "  - {name: b, address: '127.0.0.1:2', device: 'cuda:0', emulate: {gpu_share: 60}}\n"
+                   "  - {name: c, address: '127.0.0.1:3', device: 'cuda:0', memory_budget: 4GiB}\n"
+                   "  - {name: d, address: '127.0.0.1:4', device: 'cuda:0', memory_share: 0.1}\n"
+                   "  - {name: e, address: '10.0.0.2:5', device: 'cuda:0', ssh: u@10.0.0.2}\n")
+    assert equal == {"a": 0.25, "b": 0.25, "c": None, "d": 0.1, "e": None}  # e: another machine's GPU
