@@ -261,18 +261,28 @@ def load(dep: Deployment, device: torch.device, budget: int | None, check: Calla
     check(weights + pools, f"the weights of units {', '.join(map(str, ranges))} and their KV pools "
                            f"({blocks} blocks of {BLOCK_SIZE} tokens)")
     loaded = {}
-    for i, units in zip(held, ranges):
-        if i in parked:
-            model = parked.pop(i)
-        elif store is None:  # random:NAME: this daemon creates its own units' weights
-            model = StageModel.random(cfg, units, dtype=dep.dtype, device=device)
-        else:
-            model = StageModel.from_checkpoint(store, cfg, units, dtype=dep.dtype, device=device)
-        successor = successor_of(dep, i)
-        pool = model.new_pool(blocks) if blocks else None
-        graphs = DecodeGraphs(model, pool, graph=decode_steps == "graphs") if decode_steps != "off" else None
-        loaded[i] = LoadedStage(i, dep.stages[i], model, pool, successor, graphs)
-    return loaded
+    try:
+        for i, units in zip(held, ranges):
+            if i in parked:
+                model = parked.pop(i)
+            elif store is None:  # random:NAME: this daemon creates its own units' weights
+                model = StageModel.random(cfg, units, dtype=dep.dtype, device=device)
+            else:
+                model = StageModel.from_checkpoint(store, cfg, units, dtype=dep.dtype, device=device)
+            successor = successor_of(dep, i)
+            pool = model.new_pool(blocks) if blocks else None
+            graphs = DecodeGraphs(model, pool, graph=decode_steps == "graphs") if decode_steps != "off" else None
+            loaded[i] = LoadedStage(i, dep.stages[i], model, pool, successor, graphs)
+    except torch.OutOfMemoryError as e:
+        error = str(e).splitlines()[0]  # the error's frames hold what was built: let go of them first
+    else:
+        return loaded
+    # the memory was free when checked and is not now: another process, or another daemon on the
+    # same GPU loading at the same time, took it
+    loaded = model = pool = graphs = None
+    memory.release_free(device)
+    raise StatusError("RESOURCE_EXHAUSTED", f"out of memory on {device} loading units {', '.join(map(str, ranges))} "
+                      f"({error}); if other daemons share this device, give each a memory_budget or memory_share")
 
 
 def _store(dep: Deployment, cfg: ModelConfig, weights_cache: WeightsCache | None):

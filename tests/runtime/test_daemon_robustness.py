@@ -17,7 +17,7 @@ from runtime.wire.channels import DaemonClient, Security
 from runtime.wire.messages import MAX_MESSAGE_BYTES, pb, pb_grpc
 from runtime.wire.transport import LinkError, connect, read_payload
 from tests.app.serve_helpers import free_port
-from tests.cluster_helpers import Served
+from tests.cluster_helpers import Served, cluster_of
 
 
 @pytest.fixture
@@ -99,6 +99,72 @@ def test_bad_loads_then_a_good_one(daemon, tiny_dirs):
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory budget" in msg
     info = load(c, model, 3, 8)
     assert info.hidden_size == 64 and info.parameters > 0 and info.pools[0].blocks > 0
+
+
+def test_running_out_of_memory_while_loading_is_a_clear_error_and_loses_nothing(daemon, tiny_dirs, monkeypatch):
+    """Memory that was free at the check and is gone at the allocation (another daemon on the same
+    GPU loading at once): the load is refused with RESOURCE_EXHAUSTED, naming the way out, and the
+    daemon loads the next deployment."""
+    from hpipe.model.stage import StageModel
+
+    c, model = daemon.client(), tiny_dirs["llama"]
+
+    def taken(self, blocks):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.24 GiB.")
+
+    with monkeypatch.context() as m:
+        m.setattr(StageModel, "new_pool", taken)
+        code, msg = code_of(lambda: load(c, model, 0, 8))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "out of memory on cpu loading units [0, 8)" in msg and "memory_budget or memory_share" in msg
+    assert load(c, model, 0, 8).pools[0].blocks > 0
+
+
+def test_a_redeployment_lets_the_old_stages_go_before_the_new_ones_load(tiny_dirs):
+    """When a daemon loads other units, nothing still holds the stage it ran last (the outbox's
+    thread held its last item, and with it the old stage, until the next send: on a GPU the old
+    weights and the new were resident together). Checked with weak references, without a
+    collection of our own."""
+    import weakref
+
+    from runtime.daemon import memory
+
+    model, units = str(tiny_dirs["llama"]), 8
+    first, second = Served("g"), Served("h")
+    pipe = Pipeline(cluster_of(first, second))
+    alive_at_load = []
+    try:
+        pipe.load(model, cut_stages(pipe.cluster, [5], units), torch.float32)
+        with pipe.open(9) as seq:
+            seq.submit(torch.tensor([5, 17, 99, 3, 250, 7, 64, 11]))
+            seq.result()
+        old = [weakref.ref(s.model) for s in first.stage.stages.values()]
+        reset_peak = memory.reset_peak
+
+        def spy(device):  # called once the new stages are loaded
+            alive_at_load.append(sum(r() is not None for r in old))
+            reset_peak(device)
+
+        memory.reset_peak = spy
+        pipe.load(model, cut_stages(pipe.cluster, [3], units), torch.float32)
+    finally:
+        memory.reset_peak = reset_peak
+        pipe.close()
+        first.stop(), second.stop()
+    assert alive_at_load and alive_at_load == [0, 0], alive_at_load
+
+
+def test_a_memory_share_is_a_budget_of_that_share_of_the_device():
+    import psutil
+
+    from runtime.daemon.memory import SHARE_USABLE
+
+    d = Served(memory_share=0.01)
+    try:
+        budget = d.client().call("Status", pb.StatusRequest()).memory_budget
+    finally:
+        d.stop()
+    assert budget == int(0.01 * psutil.virtual_memory().total * SHARE_USABLE)
 
 
 def test_load_reads_model_files_only_from_allowed_directories(tiny_dirs, tmp_path):
