@@ -1,5 +1,6 @@
 """GPU checks: run where CUDA is present, skipped cleanly without it (CI has no GPU)."""
 
+import gc
 import shutil
 
 import pytest
@@ -15,6 +16,15 @@ from tests.cluster_helpers import RunningCluster, Served, cluster_of, write_clus
 from tests.helpers import hf_model, max_rel_diff, run_split
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _free_the_card():
+    """What a test's in-process daemons held goes back to the card before the next test (whose
+    daemons may be other processes)."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 PROMPT = [5, 17, 99, 3, 250, 7, 64, 11, 300, 2, 31, 8]
 NEW = 12
@@ -53,7 +63,7 @@ def _greedy(daemons, model, cuts, num_units, dtype, slices=(5, 7)):
 def test_pipelined_equals_single_daemon_on_gpu(tiny_dirs, model, dtype):
     name = str(tiny_dirs["llama"]) if model == "tiny-hf" else model
     units = 2 * 3 + 2 if model == "tiny-hf" else 2 * 4 + 2
-    daemons = [Served(f"g{i}", device="cuda:0") for i in range(4)]
+    daemons = [Served(f"g{i}", device="cuda:0", memory_share=0.2) for i in range(4)]  # one card, four daemons
     try:
         one = _greedy(daemons[:1], name, [], units, dtype)
         three = _greedy(daemons[1:], name, [2, 5], units, dtype)  # 2: attn_0 | mlp_0
@@ -95,33 +105,37 @@ def test_mps_daemons_of_unequal_shares(tmp_path):
 
 def test_cuda_graph_decode_equals_eager_decode(tiny_dirs):
     name, units = str(tiny_dirs["llama3-rope"]), 2 * 3 + 2
-    graphs, eager = Served("graphs", device="cuda:0"), Served("eager", device="cuda:0", cuda_graphs=False)
+    graphs = Served("graphs", device="cuda:0", memory_share=0.4)
+    eager = Served("eager", device="cuda:0", cuda_graphs=False, memory_share=0.4)
     try:
         a = _greedy([graphs], name, [], units, torch.float32)
         b = _greedy([eager], name, [], units, torch.float32)
+        # the graph path ran and did not fall back; the eager daemon never took it
+        assert all(s.graphs is not None and s.graphs.captured for s in graphs.stage.stages.values())
+        assert all(s.graphs is None for s in eager.stage.stages.values())
     finally:
         graphs.stop(), eager.stop()
     assert a == b
-    # the graph path ran and did not fall back; the eager daemon never took it
-    assert all(s.graphs is not None and s.graphs.captured for s in graphs.stage.stages.values())
-    assert all(s.graphs is None for s in eager.stage.stages.values())
 
 
 def test_redeployment_does_not_hold_the_old_model():
-    """Peak memory after a redeployment is that of the new stage, not old + new (a 7B-shaped model)."""
+    """Peak memory after a redeployment is that of the new stage, not old + new (a 7B-shaped model).
+    The rest of the pipeline is on a CPU daemon: the CUDA peak is the process's, and a second GPU
+    daemon in it loading at the same time would count too."""
     from runtime.wire.messages import pb
 
-    first, second = Served("g", device="cuda:0"), Served("h", device="cuda:0")
+    first, second = Served("g", device="cuda:0"), Served("h", device="cpu")
     pipe = Pipeline(cluster_of(first, second))
+    pool = 256 << 20
     try:
-        for end in (40, 26):  # units [0, 40) on the first daemon, then [0, 26): neither holds the head
-            pipe.load("random:llama-7b", cut_stages(pipe.cluster, [end], 66), torch.bfloat16)
+        for end in (60, 40):  # units [0, 60) on the GPU daemon, then [0, 40): it never holds the head
+            pipe.load("random:llama-7b", cut_stages(pipe.cluster, [end], 66), torch.bfloat16, kv_pool_bytes=pool)
             with pipe.open(65) as seq:
                 seq.submit(torch.randint(0, 32000, (64,)))
                 seq.result()
         peak = pipe.clients[0].call("Status", pb.StatusRequest()).peak_memory_bytes
         weights = pipe.loads[0].weight_bytes
-        assert peak < 1.3 * weights, (peak, weights)
+        assert peak < 1.3 * weights + pool, (peak, weights)  # the old stage held 1.5x these weights
     finally:
         pipe.close()
         first.stop(), second.stop()
@@ -137,7 +151,8 @@ def test_gguf_blocks_stay_quantized_on_the_gpu(smollm2, dtype):
 
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
-    quantized = LocalModel(smollm2, dtype=dtype, device="cuda", cuts=(5, 33))
+    units = smollm2.config.num_units  # any depth (a GPU check may run on a copy with fewer layers)
+    quantized = LocalModel(smollm2, dtype=dtype, device="cuda", cuts=(5, units - 3))
     held = torch.cuda.memory_allocated() - before
     weights = sum(s.weight_bytes() for s in quantized.stages)
     assert any(isinstance(m, DequantLinear) for s in quantized.stages for m in s.modules())

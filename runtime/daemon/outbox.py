@@ -84,30 +84,35 @@ class Outbox:
             item = self._queue.get()
             if item is _STOP or self._closed.is_set():
                 return
-            stage, act, payload, layout = item
-            t0 = time.perf_counter()
-            if payload is None:
-                tensor = self.replay_log.replay_input(self.sequences, stage, act, layout)
+            self._send(*item)
+            # hold nothing between items: the stage an item names may be dropped by a new deployment
+            # (its weights would stay resident until the next send)
+            del item
+
+    def _send(self, stage, act: pb.Activation, payload, layout) -> None:
+        t0 = time.perf_counter()
+        if payload is None:
+            tensor = self.replay_log.replay_input(self.sequences, stage, act, layout)
+        else:
+            tensor = payload.on_host() if isinstance(payload, Pending) else payload
+            if stage.successor is not None:
+                self.replay_log.record(self.sequences, stage.index, layout, tensor,
+                                       {f.sequence_id for f in act.failed})
+            if not layout.forwards(stage.index):
+                return
+        act.payload_bytes = tensor.numel() * tensor.element_size()
+        try:
+            if stage.successor is None:
+                with self._lock:
+                    conn = self._sessions.get(act.session)
+                if conn is None:
+                    return  # the coordinator is gone: nobody to answer
+                sent = conn.send(pb.Frame(activation=act), tensor)
             else:
-                tensor = payload.on_host() if isinstance(payload, Pending) else payload
-                if stage.successor is not None:
-                    self.replay_log.record(self.sequences, stage.index, layout, tensor,
-                                           {f.sequence_id for f in act.failed})
-                if not layout.forwards(stage.index):
-                    continue
-            act.payload_bytes = tensor.numel() * tensor.element_size()
-            try:
-                if stage.successor is None:
-                    with self._lock:
-                        conn = self._sessions.get(act.session)
-                    if conn is None:
-                        continue  # the coordinator is gone: nobody to answer
-                    sent = conn.send(pb.Frame(activation=act), tensor)
-                else:
-                    sent = self._link(stage.successor).send(pb.Frame(activation=act), tensor)
-            except LinkError as e:
-                where = "the coordinator" if stage.successor is None else f"stage {stage.index + 1}"
-                self.sequences.fail([e.sequence_id for e in layout.entries], act.session, "UNAVAILABLE",
-                                    f"stage {stage.index} could not send to {where}: {e}")
-                continue
-            self.stats.add_send(act.session, stage.index, time.perf_counter() - t0, sent)
+                sent = self._link(stage.successor).send(pb.Frame(activation=act), tensor)
+        except LinkError as e:
+            where = "the coordinator" if stage.successor is None else f"stage {stage.index + 1}"
+            self.sequences.fail([e.sequence_id for e in layout.entries], act.session, "UNAVAILABLE",
+                                f"stage {stage.index} could not send to {where}: {e}")
+            return
+        self.stats.add_send(act.session, stage.index, time.perf_counter() - t0, sent)

@@ -15,7 +15,7 @@ sampled rows' logits to the coordinator's session. Failures travel with the data
 the sequences it failed to the activation's list.
 
 The server is composed of those parts, each given the collaborators it uses (the sequence
-table, the replay log, the outbox, the layouts); none of them holds the server.
+table, the replay log, the outbox, the layouts); none holds the server.
 
 Recovery. The outbox keeps what each held stage sent downstream in a replay log per sequence
 (:mod:`runtime.daemon.replay_log`, within ``replay_budget`` bytes). When a daemon of the pipeline is
@@ -390,8 +390,8 @@ class StageServer:
         self.data.stop()
         self.outbox.close()  # first: rows computed after the sequences are freed below must not leave
         self.worker.stop()
-        for seq_id in self.sequences.ids():
-            self._free(seq_id)
+        self._drop_everything()  # stopped, it holds nothing: an in-process daemon's memory goes back
+        memory.release_free(self.device)
 
 
 def _shape(item: tuple) -> tuple[int, frozenset]:
