@@ -2,6 +2,7 @@
 # GPU checks and benchmarks, in named steps (docs/results.md has the results and the machine):
 #
 #   bash benchmarks/gpu_suite.sh tests      # GPU tests (pytest -m gpu)
+#   bash benchmarks/gpu_suite.sh blocks     # SmolLM2's GGUF blocks vs --dequantize on the card
 #   bash benchmarks/gpu_suite.sh prefill    # one daemon, whole LLaMA-7B shape, vs transformers
 #   bash benchmarks/gpu_suite.sh mps        # 3 MPS daemons at 50/30/20%: profile, plan, bench all strategies
 #   bash benchmarks/gpu_suite.sh long       # 8k/16k/32k-token prefill on the same cluster, memory vs plan
@@ -33,6 +34,10 @@ step_tests() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
     command -v nvidia-cuda-mps-control || echo "no nvidia-cuda-mps-control on PATH"
     $PY -m pytest -q -rs -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/tests.log"
+}
+
+step_blocks() {
+    $PY benchmarks/gpu_blocks.py 2>&1 | tee "$OUT/blocks.log"
 }
 
 step_prefill() {
