@@ -26,6 +26,7 @@ def _free_the_card():
     gc.collect()
     torch.cuda.empty_cache()
 
+
 PROMPT = [5, 17, 99, 3, 250, 7, 64, 11, 300, 2, 31, 8]
 NEW = 12
 
