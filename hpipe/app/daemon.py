@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import torch
 
+from hpipe.app.inputs import check_device
 from hpipe.core.cluster import DaemonOptions
-from hpipe.core.errors import HpipeError
 from hpipe.model import cpu_kernel
 from profiler import service as profiler_service
 from runtime.cluster.emulate import WORKER_THREAD_NAME, name_this_thread
@@ -37,8 +37,7 @@ def build(options: DaemonOptions) -> tuple[grpc.Server, StageServer, int]:
 
 def serve(options: DaemonOptions) -> int:
     """Serve until SIGTERM or SIGINT."""
-    if options.device.startswith("cuda") and not torch.cuda.is_available():
-        raise HpipeError(f"--device {options.device}: CUDA is not available on this machine")
+    check_device(options.device)  # before a memory share is taken of it
     options.refuse_open_binding()
     if options.threads:
         torch.set_num_threads(options.threads)

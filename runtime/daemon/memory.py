@@ -18,8 +18,6 @@ import resource
 import psutil
 import torch
 
-from hpipe.core.errors import HpipeError
-
 
 def _malloc_trim():
     try:
@@ -50,9 +48,7 @@ SHARE_USABLE = 0.9
 
 def budget_of_share(device: torch.device, share: float) -> int:
     """A memory budget of ``share`` of ``device``'s memory (a GPU's total, or the machine's RAM)."""
-    if device.type == "cuda":
-        if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
-            raise HpipeError(f"memory_share of {device}: this machine has no such CUDA device")
+    if device.type == "cuda":  # one this machine has (hpipe daemon checks it first: check_device)
         total = torch.cuda.get_device_properties(device).total_memory
     else:
         total = psutil.virtual_memory().total

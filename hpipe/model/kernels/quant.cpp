@@ -224,10 +224,11 @@ constexpr int64_t kGemmRows = 24;
 constexpr int64_t kPanelValues = int64_t{1} << 20;  // a panel: 4 MiB of float32 weights (1, 4, 8 and 16 MiB measured; 4 best)
 constexpr int64_t kBf16PanelValues = int64_t{1} << 21;  // and 4 MiB of bfloat16 ones (2, 4 and 8 MiB measured; 4 best)
 
-// whether this CPU multiplies bfloat16 in hardware: AVX512-BF16 (CPUID.7.1:EAX[5]) or AMX-BF16
-// (CPUID.7.0:EDX[22]); elsewhere MKL would emulate it, slower than float32
-bool cpu_has_avx512_bf16() { return hpipe::bf16_dot_available(); }  // (CPUID read in bf16_gemm.cpp)
+// whether this CPU has AVX512-BF16 (the CPUID is read in bf16_gemm.cpp)
+bool cpu_has_avx512_bf16() { return hpipe::bf16_dot_available(); }
 
+// whether this CPU multiplies bfloat16 in hardware: AVX512-BF16 or AMX-BF16 (CPUID.7.0:EDX[22]);
+// elsewhere MKL would emulate it, slower than float32
 bool cpu_has_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__)
   unsigned a = 0, b = 0, c = 0, d = 0;
