@@ -47,7 +47,8 @@ from hpipe.model.quant import QuantLinear
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).parent / "kernels"
-SOURCES = (KERNELS / "decode.cpp", KERNELS / "quant.cpp", KERNELS / "bf16_gemm.cpp")  # one library
+SOURCES = (KERNELS / "decode.cpp", KERNELS / "quant.cpp", KERNELS / "bf16_gemm.cpp",  # one library
+           KERNELS / "bf16_attention.cpp")
 ENV = "HPIPE_CPU_KERNEL"  # "off" disables it
 _lock = threading.Lock()
 _enabled = True

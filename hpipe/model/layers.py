@@ -25,7 +25,7 @@ from torch.nn.attention.bias import causal_lower_right
 from hpipe.core.config import ModelConfig
 from hpipe.core.units import ATTN, EMBED, HEAD, MLP, unit_kind
 from hpipe.model.kvpool import BatchKV
-from hpipe.model.quant import prefill_in_bfloat16
+from hpipe.model.quant import own_bf16_attention, prefill_in_bfloat16
 from hpipe.model.rope import apply_rotary
 
 #: each family's checkpoint names of a unit's ``norm`` and ``post_norm`` (within ``model.layers.N.``)
@@ -194,8 +194,13 @@ class Attention(nn.Module):
         weights: :func:`hpipe.model.quant.prefill_in_bfloat16`): 2.7x float32's speed for a
         512-token slice over 2,048 keys (AMX), results in float32."""
         s, n = q.shape[2], start + q.shape[2]
-        width = -(-n // KV_SPLIT) * KV_SPLIT
         low = self.low_precision_prefill and q.dtype == torch.float32 and prefill_in_bfloat16()
+        if low and self.head_dim % 64 == 0 and keys.dtype == torch.float32 and own_bf16_attention():
+            # hpipe's own kernel: invariant to the slicing by construction, no padding needed
+            out = torch.ops.hpipe.bf16_attention(q[0].transpose(0, 1), keys[0], values[0], start, self.scale,
+                                                 self.window or 0)
+            return out.transpose(0, 1)[None]
+        width = -(-n // KV_SPLIT) * KV_SPLIT
         dtype = torch.bfloat16 if low else q.dtype
         padded_keys = keys.new_zeros(*keys.shape[:2], width, keys.shape[3], dtype=dtype)
         padded_values = values.new_zeros(*values.shape[:2], width, values.shape[3], dtype=dtype)

@@ -11,6 +11,7 @@ a CPU stage in another dtype dequantizes its own weights once at load (:mod:`hpi
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -36,6 +37,20 @@ def prefill_in_bfloat16() -> bool:
     ``HPIPE_PREFILL_GEMM=float32`` or :func:`set_prefill_gemm` keeps float32
     (docs/decisions/quantized-kernels.md). False where the kernels are not built."""
     return cpu_kernel.available() and torch.ops.hpipe.prefill_gemm("") == "bfloat16"
+
+
+#: ``HPIPE_PREFILL_ATTENTION=sdpa`` keeps bfloat16 prefill attention on SDPA where hpipe's own
+#: kernel would run (to compare the two)
+ATTENTION_ENV = "HPIPE_PREFILL_ATTENTION"
+
+
+def own_bf16_attention() -> bool:
+    """Whether a bfloat16 prefill slice's attention runs hpipe's own kernel
+    (``kernels/bf16_attention.cpp``) rather than SDPA: where the prefill is bfloat16 and hpipe's
+    own bfloat16 GEMM runs it (AVX512-BF16 without MKL's kernels in hardware: AMD's Zen 4, where
+    SDPA's bfloat16 is no faster than its float32), unless ``HPIPE_PREFILL_ATTENTION=sdpa``."""
+    return (os.environ.get(ATTENTION_ENV, "").lower() != "sdpa" and prefill_in_bfloat16()
+            and torch.ops.hpipe.bf16_gemm_kernel() == "hpipe")
 
 
 #: the rows of the micro-batch being computed that belong to prefill slices (bool ``[tokens]``), set
