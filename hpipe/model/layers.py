@@ -192,7 +192,9 @@ class Attention(nn.Module):
         step; the padding cost 3-10% of the attention's time in five slicings (measured, AVX-512 Xeon).
         In bfloat16 while the quantized kernels' prefill GEMM is (set on a stage of quantized
         weights: :func:`hpipe.model.quant.prefill_in_bfloat16`): 2.7x float32's speed for a
-        512-token slice over 2,048 keys (AMX), results in float32."""
+        512-token slice over 2,048 keys (AMX), results in float32. Where hpipe's own bfloat16
+        GEMM runs (AMD's Zen 4, where SDPA's bfloat16 is no faster than float32), hpipe's own
+        attention instead (``kernels/bf16_attention.cpp``: slicing-invariant by construction)."""
         s, n = q.shape[2], start + q.shape[2]
         low = self.low_precision_prefill and q.dtype == torch.float32 and prefill_in_bfloat16()
         if low and self.head_dim % 64 == 0 and keys.dtype == torch.float32 and own_bf16_attention():

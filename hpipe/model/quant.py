@@ -11,6 +11,7 @@ a CPU stage in another dtype dequantizes its own weights once at load (:mod:`hpi
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -49,8 +50,13 @@ def own_bf16_attention() -> bool:
     (``kernels/bf16_attention.cpp``) rather than SDPA: where the prefill is bfloat16 and hpipe's
     own bfloat16 GEMM runs it (AVX512-BF16 without MKL's kernels in hardware: AMD's Zen 4, where
     SDPA's bfloat16 is no faster than its float32), unless ``HPIPE_PREFILL_ATTENTION=sdpa``."""
-    return (os.environ.get(ATTENTION_ENV, "").lower() != "sdpa" and prefill_in_bfloat16()
-            and torch.ops.hpipe.bf16_gemm_kernel() == "hpipe")
+    return os.environ.get(ATTENTION_ENV, "").lower() != "sdpa" and prefill_in_bfloat16() and _own_bf16_gemm()
+
+
+@functools.cache
+def _own_bf16_gemm() -> bool:
+    """Whether the bfloat16 GEMM is hpipe's own (fixed for the process; the kernels loaded)."""
+    return torch.ops.hpipe.bf16_gemm_kernel() == "hpipe"
 
 
 #: the rows of the micro-batch being computed that belong to prefill slices (bool ``[tokens]``), set

@@ -43,39 +43,58 @@ HPIPE_BF16 inline void round_row(const float* x, int64_t n, uint16_t* y) {  // n
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
 }
 
+// 16 floats of a row (zeros past the last key) rounded to bfloat16
+HPIPE_BF16 inline __m256i rounded(const float* x, bool real) {
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(real ? _mm512_loadu_ps(x) : _mm512_setzero_ps()));
+}
+
 // the keys of one kv head, [n, d] (row stride ld), as blocks [n / 32][d / 2][2 parts][32 keys][2]:
 // one VDPBF16PS multiplies a query's broadcast pair by 16 keys' pairs. A key is two bfloat16
 // parts, its rounding and the rounding of what that left (16 bits of its float32 mantissa's 24):
 // rounding keys to bfloat16 doubled the divergence of the model's next-token distribution from
-// float32's (the queries' rounding added a third). The keys past n are zeros.
+// float32's (the queries' rounding added a third). The keys past n are zeros. The rows are
+// rounded into `rows` ([2][32][d] bfloat16) and transposed by pairs, 16 keys a gather.
 HPIPE_BF16 void pack_keys(const float* k, int64_t ld, int64_t n, int64_t d, int64_t block, uint16_t* out,
-                          uint16_t* row) {
-  std::memset(out, 0, sizeof(uint16_t) * 2 * kKeys * d);
-  std::vector<float> rest(d);
-  for (int64_t j = 0; j < kKeys && block * kKeys + j < n; ++j) {
+                          uint16_t* rows) {
+  uint16_t* lo = rows + kKeys * d;
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const bool real = block * kKeys + j < n;
     const float* key = k + (block * kKeys + j) * ld;
-    round_row(key, d, row);
-    for (int64_t c = 0; c < d; ++c) {
-      const uint32_t bits = static_cast<uint32_t>(row[c]) << 16;
-      float hi;
-      std::memcpy(&hi, &bits, 4);
-      rest[c] = key[c] - hi;  // exact: the rounding's error fits a float32
+    for (int64_t c = 0; c < d; c += 16) {
+      const __m256i hi = rounded(key + c, real);
+      const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+      const __m512 x = real ? _mm512_loadu_ps(key + c) : _mm512_setzero_ps();
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + j * d + c), hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + j * d + c),  // the rest is exact in float32
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(x, back))));
     }
-    for (int64_t p = 0; p < d / 2; ++p) std::memcpy(out + p * 4 * kKeys + 2 * j, row + 2 * p, 4);
-    round_row(rest.data(), d, row);
-    for (int64_t p = 0; p < d / 2; ++p) std::memcpy(out + p * 4 * kKeys + 2 * kKeys + 2 * j, row + 2 * p, 4);
+  }
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i stride = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(d / 2)));
+  for (int64_t p = 0; p < d / 2; ++p) {
+    for (int part = 0; part < 2; ++part) {
+      const int* words = reinterpret_cast<const int*>(part ? lo : rows);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i index = _mm512_add_epi32(stride, _mm512_set1_epi32(static_cast<int32_t>(16 * h * (d / 2) + p)));
+        _mm512_storeu_si512(out + p * 4 * kKeys + part * 2 * kKeys + h * kKeys, _mm512_i32gather_epi32(index, words, 4));
+      }
+    }
   }
 }
 
 // the values of one kv head as blocks [16 key pairs][d][2]: one VDPBF16PS multiplies a query's
 // broadcast pair of probabilities by 16 columns' pairs of values; the keys past n are zeros
-HPIPE_BF16 void pack_values(const float* v, int64_t ld, int64_t n, int64_t d, int64_t block, uint16_t* out,
-                            uint16_t* row) {
-  std::memset(out, 0, sizeof(uint16_t) * kKeys * d);
-  for (int64_t j = 0; j < kKeys && block * kKeys + j < n; ++j) {
-    round_row(v + (block * kKeys + j) * ld, d, row);
-    uint16_t* dst = out + (j / 2) * 2 * d + (j % 2);
-    for (int64_t c = 0; c < d; ++c) dst[2 * c] = row[c];
+HPIPE_BF16 void pack_values(const float* v, int64_t ld, int64_t n, int64_t d, int64_t block, uint16_t* out) {
+  alignas(64) int16_t order[32];  // 16-bit lanes 2i and 2i + 1: lane i of the first row and of the second
+  for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<int16_t>(i), order[2 * i + 1] = static_cast<int16_t>(32 + i);
+  const __m512i pairs = _mm512_load_si512(order);
+  for (int64_t jp = 0; jp < kKeys / 2; ++jp) {
+    const int64_t j = block * kKeys + 2 * jp;
+    const float *a = v + j * ld, *b = v + (j + 1) * ld;
+    for (int64_t c = 0; c < d; c += 16) {
+      const __m512i x = _mm512_castsi256_si512(rounded(a + c, j < n)), y = _mm512_castsi256_si512(rounded(b + c, j + 1 < n));
+      _mm512_storeu_si512(out + jp * 2 * d + 2 * c, _mm512_permutex2var_epi16(x, pairs, y));
+    }
   }
 }
 
@@ -189,11 +208,11 @@ Tensor bf16_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t
   std::vector<uint16_t> keys(2 * kv_heads * blocks * block_values), values(kv_heads * blocks * block_values);
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *qp = q.data_ptr<float>();
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<uint16_t> row(d);
+    std::vector<uint16_t> rows(2 * block_values);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t h = i / blocks, b = i % blocks;
-      pack_keys(kp + h * k.stride(0), k.stride(1), n, d, b, keys.data() + 2 * i * block_values, row.data());
-      pack_values(vp + h * v.stride(0), v.stride(1), n, d, b, values.data() + i * block_values, row.data());
+      pack_keys(kp + h * k.stride(0), k.stride(1), n, d, b, keys.data() + 2 * i * block_values, rows.data());
+      pack_values(vp + h * v.stride(0), v.stride(1), n, d, b, values.data() + i * block_values);
     }
   });
   const int64_t tiles = (s + kRows - 1) / kRows, items = tiles * heads, group = heads / kv_heads;
