@@ -24,7 +24,7 @@ from hpipe.core.units import UnitRange
 from hpipe.model import StageCache, StageModel, packed
 from hpipe.model.kvpool import BatchKV
 from hpipe.model.layers import Attention
-from hpipe.model.quant import TYPES
+from hpipe.model.quant import TYPES, prefill_rows
 
 
 def _cgroup_quota() -> str:
@@ -222,16 +222,19 @@ def measure_units(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ba
             for i, s in list(enumerate(tokens))[::(-1 if sweep % 2 else 1)]:
                 ids = torch.randint(0, cfg.vocab_size, (b, s), device=device)
                 x = torch.randn(b, s, cfg.hidden_size, device=device, dtype=dtype)
+                # the rows of slices of two tokens or more are prefill's, as a daemon's stage marks
+                # them: quantized projections multiply them in bfloat16 where the prefill does
+                rows = torch.ones(b * s, dtype=torch.bool) if s > 1 and body.low_precision_prefill else None
                 yield ("embed", i, 0), lambda: embed(ids)
-                yield ("mlp", i, 0), _Rotation(mlps, lambda m: m(x))
+                yield ("mlp", i, 0), _Rotation(mlps, _as_rows(rows, lambda m: m(x)))
                 yield ("head", i, 0), lambda: head_unit(x[:, -1:])
                 flat = x.reshape(1, b * s, cfg.hidden_size)
                 for j, c in enumerate(contexts):
                     tables = body.rotations(torch.arange(c, c + s, device=device).repeat(b))
                     batches_kv = {id(cache): BatchKV(cache.entries(c, s, "none"), cache.pool, device)
                                   for _, cache in kv}
-                    yield ("attn", i, j), _Rotation(kv, lambda ac, t=tables, bkv=batches_kv:
-                                                    ac[0](flat, *t[ac[0].rope], bkv[id(ac[1])]))
+                    yield ("attn", i, j), _Rotation(kv, _as_rows(rows, lambda ac, t=tables, bkv=batches_kv:
+                                                                 ac[0](flat, *t[ac[0].rope], bkv[id(ac[1])])))
                 if progress:
                     progress()
 
@@ -241,6 +244,14 @@ def measure_units(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ba
             out[k].append([[medians[(k, i, j)] for j in range(width)] for i in range(len(tokens))])
         del caches, kv
     return out
+
+
+def _as_rows(rows: torch.Tensor | None, fn):
+    """``fn`` run with ``rows`` marked as prefill's (:func:`hpipe.model.quant.prefill_rows`)."""
+    def run(*args):
+        with prefill_rows(rows):
+            return fn(*args)
+    return run
 
 
 #: the random-weight stages time_stage built last, kept for the next call with the same shape:

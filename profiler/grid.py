@@ -11,7 +11,7 @@ from hpipe.core.errors import HpipeError
 from hpipe.core.profile import ComputeGrid
 
 #: bumped when how a daemon measures changes, so that cached grids measured the old way are not reused
-METHOD = 5
+METHOD = 6  # 6: quantized prefill rows marked as a stage marks them (bfloat16 where the prefill is)
 #: passes over the compute grid (each point's median is over these). Noise picks plans: on the
 #: emulated cluster, plans from 3-sweep profiles re-simulated on the median of ten others took
 #: 4.42 s on average (1.00-1.20x their prediction), from 9-sweep ones 4.15 s (0.95-1.04x).

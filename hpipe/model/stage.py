@@ -288,6 +288,12 @@ class StageModel(nn.Module):
         return sum(p.numel() for p in self.parameters()) + packed_numel + sum(
             w.rows * w.in_features for w in self._quantized())
 
+    @property
+    def low_precision_prefill(self) -> bool:
+        """Whether its quantized projections multiply the rows of prefill slices in bfloat16 (while
+        the process's prefill GEMM is bfloat16: :func:`hpipe.model.quant.prefill_in_bfloat16`)."""
+        return self._low_precision
+
     def weight_bytes(self) -> int:
         """Bytes the stage's weights take: quantized ones as stored, the others in its dtype."""
         quantized = self._quantized()

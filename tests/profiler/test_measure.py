@@ -315,6 +315,30 @@ def test_units_are_timed_in_the_blocks_the_daemons_hold():
     assert all(t > 0 for kind in times.values() for plane in kind for row in plane for t in row)
 
 
+def test_the_grid_times_quantized_prefill_rows_as_a_stage_computes_them(monkeypatch):
+    """A daemon's stage marks the rows of slices of two tokens or more as prefill's, which its
+    quantized projections multiply in bfloat16 where the prefill is (decode tokens stay float32):
+    the profile's grid marks the same rows, or it would time quantized prefill at float32's cost."""
+    from hpipe.core.shapes import random_config
+    from hpipe.model import quant
+    from profiler.device import measure_units
+
+    seen = []
+    forward = quant.QuantLinear.forward
+
+    def spy(self, x):
+        if self.low_precision:
+            rows = quant._PREFILL_ROWS.get()
+            seen.append((x.reshape(-1, x.shape[-1]).shape[0], None if rows is None else int(rows.sum())))
+        return forward(self, x)
+
+    monkeypatch.setattr(quant.QuantLinear, "forward", spy)
+    cfg = random_config("random:tiny")
+    measure_units(cfg, torch.float32, torch.device("cpu"), [1, 2], [1, 16], [0, 16], 64, repeats=1, weight_type=8)
+    assert {n for n, _ in seen} == {1, 2, 16, 32}  # one token of one or two sequences, 16 of one or two
+    assert all(marked == (n if n >= 16 else None) for n, marked in seen), seen
+
+
 def cfg_units(cfg):
     from hpipe.core.units import UnitRange
 
