@@ -3,15 +3,17 @@
 // is no faster than its float32 one (75 against 82 ms for 2,000 queries over 2,048 keys, one
 // thread), and a slice after the first, which needs an explicit mask, computes every masked block.
 //
-// Flash attention with VDPBF16PS: queries and keys rounded to bfloat16, scores summed in float32
-// over the head's pairs; an online softmax in float32 over blocks of 32 keys; the probabilities
-// rounded to bfloat16 and multiplied by the values (bfloat16) into float32 sums; results float32.
-// Blocks sit at absolute positions (keys 32 b .. 32 b + 31) and a query visits them in order from
-// the first it sees to the one holding its own position; a block a query sees nothing of adds
-// exact zeros and a factor of exactly one. So a query's bits depend only on its position, its row
-// and the keys it sees: not on how its prompt was sliced, nor on the queries beside it in a tile,
-// nor on the threads (the slicing invariance of docs/decisions/quantized-kernels.md), and blocks
-// wholly past every query of a tile, or before every window, are never computed.
+// Flash attention with VDPBF16PS: queries rounded to bfloat16, keys held as two bfloat16 parts
+// (pack_keys says why), scores summed in float32 over the head's pairs; an online softmax in
+// float32 over blocks of 32 keys; the probabilities rounded to bfloat16 and multiplied by the
+// values (bfloat16) into float32 sums; results float32. Blocks sit at absolute positions (keys
+// 32 b .. 32 b + 31) and a query visits them in order from the first it sees to the one holding
+// its own position; a block a query sees nothing of adds exact zeros and a factor of exactly one
+// (VDPBF16PS flushes denormal sums to zero, so a sum that small would not survive it; attention's
+// sums are not that small). So a query's bits depend only on its position, its row and the keys
+// it sees: not on how its prompt was sliced, nor on the queries beside it in a tile, nor on the
+// threads (the slicing invariance of docs/decisions/quantized-kernels.md), and blocks wholly past
+// every query of a tile, or before every window, are never computed.
 #include "quant.h"
 
 #include <ATen/Parallel.h>
