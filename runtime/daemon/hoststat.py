@@ -48,12 +48,26 @@ def steal_seconds(cpus: Iterable[int] | None = None, stat: str | None = None) ->
     return ticks / os.sysconf("SC_CLK_TCK") if seen else None
 
 
-def host_cpu_seconds(worker: threading.Thread) -> float:
-    """CPU seconds this process has used outside the ``worker`` thread (connections, sender, RPC)
-    since it started: what moving activations costs the host, apart from compute."""
-    total = time.process_time()
+def thread_clock(thread: threading.Thread) -> int | None:
+    """The CPU-time clock of ``thread``, to be taken while it runs (None where the platform has no
+    per-thread clocks). Reading the clock later needs no thread descriptor: asking for a thread's
+    clock after the thread had ended (``pthread_getcpuclockid``) crashed a daemon that answered
+    ``Status`` while it stopped."""
     try:
-        inside = time.clock_gettime(time.pthread_getcpuclockid(worker.ident))
-    except (AttributeError, OSError):  # no per-thread clocks on this platform
+        return time.pthread_getcpuclockid(thread.ident)
+    except (AttributeError, OSError):
+        return None
+
+
+def host_cpu_seconds(worker_clock: int | None) -> float:
+    """CPU seconds this process has used outside the worker thread whose clock is ``worker_clock``
+    (:func:`thread_clock`; connections, sender, RPC) since it started: what moving activations costs
+    the host, apart from compute. Once the worker has ended, the process's whole CPU time."""
+    total = time.process_time()
+    if worker_clock is None:
+        return total
+    try:
+        inside = time.clock_gettime(worker_clock)
+    except OSError:  # the worker has ended: the kernel refuses its clock
         return total
     return max(total - inside, 0.0)

@@ -100,7 +100,7 @@ class StageServer:
 
     def host_cpu_seconds(self) -> float:
         """CPU seconds outside the device worker since the start (:func:`hoststat.host_cpu_seconds`)."""
-        return hoststat.host_cpu_seconds(self.worker.thread)
+        return hoststat.host_cpu_seconds(self.worker.clock)
 
     # --- deployment -------------------------------------------------------------------------
     def load(self, dep: Deployment) -> dict:

@@ -21,6 +21,7 @@ from collections import deque
 from typing import Callable
 
 from hpipe.core.errors import StatusError
+from runtime.daemon import hoststat
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class Worker:
         self._ready = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="stage-worker", daemon=True)
         self.thread.start()
+        self.clock = hoststat.thread_clock(self.thread)  # its CPU-time clock, taken while it runs
 
     def put(self, item: tuple) -> None:
         """Queue a micro-batch: ``compute(*item)`` runs after every queued micro-batch that names
