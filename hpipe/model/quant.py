@@ -46,11 +46,12 @@ ATTENTION_ENV = "HPIPE_PREFILL_ATTENTION"
 
 
 def own_bf16_attention() -> bool:
-    """Whether a bfloat16 prefill slice's attention runs hpipe's own kernel
-    (``kernels/bf16_attention.cpp``) rather than SDPA: where the prefill is bfloat16 and hpipe's
-    own bfloat16 GEMM runs it (AVX512-BF16 without MKL's kernels in hardware: AMD's Zen 4, where
-    SDPA's bfloat16 is no faster than its float32), unless ``HPIPE_PREFILL_ATTENTION=sdpa``."""
-    return os.environ.get(ATTENTION_ENV, "").lower() != "sdpa" and prefill_in_bfloat16() and _own_bf16_gemm()
+    """Whether a bfloat16 prefill slice's attention (the caller knows the prefill is bfloat16:
+    :func:`prefill_in_bfloat16`) runs hpipe's own kernel (``kernels/bf16_attention.cpp``) rather
+    than SDPA: where hpipe's own bfloat16 GEMM runs (AVX512-BF16 without MKL's kernels in
+    hardware: AMD's Zen 4, where SDPA's bfloat16 is no faster than its float32), unless
+    ``HPIPE_PREFILL_ATTENTION=sdpa``."""
+    return os.environ.get(ATTENTION_ENV, "").lower() != "sdpa" and _own_bf16_gemm()
 
 
 @functools.cache

@@ -40,11 +40,6 @@ constexpr int kRows = 4;       // queries a tile computes: 4 x 4 float32 sums of
 #if defined(__x86_64__) && defined(__GNUC__)
 #define HPIPE_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
 
-HPIPE_BF16 inline void round_row(const float* x, int64_t n, uint16_t* y) {  // n a multiple of 16
-  for (int64_t i = 0; i < n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
-}
-
 // 16 floats of a row (zeros past the last key) rounded to bfloat16
 HPIPE_BF16 inline __m256i rounded(const float* x, bool real) {
   return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(real ? _mm512_loadu_ps(x) : _mm512_setzero_ps()));
@@ -231,7 +226,7 @@ Tensor bf16_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t
         const int64_t tile = item / heads, h = item % heads, i0 = tile * kRows;
         const int rows = static_cast<int>(std::min<int64_t>(kRows, s - i0));
         std::fill(qb.begin(), qb.end(), 0);
-        for (int r = 0; r < rows; ++r) round_row(qp + (i0 + r) * q.stride(0) + h * q.stride(1), d, qb.data() + r * d);
+        for (int r = 0; r < rows; ++r) hpipe::to_bf16(qp + (i0 + r) * q.stride(0) + h * q.stride(1), qb.data() + r * d, d);
         std::fill(sums.begin(), sums.end(), 0.0f);
         std::fill(max, max + kRows, -std::numeric_limits<float>::infinity());
         std::fill(total, total + kRows, 0.0f);

@@ -237,25 +237,6 @@ bool cpu_has_bf16() {
   return cpu_has_avx512_bf16();
 }
 
-// n floats rounded to bfloat16 (to nearest, ties to even, as torch rounds): AVX512-BF16's
-// conversion where the CPU has it, else one value at a time
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx512f,avx512bf16"))) void to_bf16_avx512(const float* x, uint16_t* y, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
-  for (; i < n; ++i) y[i] = c10::BFloat16(x[i]).x;
-}
-#endif
-
-void to_bf16(const float* x, uint16_t* y, int64_t n) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool avx512_bf16 = cpu_has_avx512_bf16();
-  if (avx512_bf16) return to_bf16_avx512(x, y, n);
-#endif
-  for (int64_t i = 0; i < n; ++i) y[i] = c10::BFloat16(x[i]).x;
-}
-
 // whether the CPU is Intel's: MKL runs its bfloat16 kernels in hardware only there. On an AMD
 // EPYC with AVX512-BF16 (Zen 4) cblas_gemm_bf16bf16f32 ran at 150-161 GFLOP/s against float32's
 // 170-183 (576 x 1536, 2,048 rows, 2 threads), and a row's bits changed between 1-3 rows and more
@@ -343,7 +324,7 @@ Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& pa
           std::vector<uint16_t> rounded(k);
           for (int64_t r = a; r < z; ++r) {
             v.dequant_rows(p.type, b + (n0 + r) * p.row_bytes, p.row_bytes, 0, 1, k, row.data());
-            to_bf16(row.data(), rounded.data(), k);
+            hpipe::to_bf16(row.data(), rounded.data(), k);
             hpipe::bf16_pack_row(rounded.data(), k, r, dst);
           }
         });
@@ -362,7 +343,7 @@ Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& pa
           std::vector<float> row(k);
           for (int64_t r = a; r < z; ++r) {
             v.dequant_rows(p.type, b + (n0 + r) * p.row_bytes, p.row_bytes, 0, 1, k, row.data());
-            to_bf16(row.data(), dst + r * k, k);
+            hpipe::to_bf16(row.data(), dst + r * k, k);
           }
         });
         cblas_gemm_bf16bf16f32(101, 111, 112, static_cast<int>(m), static_cast<int>(rows), static_cast<int>(k), 1.0f,
@@ -396,6 +377,25 @@ Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& pa
 }  // namespace
 
 namespace hpipe {
+
+// n floats rounded to bfloat16 (to nearest, ties to even, as torch rounds): AVX512-BF16's
+// conversion where the CPU has it, else one value at a time
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f,avx512bf16"))) void to_bf16_avx512(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
+  for (; i < n; ++i) y[i] = c10::BFloat16(x[i]).x;
+}
+#endif
+
+void to_bf16(const float* x, uint16_t* y, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool avx512_bf16 = cpu_has_avx512_bf16();
+  if (avx512_bf16) return to_bf16_avx512(x, y, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) y[i] = c10::BFloat16(x[i]).x;
+}
 
 Tensor qlinear_rows(const Tensor& x_in, const Tensor& blocks, const Tensor& parts_t, const Tensor& bias,
                     const std::optional<Tensor>& low) {

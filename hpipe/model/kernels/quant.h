@@ -19,6 +19,10 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blocks, const at::Tens
 at::Tensor qlinear_rows(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, const at::Tensor& bias,
                         const std::optional<at::Tensor>& low);
 
+// n floats rounded to bfloat16 (to nearest, ties to even, as torch rounds); AVX512-BF16's
+// conversion where the CPU has it (quant.cpp)
+void to_bf16(const float* x, uint16_t* y, int64_t n);
+
 // bf16_gemm.cpp: a bfloat16 GEMM with float32 sums on AVX512-BF16, for the CPUs where MKL's is
 // not in hardware (AMD's). Whether this CPU has the instruction:
 bool bf16_dot_available();
