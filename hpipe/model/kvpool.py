@@ -1,8 +1,9 @@
 """A stage's KV cache: a pool of fixed-size blocks, and a block table per sequence.
 
 Design note. For each attention layer of a stage, keys and values live in one tensor each of
-shape ``[kv_heads, num_blocks * block_size, head_dim]``: block ``b`` holds the token slots
-``[b * block_size, (b + 1) * block_size)``, and position ``p`` of a sequence lives in slot
+shape ``[kv_heads, (num_blocks + 1) * block_size, head_dim]``: block ``b`` holds the token slots
+``[b * block_size, (b + 1) * block_size)`` (the last block is no sequence's: padded rows of a
+static decode step write there, :meth:`KVPool.trash_slot`), and position ``p`` of a sequence lives in slot
 ``table[p // block_size] * block_size + p % block_size``. A sequence grows block by block as its
 positions are planned, and gives its blocks back when it closes.
 
@@ -55,13 +56,12 @@ class KVPool:
             raise HpipeError(f"a KV pool needs at least one block of at least one token (got {num_blocks} x {block_size})")
         self.layers, self.num_blocks, self.block_size = list(layers), num_blocks, block_size
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
-        slots = num_blocks * block_size
+        slots = (num_blocks + 1) * block_size  # and one block more, never handed out: trash_slot's
         self.k = {i: torch.empty(kv_heads, slots, head_dim, dtype=dtype, device=device) for i in self.layers}
         self.v = {i: torch.empty(kv_heads, slots, head_dim, dtype=dtype, device=device) for i in self.layers}
         self._refs = np.zeros(num_blocks, dtype=np.int32)  # holders of each block: 0 when free
         self._reserved = np.zeros(num_blocks, dtype=bool)
         self._lock = threading.Lock()
-        self._trash: int | None = None
 
     @staticmethod
     def block_bytes(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> int:
@@ -81,15 +81,10 @@ class KVPool:
         return int(np.count_nonzero(self._refs))
 
     def trash_slot(self) -> int:
-        """A slot of a block no sequence will get: where padded rows of a static step write."""
-        with self._lock:
-            if self._trash is None:
-                free = np.flatnonzero(~self._used)
-                if not free.size:
-                    raise PoolExhausted("the KV pool has no block left for padding")
-                self._trash = int(free[-1])
-                self._refs[self._trash] = 1
-            return self._trash * self.block_size
+        """A slot of the block past the pool's ``num_blocks``, which no sequence gets: where padded
+        rows of a static (CUDA-graph) step write. It is none of the ``num_blocks`` a coordinator
+        counts on (taken from them, a GPU daemon refused sequences its coordinator made room for)."""
+        return self.num_blocks * self.block_size
 
     def sequence(self, max_len: int) -> "SeqKV":
         """A new, empty sequence of at most ``max_len`` positions (no block taken yet)."""

@@ -213,6 +213,32 @@ def test_decode_micro_batches_as_static_steps_give_the_same_tokens(tiny_dirs):
             d.stop()
 
 
+def test_static_decode_steps_take_no_block_the_coordinator_counts_on(tiny_dirs):
+    """A static decode step's padded rows write into a block past the pool's: with pools a
+    quarter of the load, the daemons refuse no sequence the engine made room for (when the
+    padding took one of the pool's blocks, GPU daemons did, and preempted requests were
+    recomputed instead of swapped)."""
+    source = resolve_model(str(tiny_dirs["llama"]))
+    daemons = [Served(f"s{i}") for i in range(3)]
+    for d in daemons:
+        d.stage.decode_steps = "eager"
+    pipe = Pipeline(cluster_of(*daemons))
+    try:
+        pipe.load(str(tiny_dirs["llama"]), cut_stages(pipe.cluster, [3, 5], source.config.num_units), torch.float32,
+                  kv_pool_bytes=20 * BLOCK)
+        prompts, news = workload(24, source.config.vocab_size)
+        tokens, engine = run(pipe, prompts, news, "sarathi")
+        assert tokens == alone(source, prompts, news)
+        assert engine.preemptions > 0 and engine.swaps == engine.preemptions and engine.recomputed == 0
+        assert any(s.graphs.runs > 0 for d in daemons for s in d.stage.stages.values())
+        assert all(s.pool.trash_slot() == s.pool.num_blocks * s.pool.block_size and s.pool.used_blocks == 0
+                   for d in daemons for s in d.stage.stages.values() if s.pool is not None)
+    finally:
+        pipe.close()
+        for d in daemons:
+            d.stop()
+
+
 def test_a_running_request_that_waits_is_never_freed_by_a_stage_idle_timeout(tiny, monkeypatch):
     """A request whose prompt is in waits its turn far longer than the daemons' idle timeout (with
     nothing in flight, so the session never polls them): the engine's keep-alives hold its
