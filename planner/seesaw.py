@@ -74,6 +74,8 @@ class Switch:
     weight_bytes: int      # read by daemons that cannot hold both layouts' units
     kv_bytes: int          # sent where sending beats recomputing
     recomputed_units: int  # attention units whose KV the new owner recomputes instead
+    #: each run of units changing owner: (from, to, first unit, end, "send" | "recompute" | "none")
+    runs: tuple = ()
 
     @property
     def seconds(self) -> float:
@@ -107,7 +109,9 @@ class Seesaw:
             return [{"daemon": names[m], "units": [a, b]} for m, a, b in lay.stages()]
         return {"prefill": layout(self.prefill), "decode": layout(self.decode), "serving": layout(self.serving),
                 "batch": self.batch,
-                "switch": {**asdict(self.switch), "seconds": self.switch.seconds},
+                "switch": {**asdict(self.switch), "seconds": self.switch.seconds,
+                           "runs": [{"from": names[a], "to": names[b], "units": [u, v], "kv": kv}
+                                    for a, b, u, v, kv in self.switch.runs]},
                 "request_s": self.request_s, "phase_s": self.phase_s, "busy": self.busy, "choice": self.choice,
                 "gain": self.gain, "break_even_output": self.break_even_output}
 
@@ -193,6 +197,7 @@ def switch_cost(cost: CostModel, mix: Mix, prefill: Layout, decode: Layout, batc
             runs[-1] = (src, dst, runs[-1][2], unit + 1)
         else:
             runs.append((src, dst, unit, unit + 1))
+    choices = []
     for src, dst, a, b in runs:
         wb = _weights(cost, set(range(a, b)))
         if dst not in resident:
@@ -203,6 +208,7 @@ def switch_cost(cost: CostModel, mix: Mix, prefill: Layout, decode: Layout, batc
             weight_bytes += wb
         attn = sum(kinds[x] == ATTN for x in range(a, b))
         if not attn:
+            choices.append((src, dst, a, b, "none"))
             continue
         link = cost.link(src, dst)
         send = link.latency_s + attn * kv_unit / link.bandwidth_Bps
@@ -215,8 +221,9 @@ def switch_cost(cost: CostModel, mix: Mix, prefill: Layout, decode: Layout, batc
         else:
             to_decode[dst] = to_decode.get(dst, 0.0) + redo
             recomputed += attn
+        choices.append((src, dst, a, b, "send" if send <= redo else "recompute"))
     return Switch(max(to_decode.values(), default=0.0), max(to_prefill.values(), default=0.0), moved,
-                  weight_bytes, kv_bytes, recomputed)
+                  weight_bytes, kv_bytes, recomputed, tuple(choices))
 
 
 def best_layout(table: np.ndarray, comm: np.ndarray, cost: CostModel) -> Layout:

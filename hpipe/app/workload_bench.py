@@ -7,7 +7,9 @@ end-of-sequence ignored) and reports output and total tokens/s, time to first to
 output token (p50 and p99), preemptions (swaps into the daemons' host tier, and positions
 recomputed), and each stage's busy fraction (compute seconds over the run's span). A policy named
 ``NAME+recompute`` is that policy with preempted requests recomputed instead of swapped (the
-side-by-side for the host tier). Greedy outputs must be the same under every policy; a
+side-by-side for the host tier). ``seesaw`` switches between a Seesaw plan's layouts, the KV of
+the stages a switch moves sent or recomputed as the plan chose; ``seesaw-send`` and
+``seesaw-recompute`` always send it or always recompute it. Greedy outputs must be the same under every policy; a
 difference is reported.
 """
 
@@ -25,7 +27,7 @@ from hpipe.core.errors import HpipeError
 from hpipe.core.plan import Plan
 from hpipe.core.workload import WorkItem, prompt_ids
 from hpipe.model.stage import DTYPES
-from runtime.coordinator.deploy import deploy, seesaw_layouts, seesaw_phases, seesaw_plan_layouts
+from runtime.coordinator.deploy import deploy, seesaw_kv, seesaw_layouts, seesaw_phases, seesaw_plan_layouts
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import Pipeline
 from runtime.coordinator.policies import POLICIES
@@ -142,11 +144,11 @@ def run_workload(plan: Plan, cluster: ClusterSpec, items: list[WorkItem], polici
         name, _, layout = p.partition("@")
         base, _, mode = name.partition("+")
         return (base in POLICIES and mode in ("", "recompute") and layout in ("", "prefill", "decode", *plan.strategies)
-                or p == "seesaw")
+                or p in SEESAW)
     unknown = [p for p in policies if not known(p)]
     if unknown:
         raise HpipeError(f"unknown policies {unknown} (choose from {', '.join(POLICIES)}, each optionally +recompute "
-                         "and @prefill, @decode or @STRATEGY; or seesaw)")
+                         "and @prefill, @decode or @STRATEGY; or seesaw, seesaw-send, seesaw-recompute)")
     with deploy(plan, cluster, kv_pool_bytes=kv_pool_bytes, dequantize=dequantize) as deployed:
         layouts = _layouts(plan, cluster, policies, deployed.recovery.stages)
         return _rounds(plan, deployed.pipe, items, policies, rounds, seed, layouts, kv_pool_bytes)
@@ -157,7 +159,7 @@ def _layouts(plan: Plan, cluster: ClusterSpec, policies: list[str], deployed: li
     layout as a plain pipeline, or (``seesaw``) the two layouts' fine stages."""
     out = {}
     for p in policies:
-        layout = "seesaw" if p == "seesaw" else p.partition("@")[2]
+        layout = "seesaw" if p in SEESAW else p.partition("@")[2]
         if layout in ("prefill", "decode"):
             out[p] = seesaw_plan_layouts(plan, cluster)[layout]
         elif layout == "seesaw":
@@ -174,14 +176,15 @@ def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[st
     for r in range(rounds):
         for policy in (policies if r % 2 == 0 else policies[::-1]):
             make = None
-            if policy == "seesaw":
+            if policy in SEESAW:
                 pipe.load(plan.model_name, layouts[policy]["prefill"], dtype, kv_pool_bytes, adjacent=True)
-                phases = seesaw_phases(pipe, plan.model_name, layouts[policy], dtype, kv_pool_bytes)
+                phases = seesaw_phases(pipe, plan.model_name, layouts[policy], dtype, kv_pool_bytes,
+                                       sent=seesaw_kv(plan, layouts[policy], SEESAW[policy]))
                 make = lambda phases=phases: phases  # noqa: E731
             else:
                 pipe.load(plan.model_name, layouts[policy], dtype, kv_pool_bytes)
-            result = run_once(plan, pipe, items, "gllm" if policy == "seesaw" else policy, seed, make_policy=make)
-            if policy == "seesaw":
+            result = run_once(plan, pipe, items, "gllm" if policy in SEESAW else policy, seed, make_policy=make)
+            if policy in SEESAW:
                 result["switches"] = phases.switches
             runs[policy].append(result)
             print(f"[bench] round {r + 1} {policy:<8} {result['total_tokens_per_s']:8.1f} tokens/s "
@@ -204,6 +207,8 @@ def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[st
         if any("switches" in run for run in rs):  # seesaw: layout switches a run, their seconds
             med["switches"] = statistics.median(len(run["switches"]) for run in rs)
             med["switch_s"] = statistics.median(sum(x["seconds"] for x in run["switches"]) for run in rs)
+            for k in ("sent_bytes", "replayed_positions", "restarted"):  # the KV of the stages switches moved
+                med[k] = statistics.median(sum(x.get(k, 0) for x in run["switches"]) for run in rs)
         if all("phases" in run for run in rs):  # and each phase's seconds and busy fractions
             med["phases"] = {ph: {"seconds": statistics.median(run["phases"][ph]["seconds"] for run in rs),
                                   "busy": {d: statistics.median(run["phases"][ph]["busy"].get(d, 0.0) for run in rs)
@@ -219,7 +224,11 @@ def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[st
 
 
 #: the planner's names (planner.seesaw) for what a policy of the bench runs on
-_WAYS = {"gllm@prefill": "prefill layout", "gllm@decode": "decode layout", "seesaw": "seesaw"}
+_WAYS = {"gllm@prefill": "prefill layout", "gllm@decode": "decode layout", "seesaw": "seesaw", "seesaw-send": "seesaw",
+         "seesaw-recompute": "seesaw"}
+#: the bench's Seesaw policies, and how each one's switches move the KV of moved stages
+#: (runtime.coordinator.kv_moves.KV_MODES): as the plan chose, always sent, always recomputed
+SEESAW = {"seesaw": "plan", "seesaw-send": "send", "seesaw-recompute": "recompute"}
 
 
 def table(result: dict) -> str:
@@ -240,7 +249,9 @@ def table(result: dict) -> str:
                      + "/".join(f"{n}/{result['requests']}" for n in r["same_outputs"]))
     for p, r in rows.items():
         if "switches" in r:
-            lines.append(f"{p}: {r['switches']:.0f} layout switches a run, {r['switch_s']:.2f} s in them")
+            lines.append(f"{p}: {r['switches']:.0f} layout switches a run, {r['switch_s']:.2f} s in them; KV of "
+                         f"moved stages: {r['sent_bytes'] / 1e6:.1f} MB sent, {r['replayed_positions']:.0f} positions "
+                         f"replayed, {r['restarted']:.0f} requests started again")
         for ph, x in r.get("phases", {}).items():
             lines.append(f"{p}, {ph} phase: {x['seconds']:.1f} s, busy " + ", ".join(
                 f"{d} {v:.2f}" for d, v in x["busy"].items()))

@@ -21,6 +21,7 @@ from hpipe.core.plan import Plan, Stage
 from hpipe.core.units import UnitRange
 from hpipe.model.stage import DTYPES
 from runtime.coordinator.engine import Engine
+from runtime.coordinator.kv_moves import send_moved_kv, sent_stages
 from runtime.coordinator.pipeline import Pipeline
 from runtime.coordinator.recovery import GRACE_S, MAX_RECOVERIES, Redeploy
 from runtime.coordinator.seesaw import SeesawPhases, fine_stages
@@ -76,7 +77,7 @@ class Deployed:
 def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_pool_bytes: int = 0,
            grace_s: float = GRACE_S, replan: Callable[[list[str], list[Stage]], list[Stage]] | None = None,
            security: Security | None = None, max_recoveries: int | None = MAX_RECOVERIES,
-           dequantize: bool = False, seesaw: bool = False) -> Deployed:
+           dequantize: bool = False, seesaw: bool = False, seesaw_kv_mode: str = "plan") -> Deployed:
     """Load ``strategy`` (default: the plan's) of ``plan`` onto ``cluster``; each daemon's KV pools
     ``kv_pool_bytes`` in all (0: the daemon sizes them). ``grace_s`` and ``replan`` say how the
     recovery waits for a lost daemon and what it does when one stays away, ``max_recoveries`` how
@@ -84,7 +85,8 @@ def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_
     is down or dies while the plan loads is waited for in the same way: deploying is a phase that
     recovers like the others. ``dequantize``: a GGUF model's daemons hold float32 weights, not the
     blocks the file stores (the reference the quantized path is tested against). ``seesaw``: the
-    plan's two Seesaw layouts, switched between (:attr:`Deployed.phases`)."""
+    plan's two Seesaw layouts, switched between (:attr:`Deployed.phases`), the KV of moved stages
+    sent or recomputed as ``seesaw_kv_mode`` says (:data:`runtime.coordinator.kv_moves.KV_MODES`)."""
     name = strategy or plan.strategy
     if name not in plan.strategies:
         raise InputError(f"the plan has no strategy {name!r} (it has {', '.join(plan.strategies)})")
@@ -95,7 +97,8 @@ def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_
     pipe = Pipeline(cluster, security, dequantize)
     recovery = Redeploy(pipe, plan.model_name, stages, dtype, kv_pool_bytes, grace_s=grace_s, replan=replan,
                         max_times=max_recoveries)
-    phases = seesaw_phases(pipe, plan.model_name, layouts, dtype, kv_pool_bytes, recovery) if layouts else None
+    phases = seesaw_phases(pipe, plan.model_name, layouts, dtype, kv_pool_bytes, recovery,
+                           seesaw_kv(plan, layouts, seesaw_kv_mode)) if layouts else None
     try:
         try:
             pipe.load(plan.model_name, stages, dtype, kv_pool_bytes, adjacent=bool(layouts))
@@ -111,15 +114,26 @@ def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_
 
 
 def seesaw_phases(pipe: Pipeline, model: str, layouts: dict[str, list[Stage]], dtype, kv_pool_bytes: int = 0,
-                  recovery: Redeploy | None = None) -> SeesawPhases:
+                  recovery: Redeploy | None = None, sent: set[int] = frozenset()) -> SeesawPhases:
     """The policy that switches ``pipe`` between the fine-stage ``layouts`` (it starts in prefill,
-    which the caller has loaded); ``recovery`` follows the layout in use."""
+    which the caller has loaded); ``recovery`` follows the layout in use. A switch sends the KV of
+    the fine stages ``sent`` that it moves (:func:`seesaw_kv`); replays rebuild the others'."""
     def switch(phase: str, old: Session) -> Session:
         if recovery is not None:
             recovery.stages = list(layouts[phase])
         pipe.load(model, layouts[phase], dtype, kv_pool_bytes, adjacent=True)
         return pipe.session(resume_from=old)
-    return SeesawPhases(switch)
+
+    def send(phase: str, old: Session) -> dict:
+        return send_moved_kv(pipe, old, layouts[phase], sent)
+    return SeesawPhases(switch, send_kv=send if sent else None)
+
+
+def seesaw_kv(plan: Plan, layouts: dict[str, list[Stage]], mode: str = "plan") -> set[int]:
+    """The fine stages whose KV a switch sends (:func:`runtime.coordinator.kv_moves.sent_stages`):
+    with ``plan``, where the planner priced sending below recomputing."""
+    runs = plan.meta.get("seesaw", {}).get("switch", {}).get("runs")
+    return sent_stages(mode, layouts["prefill"], runs)
 
 
 def seesaw_plan_layouts(plan: Plan, cluster: ClusterSpec) -> dict[str, list[Stage]]:

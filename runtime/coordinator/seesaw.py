@@ -69,10 +69,13 @@ class SeesawPhases:
     name = "seesaw"
 
     def __init__(self, deploy: Callable[[str, Session], Session], phase: str = "prefill", budget: int = 512,
-                 low_water: float = 0.25):
+                 low_water: float = 0.25, send_kv: Callable[[str, Session], dict] | None = None):
         if phase not in PHASES:
             raise ValueError(f"a phase is prefill or decode, not {phase!r}")
         self.deploy, self.phase, self.budget, self.low_water = deploy, phase, budget, low_water
+        #: before a switch to a phase, the KV of the stages it moves sent to their new owners (what
+        #: was sent: :func:`runtime.coordinator.kv_moves.send_moved_kv`); None: replays rebuild it all
+        self.send_kv = send_kv
         self.batch = 0           # requests decoding when the decode phase began
         self.switches: list[dict] = []  # each switch: to which phase, when, how long it took
 
@@ -110,13 +113,19 @@ class SeesawPhases:
                 return False
             to = "prefill"
         t0 = time.monotonic()
-        resumed = engine.switch(lambda old: self.deploy(to, old))
+        sent: dict = {}
+
+        def deploy(old: Session) -> Session:
+            if self.send_kv is not None:
+                sent.update(self.send_kv(to, old))
+            return self.deploy(to, old)
+        resumed = engine.switch(deploy)
         self.phase = to
         if to == "decode":  # with those the switch restarted mid-answer (the decode phase takes them back)
             self.batch = len(_answering(engine)) + sum(1 for r in engine.waiting if r.tokens)
         took = time.monotonic() - t0
         self.switches.append({"to": to, "at_s": t0, "seconds": took, "requests": len(engine.running),
-                              **resumed})
+                              **resumed, **sent})
         log.info("seesaw: switched to the %s layout in %.2f s (%d requests running)", to, took, len(engine.running))
         return True
 

@@ -114,3 +114,9 @@ def _forward(stage, x: torch.Tensor, entries: list[KVEntry]) -> torch.Tensor | N
             log.warning("stage %d: static decode step failed (%s); running eagerly from now on", stage.index, err)
             stage.graphs = None
     return stage.model.forward_batch(x, entries, stage.pool)
+
+
+def queued_shape(item: tuple) -> tuple[int, frozenset]:
+    """A queued micro-batch's tokens and sequences (the worker runs small ones first)."""
+    layout = item[1]
+    return layout.tokens, frozenset(e.sequence_id for e in layout.entries)

@@ -23,19 +23,21 @@ from hpipe.core.cluster import DaemonOptions
 from hpipe.core.errors import HpipeError, InputError, ModelSourceError, StatusError, UnsupportedModelError
 from hpipe.core.paths import cache_root
 from hpipe.model.stage import parse_dtype
-from runtime.daemon import hoststat, memory
+from runtime.daemon import hoststat, kv_transfer, memory
 from runtime.daemon.deployment import Deployment
 from runtime.daemon.shipped import Shipped
 from runtime.daemon.stage_server import StageServer
 from runtime.daemon.weights_cache import WeightsCache
 from runtime.wire.backoff import TokenBackoff, grpc_host
-from runtime.wire.channels import TOKEN_HEADER, Security
+from runtime.wire.channels import TOKEN_HEADER, DaemonClient, Security
 from runtime.wire.messages import CHANNEL_OPTIONS, dtype_from_wire, pb, pb_grpc, stage_from_wire, stage_to_wire
 from runtime.wire.transport import client_context, server_context
 
 log = logging.getLogger(__name__)
 
 SEND_TIMEOUT_S = 30.0
+#: the longest a switch's KV may take to reach the new owner
+KV_SEND_TIMEOUT_S = 600.0
 #: handler threads of a daemon's gRPC server
 RPC_THREADS = 32
 #: refusals of a wrong token that wait out their backoff at once (each holds a handler thread)
@@ -71,8 +73,9 @@ def compute_dtype(code: int, device: torch.device) -> torch.dtype:
 
 
 class StageServicer(pb_grpc.StageServiceServicer):
-    def __init__(self, server: StageServer):
+    def __init__(self, server: StageServer, security: Security = Security()):
         self.server = server
+        self.security = security  # what it presents to other daemons (SendKv)
 
     @handled
     def Load(self, request, context):
@@ -125,10 +128,15 @@ class StageServicer(pb_grpc.StageServiceServicer):
         if not request.from_session or not request.to_session:
             raise StatusError("INVALID_ARGUMENT", "Resume needs the old and the new session")
         self._owned(request.to_session, request.to_key, "Resume", context)
-        if not self.server.owners.known(request.from_session):
+        sent_here = self.server.kv_in.owns(request.from_session, request.from_key)  # None: no KV of it came
+        if sent_here is None and not self.server.owners.known(request.from_session):
             return pb.ResumeReply()  # the old session holds nothing here (a restarted daemon's case)
-        self._owned(request.from_session, request.from_key, "Resume", context)
+        if sent_here is None:
+            self._owned(request.from_session, request.from_key, "Resume", context)
+        elif not sent_here:
+            raise StatusError("PERMISSION_DENIED", f"Resume names session {request.from_session} without its key")
         progress = self.server.resume(request.from_session, request.to_session)
+        self.server.kv_in.forget(request.from_session)
         return pb.ResumeReply(progress=[pb.Progress(sequence_id=i, stage=st, computed=c, logged=g)
                                         for i, st, c, g in progress])
 
@@ -146,6 +154,26 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 completed.append(chunk.hash)
             received += len(chunk.data)
         return pb.PutReply(bytes=received, completed=completed)
+
+    @handled
+    def SendKv(self, request, context):
+        self._owned(request.session, request.key, "SendKv", context)
+        client = DaemonClient(request.target_address, self.security)
+        try:
+            sent = kv_transfer.send(self.server.sequences, lambda: self.server.stages, self.server.run_on_device,
+                                    request.session, request.key, list(request.stages),
+                                    lambda parts: client.call("ReceiveKv", parts, timeout=KV_SEND_TIMEOUT_S))
+        except grpc.RpcError as e:
+            raise StatusError(e.code().name, f"sending KV to {request.target_address}: {e.details()}") from None
+        finally:
+            client.close()
+        return pb.KvReply(**sent)
+
+    @handled
+    def ReceiveKv(self, request_iterator, context):
+        owners = self.server.owners
+        got = self.server.kv_in.receive(request_iterator, lambda s, k: owners.owns(s, k) if owners.known(s) else None)
+        return pb.KvReply(**got)
 
     def _owned(self, session: int, key: bytes, what: str, context) -> None:
         """Refuse the call unless ``key`` is ``session``'s (:mod:`runtime.daemon.owners`)."""
@@ -216,7 +244,7 @@ def build_server(options: DaemonOptions, services: tuple[Service, ...] = (),
     # so_reuseport off: a second daemon on a port in use must fail to bind, not share it unseen
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="grpc"),
                          interceptors=interceptors, options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)])
-    pb_grpc.add_StageServiceServicer_to_server(StageServicer(stage), server)
+    pb_grpc.add_StageServiceServicer_to_server(StageServicer(stage, security), server)
     for add in services:
         add(server, stage, security)
     health_servicer = health.HealthServicer()

@@ -40,8 +40,9 @@ from runtime.daemon import deployment, hoststat, memory
 from runtime.daemon.deployment import Deployment, LoadedStage
 from runtime.daemon.device_io import DeviceIO
 from runtime.daemon.kv_tier import HostTier
+from runtime.daemon.kv_transfer import IncomingKV
 from runtime.daemon.layout import Layouts
-from runtime.daemon.micro_batch import MicroBatches
+from runtime.daemon.micro_batch import MicroBatches, queued_shape
 from runtime.daemon.outbox import Outbox
 from runtime.daemon.owners import SessionOwners
 from runtime.daemon.parking import ParkedStages
@@ -88,11 +89,12 @@ class StageServer:
         self.outbox = Outbox(self.sequences, self.replay_log, self.stats, token, tls_client)
         self.prefixes = PrefixStore()
         self.tier = HostTier()
+        self.kv_in = IncomingKV()  # KV other daemons sent at a layout switch, for the next Load
         self.owners = SessionOwners()
         self.layouts = Layouts(lambda: self.stages, self.sequences, self.replay_log, self.outbox, self._stopping,
                                self.prefixes, swap_in=self._swap_in)
         self.worker = Worker(MicroBatches(self.sequences, self.io, self.outbox, self.stats, self.layouts),
-                             on_worker_start, shape=_shape)
+                             on_worker_start, shape=queued_shape)
         self.data = DataServer(host, token, self._serve_connection, tls_server, port=data_port,
                                admit=self.owners.claim)
         self._reaper = threading.Thread(target=self._reap_loop, name="stage-reaper", daemon=True)
@@ -138,6 +140,7 @@ class StageServer:
                 memory.reset_peak(self.device)  # peaks reported from now on are this deployment's
                 log.info("loaded units %s of %s (%s) in %.1fs", self._held(), dep.model, dep.dtype,
                          time.perf_counter() - t0)
+            self.run_on_device(lambda: self.kv_in.install(self.stages, self.sequences, self.device))
             models = [s.model for s in self.stages.values()]
             self.weights_cache.hold_only(dep.shipped.hashes() if dep.shipped else set())
         cfg = models[0].cfg
@@ -392,9 +395,3 @@ class StageServer:
         self.worker.stop()
         self._drop_everything()  # stopped, it holds nothing: an in-process daemon's memory goes back
         memory.release_free(self.device)
-
-
-def _shape(item: tuple) -> tuple[int, frozenset]:
-    """A queued micro-batch's tokens and sequences (the worker runs small ones first)."""
-    layout = item[1]
-    return layout.tokens, frozenset(e.sequence_id for e in layout.entries)

@@ -102,6 +102,15 @@ def test_the_switch_sends_kv_or_recomputes_it_whichever_is_cheaper():
     slow = seesaw(two_devices(2e4), work, mix, batch=64, break_even=False)  # 160 kbit/s
     if slow.prefill != slow.decode:
         assert slow.switch.recomputed_units > 0
+    # each run of units changing owner, with the choice the runtime follows (runtime.coordinator.kv_moves)
+    for result in (fast, slow):
+        moved = [u for u in range(result.prefill.bounds[-1]) if result.prefill.owner(u) != result.decode.owner(u)]
+        runs = result.switch.runs
+        assert sorted(u for _, _, a, b, _ in runs for u in range(a, b)) == moved
+        assert all(src == result.prefill.owner(a) and dst == result.decode.owner(a) for src, dst, a, _, _ in runs)
+        assert any(kv == "recompute" for *_, kv in runs) == (result.switch.recomputed_units > 0)
+        assert any(kv == "send" for *_, kv in runs) == (result.switch.kv_bytes > 0)
+    assert any(kv == "send" for *_, kv in fast.switch.runs)
 
 
 def test_less_memory_means_fewer_requests_a_phase():
@@ -131,3 +140,5 @@ def test_hpipe_plan_objective_seesaw_prints_the_ways_and_keeps_the_prediction(tm
     prediction = the_plan.meta["seesaw"]
     assert prediction["choice"] == "seesaw" and prediction["batch"] == 64 and prediction["gain"] > 1.5
     assert json.loads(json.dumps(prediction)) == prediction
+    runs = prediction["switch"]["runs"]  # what a switch sends or recomputes, by daemon name
+    assert runs and all(r["kv"] in ("send", "recompute", "none") and isinstance(r["from"], str) for r in runs)

@@ -314,3 +314,35 @@ def _attack(d: Served, session: int, seq_ids: list[int], caplog) -> None:
     assert d.stage.sequences.find(seq_ids[0]) is not None
     mine.close()
     c.close()
+
+
+def test_a_switchs_kv_moves_only_for_its_sessions_owner(daemon, tiny_dirs):
+    """SendKv sends a session's KV only for the caller with its key; KV sent here for a session
+    this daemon knows must carry its key, and KV of a session it does not know is adopted (Resume)
+    only with the key it came with (runtime.daemon.kv_transfer)."""
+    c = daemon.client(Security(token=TOKEN))
+    load(c, tiny_dirs["llama"], 3, 8)
+    old = Coordinator(daemon, session=7, token=TOKEN)
+    old.send([entry(1, 0, 4, max_len=16)], residuals(4, 1), stage=1)
+    assert not old.result(VOCAB)[2]
+    send = pb.SendKvRequest(session=7, key=os.urandom(16), stages=[1], target_address="127.0.0.1:9")
+    code, message = code_of(lambda: c.call("SendKv", send))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "without its key" in message
+
+    def part(session, key, data=bytes(32), **kw):
+        return pb.KvPart(session=session, key=key, sequence_id=5, max_len=16, stage=1, positions=1, layer=0,
+                         start=0, count=1, dtype=pb.FLOAT32, kv_heads=2, head_dim=4, data=data, **kw)
+    code, _ = code_of(lambda: c.call("ReceiveKv", iter([part(7, os.urandom(16))])))
+    assert code == grpc.StatusCode.PERMISSION_DENIED  # a session it knows, without its key
+    code, message = code_of(lambda: c.call("ReceiveKv", iter([part(555, os.urandom(16), data=bytes(31))])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "needs 32" in message
+    came_with = os.urandom(16)
+    assert c.call("ReceiveKv", iter([part(555, came_with)])).bytes == 32
+    code, _ = code_of(lambda: c.call("ReceiveKv", iter([part(555, os.urandom(16))])))
+    assert code == grpc.StatusCode.PERMISSION_DENIED  # another key for the session the KV came with
+    new = Coordinator(daemon, session=9, token=TOKEN)
+    code, message = code_of(lambda: c.call("Resume", pb.ResumeRequest(from_session=555, from_key=os.urandom(16),
+                                                                      to_session=9, to_key=new.key)))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "without its key" in message
+    for co in (old, new):
+        co.close()

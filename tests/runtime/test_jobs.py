@@ -289,7 +289,7 @@ def test_bench_runs_a_seesaw_plan_beside_its_two_layouts(cluster3, plan_file, ca
     work = tmp_path / "w.jsonl"
     work.write_text("".join(f'{{"arrival_s": 0, "prompt_tokens": {40 + 13 * i}, "output_tokens": {6 + i}}}\n'
                             for i in range(8)))
-    policies = ["gllm@prefill", "gllm@decode", "seesaw"]
+    policies = ["gllm@prefill", "gllm@decode", "seesaw", "seesaw-send"]
     assert main(["bench", "--plan", str(seesaw_plan), "--cluster", str(cluster3.path), "--workload", str(work),
                  "--policies", ",".join(policies), "--repeat", "1", "--json", "--kv-pool-mb", "4"]) == 0
     captured = capsys.readouterr()
@@ -300,6 +300,12 @@ def test_bench_runs_a_seesaw_plan_beside_its_two_layouts(cluster3, plan_file, ca
     seesaw = out["policies"]["seesaw"]
     assert seesaw["switches"] >= 1
     assert "layout switches a run" in captured.err
+    # the KV of every moved stage sent (test_seesaw_runtime checks that nothing is rebuilt where the
+    # new owners' pools hold every request; these 4 MB pools, cut finer on a daemon that holds more
+    # stages, may not, and a request they cannot hold starts again)
+    sent = out["policies"]["seesaw-send"]
+    assert sent["switches"] >= 1 and sent["sent_bytes"] > 0
+    assert "MB sent" in captured.err
     # what each daemon computed in every session of the run, and in each phase (a switch closes one)
     assert set(seesaw["daemon_busy"]) == set(names) and all(v > 0 for v in seesaw["daemon_busy"].values())
     assert set(seesaw["phases"]) == {"prefill", "decode"}

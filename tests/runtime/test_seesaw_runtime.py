@@ -9,6 +9,7 @@ from hpipe.core.plan import Stage
 from hpipe.core.units import UnitRange
 from hpipe.model.sources import resolve_model
 from runtime.coordinator.engine import Engine, Request
+from runtime.coordinator.kv_moves import send_moved_kv, sent_stages
 from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.seesaw import SeesawPhases, fine_stages
 from tests.cluster_helpers import Served, cluster_of
@@ -39,15 +40,19 @@ def test_fine_stages_cut_each_layout_at_every_cut_of_both():
         fine_stages({"prefill": prefill, "decode": decode[:1]})
 
 
-def run_seesaw(pipe, path: str, layouts: dict, pool: int, prompts, news, **kw):
+def run_seesaw(pipe, path: str, layouts: dict, pool: int, prompts, news, send_kv: bool = False, **kw):
     """``prompts`` under :class:`SeesawPhases` (``kw``) switching ``pipe`` between ``layouts``
-    (started on prefill), pools of ``pool`` bytes: (the requests, the policy, the engine)."""
+    (started on prefill), pools of ``pool`` bytes, the KV of every moved stage sent at a switch
+    (``send_kv``) or rebuilt by replays: (the requests, the policy, the engine)."""
     def deploy(phase, old):
         pipe.load(path, layouts[phase], torch.float32, kv_pool_bytes=pool, adjacent=True)
         return pipe.session(resume_from=old)
 
+    def send(phase, old):
+        return send_moved_kv(pipe, old, layouts[phase], set(range(len(layouts[phase]))))
+
     pipe.load(path, layouts["prefill"], torch.float32, kv_pool_bytes=pool, adjacent=True)
-    phases = SeesawPhases(deploy, **kw)
+    phases = SeesawPhases(deploy, send_kv=send if send_kv else None, **kw)
     session = pipe.session()
     try:
         engine = Engine(session, phases, depth=len(pipe.stages))
@@ -108,6 +113,49 @@ def test_a_switch_that_moves_every_stage_recomputes_in_the_decode_phase(tiny):
     assert sum(s["restarted"] for s in phases.switches if s["to"] == "decode") > 0
     assert len(phases.switches) <= 12, len(phases.switches)  # a pool-full a round: 6 at most here
     assert pools_empty(pipe)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_a_switch_that_sends_the_kv_rebuilds_nothing(tiny, rotate):
+    """With the KV of every moved stage sent to its new owner before the switch, every running
+    request goes on where it stood: nothing replayed, nothing started again — even where a switch
+    moves every stage (``rotate``: the same cuts on rotated daemons, so a daemon gets sequences it
+    never held) — and the tokens are the ones each request gets alone."""
+    pipe, source, path = tiny
+    cfg = source.config
+    names = [d.name for d in pipe.cluster.daemons]
+    decode_cuts = [3, 5] if rotate else [2, 6]
+    layouts = fine_stages({"prefill": cut_stages(pipe.cluster, [3, 5], cfg.num_units),
+                           "decode": cut_stages(pipe.cluster, decode_cuts, cfg.num_units,
+                                                daemons=[names[1], names[2], names[0]])})
+    prompts, news = workload(16, cfg.vocab_size)
+    news = [m + 8 for m in news]
+    requests, phases, engine = run_seesaw(pipe, path, layouts, 24 * BLOCK, prompts, news, send_kv=True,
+                                          low_water=0.75)
+    assert all(r.stop_reason == "length" and not r.error for r in requests), [r.error for r in requests]
+    assert [r.tokens for r in requests] == alone(source, prompts, news)
+    assert len(phases.switches) >= 2
+    assert sum(s["replayed_positions"] for s in phases.switches) == 0
+    assert sum(s["restarted"] for s in phases.switches) == 0
+    to_decode = [s for s in phases.switches if s["to"] == "decode"]
+    assert all(s["sent_bytes"] > 0 and s["sent_stages"] > 0 for s in to_decode), to_decode
+    assert any(s["to"] == "prefill" and s["resumed"] for s in phases.switches)  # mid-answer requests moved too
+    assert all(not d.stage.kv_in.nbytes for d in pipe.served)  # nothing left waiting on a daemon
+    assert pools_empty(pipe)
+
+
+def test_the_plan_says_which_stages_send_their_kv():
+    def stage(daemon, a, b):
+        return Stage(daemon, f"{daemon}:1", UnitRange(a, b, 4))
+    fine = [stage("a", 0, 2), stage("a", 2, 3), stage("b", 3, 6), stage("b", 6, 10)]
+    runs = [{"from": "a", "to": "c", "units": [0, 2], "kv": "send"},
+            {"from": "b", "to": "a", "units": [3, 10], "kv": "recompute"}]
+    assert sent_stages("plan", fine, runs) == {0}
+    assert sent_stages("plan", fine, None) == set()  # a plan made before the choice was kept
+    assert sent_stages("send", fine, runs) == {0, 1, 2, 3}
+    assert sent_stages("recompute", fine, runs) == set()
+    with pytest.raises(ValueError, match="one of"):
+        sent_stages("sometimes", fine, runs)
 
 
 def test_a_request_longer_than_the_pools_fails_instead_of_waiting(tiny):
