@@ -3,7 +3,8 @@
 Design note. For each attention layer of a stage, keys and values live in one tensor each of
 shape ``[kv_heads, (num_blocks + 1) * block_size, head_dim]``: block ``b`` holds the token slots
 ``[b * block_size, (b + 1) * block_size)`` (the last block is no sequence's: padded rows of a
-static decode step write there, :meth:`KVPool.trash_slot`), and position ``p`` of a sequence lives in slot
+static decode step write there, and its masked positions read it, so it starts as zeros:
+:meth:`KVPool.trash_slot`), and position ``p`` of a sequence lives in slot
 ``table[p // block_size] * block_size + p % block_size``. A sequence grows block by block as its
 positions are planned, and gives its blocks back when it closes.
 
@@ -59,6 +60,8 @@ class KVPool:
         slots = (num_blocks + 1) * block_size  # and one block more, never handed out: trash_slot's
         self.k = {i: torch.empty(kv_heads, slots, head_dim, dtype=dtype, device=device) for i in self.layers}
         self.v = {i: torch.empty(kv_heads, slots, head_dim, dtype=dtype, device=device) for i in self.layers}
+        for t in (*self.k.values(), *self.v.values()):  # masked rows of a static step read it: never NaN
+            t[:, num_blocks * block_size:].zero_()
         self._refs = np.zeros(num_blocks, dtype=np.int32)  # holders of each block: 0 when free
         self._reserved = np.zeros(num_blocks, dtype=bool)
         self._lock = threading.Lock()

@@ -50,3 +50,33 @@ def test_static_decode_step_equals_forward(family, tiny_dirs):
         assert b.shape == a.shape and max_rel_diff(b, a) <= 1e-5, (family, positions)
         tokens = a.argmax(-1)
         positions = [p + 1 for p in positions]
+
+
+def test_a_static_step_of_a_full_bucket_reads_no_garbage(tiny_dirs, monkeypatch):
+    """The keys and values a static step gathers for masked positions come from the pool's padding
+    block; with no padded row to write it (two entries: a full bucket), it must still hold numbers.
+    A pool's memory may be reused (a layout switch frees pools and loads others): here every new
+    tensor starts as NaN, and the step still equals the ordinary forward."""
+    source = resolve_model(str(tiny_dirs["llama"]))
+    cfg, store = source.config, source.weights()
+    stage = StageModel.from_checkpoint(store, cfg, ranges_from_cuts([], cfg.num_layers)[0])
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    pools = [stage.new_pool(8), stage.new_pool(8)]
+    monkeypatch.setattr(torch, "empty", empty)
+    prompts = [torch.tensor([5, 9, 2]), torch.tensor([7, 1, 4, 4, 8])]
+    seqs = [[p.sequence(16) for p in pools] for _ in prompts]
+    for k, pool in enumerate(pools):
+        es = []
+        for row, p in zip(seqs, prompts):
+            row[k].grow(len(p))
+            es.append(Entry(0, len(p), row[k], "last"))
+        x = stage.forward_batch(torch.cat(prompts), es, pool)
+    tokens = x.argmax(-1)
+    for row, p in zip(seqs, prompts):
+        for kv in row:
+            kv.grow(len(p) + 1)
+    ordinary = stage.forward_batch(tokens, [Entry(len(p), 1, row[0], "last") for row, p in zip(seqs, prompts)], pools[0])
+    static = DecodeGraphs(stage, pools[1], graph=False)(tokens, [Entry(len(p), 1, row[1], "last")
+                                                                  for row, p in zip(seqs, prompts)])
+    assert torch.isfinite(static).all() and max_rel_diff(static, ordinary) <= 1e-5
