@@ -167,3 +167,86 @@ def test_gguf_blocks_stay_quantized_on_the_gpu(smollm2, dtype):
     a = generate(quantized.open, tok, "def fibonacci(n):\n    ", context=256, eos_ids=[], max_new_tokens=16)
     b = generate(reference.open, tok, "def fibonacci(n):\n    ", context=256, eos_ids=[], max_new_tokens=16)
     assert a.token_ids == b.token_ids
+
+
+def _mixed_daemons():
+    return [Served("g0", device="cuda:0", memory_share=0.2), Served("g1", device="cuda:0", memory_share=0.2),
+            Served("c0", device="cpu")]
+
+
+def test_kv_swapped_to_pinned_host_memory_comes_back_on_gpu(tiny_dirs):
+    """The host tier on GPU daemons (pinned host memory, copied back to the card): pools of a
+    quarter of what the requests hold at once, the tokens of the CPU reference (float32: the GPU
+    gives the CPU's tokens, as the mixed test above checks), nothing recomputed."""
+    from runtime.coordinator.engine import Engine, Request
+    from runtime.coordinator.policies import POLICIES
+    from tests.runtime.test_engine import BLOCK, alone, chunks, workload
+
+    path = str(tiny_dirs["llama"])
+    source = resolve_model(path)
+    cfg = source.config
+    daemons = _mixed_daemons()
+    pipe = Pipeline(cluster_of(*daemons))
+    try:
+        prompts, news = workload(24, cfg.vocab_size)
+        pipe.load(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32, kv_pool_bytes=20 * BLOCK)
+        session = pipe.session()
+        try:
+            engine = Engine(session, POLICIES["sarathi"](), depth=3)
+            requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
+            engine.run()
+        finally:
+            session.close()
+        assert all(not r.error for r in requests), [r.error for r in requests if r.error][:3]
+        assert [r.tokens for r in requests] == alone(source, prompts, news)
+        assert engine.preemptions > 0 and engine.swaps == engine.preemptions and engine.recomputed == 0
+        assert all(s.pool is None or s.pool.k[s.pool.layers[0]].is_cuda for d in daemons[:2]
+                   for s in d.stage.stages.values())
+    finally:
+        pipe.close()
+        for d in daemons:
+            d.stop()
+
+
+@pytest.mark.parametrize("send", [True, False])
+def test_seesaw_switches_between_gpu_and_cpu_daemons(tiny_dirs, send):
+    """Seesaw's layouts with every stage moving between the GPU daemons and the CPU one at each
+    switch, the KV sent (nothing rebuilt) or recomputed: the tokens of the CPU reference."""
+    from runtime.coordinator.engine import Engine, Request
+    from runtime.coordinator.kv_moves import send_moved_kv
+    from runtime.coordinator.seesaw import SeesawPhases, fine_stages
+    from tests.runtime.test_engine import BLOCK, alone, chunks, workload
+
+    path = str(tiny_dirs["llama"])
+    source = resolve_model(path)
+    cfg = source.config
+    daemons = _mixed_daemons()
+    pipe = Pipeline(cluster_of(*daemons))
+    try:
+        prompts, news = workload(16, cfg.vocab_size)
+        news = [m + 8 for m in news]
+        layouts = fine_stages({"prefill": cut_stages(pipe.cluster, [3, 5], cfg.num_units),
+                               "decode": cut_stages(pipe.cluster, [3, 5], cfg.num_units, daemons=["c0", "g0", "g1"])})
+
+        def deploy(phase, old):
+            pipe.load(path, layouts[phase], torch.float32, kv_pool_bytes=24 * BLOCK, adjacent=True)
+            return pipe.session(resume_from=old)
+        pipe.load(path, layouts["prefill"], torch.float32, kv_pool_bytes=24 * BLOCK, adjacent=True)
+        phases = SeesawPhases(deploy, low_water=0.75, send_kv=(lambda phase, old: send_moved_kv(
+            pipe, old, layouts[phase], set(range(len(layouts[phase]))))) if send else None)
+        engine = Engine(pipe.session(), phases, depth=len(pipe.stages))
+        try:
+            requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
+            engine.run()
+        finally:
+            engine.session.close()
+        assert all(not r.error for r in requests), [r.error for r in requests if r.error][:3]
+        assert [r.tokens for r in requests] == alone(source, prompts, news)
+        assert len(phases.switches) >= 2
+        if send:
+            assert all(s["sent_bytes"] > 0 for s in phases.switches if s["to"] == "decode")
+            assert sum(s["replayed_positions"] + s["restarted"] for s in phases.switches) == 0
+    finally:
+        pipe.close()
+        for d in daemons:
+            d.stop()

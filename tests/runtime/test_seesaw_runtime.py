@@ -116,12 +116,15 @@ def test_a_switch_that_moves_every_stage_recomputes_in_the_decode_phase(tiny):
 
 
 @pytest.mark.parametrize("rotate", [False, True])
-def test_a_switch_that_sends_the_kv_rebuilds_nothing(tiny, rotate):
+def test_a_switch_that_sends_the_kv_rebuilds_nothing(tiny, rotate, monkeypatch):
     """With the KV of every moved stage sent to its new owner before the switch, every running
     request goes on where it stood: nothing replayed, nothing started again — even where a switch
     moves every stage (``rotate``: the same cuts on rotated daemons, so a daemon gets sequences it
-    never held) — and the tokens are the ones each request gets alone."""
+    never held; with the daemons' static decode steps, as CUDA graphs run them) — and the tokens
+    are the ones each request gets alone."""
     pipe, source, path = tiny
+    for d in pipe.served:
+        monkeypatch.setattr(d.stage, "decode_steps", "eager" if rotate else "off")
     cfg = source.config
     names = [d.name for d in pipe.cluster.daemons]
     decode_cuts = [3, 5] if rotate else [2, 6]
@@ -142,6 +145,8 @@ def test_a_switch_that_sends_the_kv_rebuilds_nothing(tiny, rotate):
     assert any(s["to"] == "prefill" and s["resumed"] for s in phases.switches)  # mid-answer requests moved too
     assert all(not d.stage.kv_in.nbytes for d in pipe.served)  # nothing left waiting on a daemon
     assert pools_empty(pipe)
+    if rotate:
+        assert any(s.graphs is not None and s.graphs.runs for d in pipe.served for s in d.stage.stages.values())
 
 
 def test_the_plan_says_which_stages_send_their_kv():
