@@ -20,7 +20,8 @@ The switch (prefill -> decode, then back): each unit that changes owner needs it
 new owner (none to move when a daemon can hold both layouts' units at once, else read from its
 weights cache at :data:`LOAD_BPS`), and, going to decode, the batch's KV of each attention unit
 that moved: sent over the measured link, or recomputed by the new owner from the activations
-entering the moved run (sent instead), whichever the profile says is cheaper. Transfers to
+entering the moved run (sent instead), whichever the profile says is cheaper (KV moves no
+faster than :data:`KV_SEND_BPS`, what the runtime's transfer reaches). Transfers to
 different daemons run at once; a daemon's own arrive one after another. Going back to prefill
 moves no KV (the batch has finished). ``batch`` is how many requests' KV the decode layout holds
 (and the prefill layout, for the prompts): without a host tier, a switch per pool-full of requests.
@@ -45,6 +46,10 @@ from planner.serving import Mix, serving_table, unit_work
 #: disk, each entry's hash checked): Gemma 3 270M's 200 MB stages loaded in 0.2-0.3 s on this
 #: project's Xeon (docs/results.md, "Weights sent to daemons")
 LOAD_BPS = 0.8e9
+#: bytes a second a switch's KV moves between two daemons at most (runtime.daemon.kv_transfer: gRPC
+#: parts of 1 MB, copied into host memory and into the new owner's pool): 829 MB took 2.6 s between
+#: local-3's daemons on this project's 2-core EPYC (docs/results.md, "Seesaw"), whatever the link
+KV_SEND_BPS = 0.3e9
 #: requests per phase when no pool bounds them (a layout without attention units)
 MAX_BATCH = 1 << 16
 #: output lengths searched for where seesaw starts to pay
@@ -211,7 +216,7 @@ def switch_cost(cost: CostModel, mix: Mix, prefill: Layout, decode: Layout, batc
             choices.append((src, dst, a, b, "none"))
             continue
         link = cost.link(src, dst)
-        send = link.latency_s + attn * kv_unit / link.bandwidth_Bps
+        send = link.latency_s + attn * kv_unit / min(link.bandwidth_Bps, KV_SEND_BPS)
         per_unit = unit_work(cost, dst, prompts, "prefill")  # the new owner computes the moved run
         redo = link.latency_s + act / link.bandwidth_Bps + batch * sum(
             per_unit[1] if kinds[x] == ATTN else per_unit[2] for x in range(a, b) if kinds[x] in (ATTN, MLP))
