@@ -20,8 +20,9 @@ The switch (prefill -> decode, then back): each unit that changes owner needs it
 new owner (none to move when a daemon can hold both layouts' units at once, else read from its
 weights cache at :data:`LOAD_BPS`), and, going to decode, the batch's KV of each attention unit
 that moved: sent over the measured link, or recomputed by the new owner from the activations
-entering the moved run (sent instead), whichever the profile says is cheaper (KV moves no
-faster than :data:`KV_SEND_BPS`, what the runtime's transfer reaches). Transfers to
+entering the moved run (the daemon before it in the decode layout sends them from its replay log;
+the coordinator, token ids, for a run at the start), whichever the profile says is cheaper (KV
+moves no faster than :data:`KV_SEND_BPS`, what the runtime's transfer reaches). Transfers to
 different daemons run at once; a daemon's own arrive one after another. Going back to prefill
 moves no KV (the batch has finished). ``batch`` is how many requests' KV the decode layout holds
 (and the prefill layout, for the prompts): without a host tier, a switch per pool-full of requests.
@@ -218,7 +219,11 @@ def switch_cost(cost: CostModel, mix: Mix, prefill: Layout, decode: Layout, batc
         link = cost.link(src, dst)
         send = link.latency_s + attn * kv_unit / min(link.bandwidth_Bps, KV_SEND_BPS)
         per_unit = unit_work(cost, dst, prompts, "prefill")  # the new owner computes the moved run
-        redo = link.latency_s + act / link.bandwidth_Bps + batch * sum(
+        # from what enters it: the token ids (the coordinator's) for a run at the start, else the
+        # rows the daemon before it in the decode layout logged, over their link
+        before = decode.owner(a - 1) if a else dst
+        entering = 0.0 if before == dst else cost.link(before, dst).latency_s + act / cost.link(before, dst).bandwidth_Bps
+        redo = entering + batch * sum(
             per_unit[1] if kinds[x] == ATTN else per_unit[2] for x in range(a, b) if kinds[x] in (ATTN, MLP))
         if send <= redo:
             to_decode[dst] = to_decode.get(dst, 0.0) + send

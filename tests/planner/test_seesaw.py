@@ -9,7 +9,7 @@ import pytest
 from hpipe.core.profile import DaemonProfile, LinkProfile, Profile
 from planner.costs import CostModel, Workload
 from planner.cuts import comm_matrix
-from planner.seesaw import Layout, both_time, phase_time, seesaw
+from planner.seesaw import Layout, both_time, phase_time, seesaw, switch_cost
 from planner.serving import Mix, serving_table
 from tests.planner.synthetic import grid, make_profile
 
@@ -111,6 +111,22 @@ def test_the_switch_sends_kv_or_recomputes_it_whichever_is_cheaper():
         assert any(kv == "recompute" for *_, kv in runs) == (result.switch.recomputed_units > 0)
         assert any(kv == "send" for *_, kv in runs) == (result.switch.kv_bytes > 0)
     assert any(kv == "send" for *_, kv in fast.switch.runs)
+
+
+def test_a_run_moved_from_the_start_is_recomputed_from_token_ids():
+    """A run of units at the start of the model is rebuilt from the token ids (the coordinator's),
+    not from activations over the link: on a slow link, recomputing it costs its compute alone,
+    where sending its KV (or activations) would cost minutes; a run further on is rebuilt from
+    the rows the daemon before it logged, over their link."""
+    cost, mix = two_devices(2e4), Mix(prompt=1024, output=128, decode_batch=1)  # 160 kbit/s
+    u = cost.num_units
+    prefill, batch = Layout((0, u), (0,)), 8
+    head = switch_cost(cost, mix, prefill, Layout((0, 4, u), (1, 0)), batch, resident={0, 1})
+    assert [kv for *_, kv in head.runs] == ["recompute"] and head.kv_bytes == 0
+    act = cost.profile.activation_bytes_per_token() * mix.prompt * batch
+    assert head.to_decode_s < act / 2e4  # no activations crossed the link
+    tail = switch_cost(cost, mix, prefill, Layout((0, u - 4, u), (0, 1)), batch, resident={0, 1})
+    assert tail.to_decode_s > act / 2e4  # its KV, or the rows entering it, cross the link
 
 
 def test_less_memory_means_fewer_requests_a_phase():
