@@ -24,6 +24,7 @@ import hmac
 import logging
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
@@ -37,13 +38,14 @@ from runtime.wire.messages import dtype_from_wire, dtype_to_wire, pb
 
 log = logging.getLogger(__name__)
 
-#: the most bytes of keys or values one KvPart carries
-PART_BYTES = 1 << 20
+#: the most bytes of keys or values one KvPart carries (as the weights' chunks, runtime.coordinator.ship)
+PART_BYTES = 4 << 20
 
 
 @dataclass
 class StageKV:
-    """One sequence's KV on one stage: each layer's keys and values, [kv_heads, positions, head_dim]."""
+    """One sequence's KV on one stage: each layer's keys and values, [positions, kv_heads, head_dim]
+    (positions outermost, so a part of positions is one contiguous run of bytes)."""
     positions: int
     k: dict[int, torch.Tensor] = field(default_factory=dict)
     v: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -70,8 +72,8 @@ def read(stages: dict, seq: Sequence, wanted: Iterable[int]) -> dict[int, StageK
             out[i] = StageKV(n)
             continue
         slots = kv.slots(0, n, pool.k[pool.layers[0]].device)
-        out[i] = StageKV(n, {layer: pool.k[layer][:, slots].cpu() for layer in pool.layers},
-                         {layer: pool.v[layer][:, slots].cpu() for layer in pool.layers})
+        out[i] = StageKV(n, {layer: _positions_first(pool.k[layer], slots) for layer in pool.layers},
+                         {layer: _positions_first(pool.v[layer], slots) for layer in pool.layers})
     return out
 
 
@@ -84,11 +86,11 @@ def parts(seq: Sequence, held: dict[int, StageKV], session: int, key: bytes) -> 
                             positions=st.positions, layer=-1)
         for values, layers in ((False, st.k), (True, st.v)):
             for layer, t in layers.items():
-                heads, n, dim = t.shape
+                n, heads, dim = t.shape
                 step = max(1, PART_BYTES // (heads * dim * t.element_size()))
                 for a in range(0, n, step):
                     c = min(step, n - a)
-                    data = t[:, a:a + c].contiguous().view(torch.uint8).numpy().tobytes()
+                    data = t[a:a + c].view(torch.uint8).numpy().tobytes()
                     yield pb.KvPart(session=session, key=key, sequence_id=seq.id, max_len=seq.max_len, stage=i,
                                     positions=st.positions, layer=layer, values=values, start=a, count=c,
                                     dtype=dtype_to_wire(t.dtype), kv_heads=heads, head_dim=dim, data=data)
@@ -150,14 +152,14 @@ class IncomingKV:
                 if buf is None:
                     if self.nbytes + t.nbytes * part.positions // part.count > self.limit:
                         raise StatusError("RESOURCE_EXHAUSTED", f"KV sent here passes {self.limit} bytes")
-                    buf = layers[part.layer] = torch.empty(part.kv_heads, part.positions, part.head_dim,
+                    buf = layers[part.layer] = torch.empty(part.positions, part.kv_heads, part.head_dim,
                                                            dtype=t.dtype)
                     self.nbytes += buf.nbytes
-                if st.positions != part.positions or buf.shape[0] != part.kv_heads or buf.shape[2] != part.head_dim \
-                        or buf.dtype != t.dtype or part.start + part.count > part.positions:
+                if st.positions != part.positions or buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype \
+                        or part.start + part.count > part.positions:
                     raise StatusError("INVALID_ARGUMENT", f"a KV part of sequence {part.sequence_id} does not "
                                       "match the ones before it")
-                buf[:, part.start:part.start + part.count] = t
+                buf[part.start:part.start + part.count] = t
                 st.filled += part.count
             got += len(part.data)
             seqs.add(part.sequence_id)
@@ -232,17 +234,25 @@ def _write(held, seq: Sequence, i: int, st: StageKV, device: torch.device) -> in
     if pool.layers:
         slots = kv.slots(0, n, device)
         for layer in pool.layers:
-            pool.k[layer][:, slots] = st.k[layer].to(device)
-            pool.v[layer][:, slots] = st.v[layer].to(device)
+            pool.k[layer][:, slots] = st.k[layer].to(device).transpose(0, 1)
+            pool.v[layer][:, slots] = st.v[layer].to(device).transpose(0, 1)
     seq.planned[i] = seq.computed[i] = n
     return n
 
 
+def _positions_first(pool_kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A pool tensor's rows at ``slots`` as one contiguous [positions, kv_heads, head_dim] host tensor."""
+    return pool_kv.transpose(0, 1).index_select(0, slots).cpu()
+
+
 def _tensor(part: pb.KvPart) -> torch.Tensor:
+    """A part's positions, [count, kv_heads, head_dim] (a read-only view of its bytes: copy it)."""
     dtype = dtype_from_wire(part.dtype)
-    shape = (part.kv_heads, part.count, part.head_dim)
+    shape = (part.count, part.kv_heads, part.head_dim)
     want = part.kv_heads * part.count * part.head_dim * dtype.itemsize
     if part.count <= 0 or part.positions <= 0 or len(part.data) != want:
         raise StatusError("INVALID_ARGUMENT", f"a KV part of sequence {part.sequence_id} has {len(part.data)} "
                           f"bytes; its shape {shape} needs {want}")
-    return torch.frombuffer(bytearray(part.data), dtype=torch.uint8).view(dtype).view(shape)
+    with warnings.catch_warnings():  # the bytes are only read, into the receiver's buffer
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(part.data, dtype=torch.uint8).view(dtype).view(shape)

@@ -1,0 +1,67 @@
+"""A switch's KV between two daemons' pools (runtime.daemon.kv_transfer), without the network:
+read from one pool, cut into parts, received, written into another pool's blocks bit for bit; a
+stream cut short leaves the stage to the replays."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hpipe.model.kvpool import KVPool
+from runtime.daemon import kv_transfer
+from runtime.daemon.kv_transfer import IncomingKV, parts, read
+from runtime.daemon.sequences import Sequence, SequenceTable
+
+SESSION, KEY = 7, b"k" * 16
+
+
+def stage_with(positions: int, dtype: torch.dtype, blocks: int = 8):
+    """A held stage of two attention layers whose one sequence has ``positions`` positions of
+    random keys and values, the sequence scattered over the pool's blocks."""
+    pool = KVPool([3, 4], blocks, kv_heads=2, head_dim=8, dtype=dtype, device="cpu")
+    other = pool.sequence(64)
+    other.grow(16)  # a block taken first: the sequence's blocks do not start at 0
+    kv = pool.sequence(64)
+    kv.grow(positions)
+    gen = torch.Generator().manual_seed(positions)
+    for layer in pool.layers:
+        pool.k[layer].copy_(torch.randn(pool.k[layer].shape, generator=gen))
+        pool.v[layer].copy_(torch.randn(pool.v[layer].shape, generator=gen))
+    seq = Sequence(11, SESSION, 64, {5: kv}, {5: positions}, {5: positions})
+    return {5: SimpleNamespace(pool=pool)}, seq
+
+
+def keys(stages, seq, i=5):
+    pool, n = stages[i].pool, seq.computed[i]
+    slots = seq.kv[i].slots(0, n, torch.device("cpu"))
+    return [(pool.k[x][:, slots], pool.v[x][:, slots]) for x in pool.layers]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_read_cut_received_and_written_is_the_same_bits(dtype, monkeypatch):
+    monkeypatch.setattr(kv_transfer, "PART_BYTES", 200)  # several parts for each layer
+    src, seq = stage_with(37, dtype)
+    sent = list(parts(seq, read(src, seq, [5]), SESSION, KEY))
+    assert len(sent) > 4 * 2 and all(len(p.data) <= 200 for p in sent)
+    incoming = IncomingKV()
+    got = incoming.receive(iter(sent), lambda s, k: None)
+    assert got["sequences"] == 1 and got["bytes"] == 2 * 2 * 37 * 2 * 8 * dtype.itemsize
+    dst, _ = stage_with(0, dtype)
+    table = SequenceTable()
+    assert incoming.install(dst, table, torch.device("cpu")) == 37
+    new = table.find(11)
+    assert new.session == SESSION and new.computed[5] == new.planned[5] == 37
+    for (k0, v0), (k1, v1) in zip(keys(src, seq), keys(dst, new)):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    assert incoming.nbytes == 0 and incoming.owns(SESSION, KEY) and incoming.owns(SESSION, b"x" * 16) is False
+
+
+def test_kv_cut_short_is_not_written():
+    src, seq = stage_with(20, torch.float32)
+    sent = list(parts(seq, read(src, seq, [5]), SESSION, KEY))
+    incoming = IncomingKV()
+    incoming.receive(iter(sent[:-1]), lambda s, k: None)  # the last part never came
+    dst, _ = stage_with(0, torch.float32)
+    table = SequenceTable()
+    assert incoming.install(dst, table, torch.device("cpu")) == 0
+    assert table.find(11).computed[5] == 0  # an empty cache: the replays rebuild it
