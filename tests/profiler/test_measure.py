@@ -27,8 +27,12 @@ def test_profile_live_cluster_and_cache(cluster3, smollm2, tmp_path, capsys):
     # the built-in GGUF's daemons hold Q4_1 blocks (and a Q8_0 embedding): its bits, and units timed so
     assert 5.0 < profile.weight_bits < 6.0 and "weights held at 5.74 bits" in err
     assert len(profile.links) == 6 and all(l.bandwidth_Bps > 1e6 for l in profile.links)
-    # moving activations costs each end's host CPU: measured per byte on every link
-    assert all(l.send_cpu_s_per_byte > 0 and l.recv_cpu_s_per_byte > 0 for l in profile.links)
+    # moving activations costs each end's host CPU, measured per byte on every link: a noisy
+    # difference of CPU clocks, clamped at 0 (profiler.links.fit_host_cpu), so one link's may come
+    # out 0 on a loaded machine (a fresh-clone CI run had one); not all six
+    assert all(l.send_cpu_s_per_byte >= 0 and l.recv_cpu_s_per_byte >= 0 for l in profile.links)
+    assert sum(l.send_cpu_s_per_byte for l in profile.links) > 0 and sum(l.recv_cpu_s_per_byte
+                                                                         for l in profile.links) > 0
     assert all(1e-6 < l.send_cpu(128 * 576 * 4) < 0.1 for l in profile.links)
     assert "host CPU ms per 128-token slice" in err
     attn = profile.daemons[0].compute["attn"]
