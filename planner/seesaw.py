@@ -48,9 +48,10 @@ from planner.serving import Mix, serving_table, unit_work
 #: project's Xeon (docs/results.md, "Weights sent to daemons")
 LOAD_BPS = 0.8e9
 #: bytes a second a switch's KV moves between two daemons at most (runtime.daemon.kv_transfer: gRPC
-#: parts of 1 MB, copied into host memory and into the new owner's pool): 829 MB took 2.6 s between
-#: local-3's daemons on this project's 2-core EPYC (docs/results.md, "Seesaw"), whatever the link
-KV_SEND_BPS = 0.3e9
+#: parts of 4 MiB, copied into host memory and into the new owner's pool): 829 MB took about 1.55 s
+#: between local-3's daemons on this project's 2-core EPYC (docs/results.md, "Seesaw"), whatever
+#: the link
+KV_SEND_BPS = 0.5e9
 #: requests per phase when no pool bounds them (a layout without attention units)
 MAX_BATCH = 1 << 16
 #: output lengths searched for where seesaw starts to pay
