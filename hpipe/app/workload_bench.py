@@ -9,8 +9,8 @@ recomputed), and each stage's busy fraction (compute seconds over the run's span
 ``NAME+recompute`` is that policy with preempted requests recomputed instead of swapped (the
 side-by-side for the host tier). ``seesaw`` switches between a Seesaw plan's layouts, the KV of
 the stages a switch moves sent or recomputed as the plan chose; ``seesaw-send`` and
-``seesaw-recompute`` always send it or always recompute it. Greedy outputs must be the same under every policy; a
-difference is reported.
+``seesaw-recompute`` always send it or always recompute it. Greedy outputs must be the same
+under every policy; a difference is reported.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class Deployed:
 def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_pool_bytes: int = 0,
            grace_s: float = GRACE_S, replan: Callable[[list[str], list[Stage]], list[Stage]] | None = None,
            security: Security | None = None, max_recoveries: int | None = MAX_RECOVERIES,
-           dequantize: bool = False, seesaw: bool = False, seesaw_kv_mode: str = "plan") -> Deployed:
+           dequantize: bool = False, seesaw: bool = False) -> Deployed:
     """Load ``strategy`` (default: the plan's) of ``plan`` onto ``cluster``; each daemon's KV pools
     ``kv_pool_bytes`` in all (0: the daemon sizes them). ``grace_s`` and ``replan`` say how the
     recovery waits for a lost daemon and what it does when one stays away, ``max_recoveries`` how
@@ -86,7 +86,7 @@ def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_
     recovers like the others. ``dequantize``: a GGUF model's daemons hold float32 weights, not the
     blocks the file stores (the reference the quantized path is tested against). ``seesaw``: the
     plan's two Seesaw layouts, switched between (:attr:`Deployed.phases`), the KV of moved stages
-    sent or recomputed as ``seesaw_kv_mode`` says (:data:`runtime.coordinator.kv_moves.KV_MODES`)."""
+    sent or recomputed as the plan chose."""
     name = strategy or plan.strategy
     if name not in plan.strategies:
         raise InputError(f"the plan has no strategy {name!r} (it has {', '.join(plan.strategies)})")
@@ -98,7 +98,7 @@ def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_
     recovery = Redeploy(pipe, plan.model_name, stages, dtype, kv_pool_bytes, grace_s=grace_s, replan=replan,
                         max_times=max_recoveries)
     phases = seesaw_phases(pipe, plan.model_name, layouts, dtype, kv_pool_bytes, recovery,
-                           seesaw_kv(plan, layouts, seesaw_kv_mode)) if layouts else None
+                           seesaw_kv(plan, layouts)) if layouts else None
     try:
         try:
             pipe.load(plan.model_name, stages, dtype, kv_pool_bytes, adjacent=bool(layouts))

@@ -7,9 +7,10 @@ here as one pipeline of *fine stages*, the units between any two cuts of either 
 row. A switch is a redeployment of the same stages on other daemons: every daemon keeps the
 stages it holds in both layouts with their sequences' KV, drops the others and loads the ones it
 gains (:meth:`runtime.daemon.stage_server.StageServer.load`, a reshard), and the engine resumes
-every running request on the new layout as after a recovery: the stages that moved rebuild their
-KV from the activations the stage before them logged (replays), which is Seesaw's "recompute"
-transition; a request whose KV cannot be rebuilt so starts again from its token ids.
+every running request on the new layout as after a recovery. A moved stage's KV is either sent
+by its old owner before the Load (``send_kv``: :mod:`runtime.coordinator.kv_moves`), or rebuilt
+from the activations the stage before it logged (replays), Seesaw's "recompute" transition; a
+request whose KV can be neither starts again from its token ids.
 
 :class:`SeesawPhases` is the engine's policy. In the prefill phase it admits waiting requests
 while the KV pools hold every admitted request at its full length (so no prefill is preempted

@@ -231,11 +231,10 @@ def _write(held, seq: Sequence, i: int, st: StageKV, device: torch.device) -> in
         kv.truncate(0)
         seq.planned[i] = seq.computed[i] = 0
         return 0
-    if pool.layers:
-        slots = kv.slots(0, n, device)
-        for layer in pool.layers:
-            pool.k[layer][:, slots] = st.k[layer].to(device).transpose(0, 1)
-            pool.v[layer][:, slots] = st.v[layer].to(device).transpose(0, 1)
+    slots = kv.slots(0, n, device)
+    for layer in pool.layers:
+        pool.k[layer][:, slots] = st.k[layer].to(device).transpose(0, 1)
+        pool.v[layer][:, slots] = st.v[layer].to(device).transpose(0, 1)
     seq.planned[i] = seq.computed[i] = n
     return n
 
