@@ -232,8 +232,8 @@ def test_seesaw_switches_between_gpu_and_cpu_daemons(tiny_dirs, send):
             pipe.load(path, layouts[phase], torch.float32, kv_pool_bytes=24 * BLOCK, adjacent=True)
             return pipe.session(resume_from=old)
         pipe.load(path, layouts["prefill"], torch.float32, kv_pool_bytes=24 * BLOCK, adjacent=True)
-        phases = SeesawPhases(deploy, low_water=0.75, send_kv=(lambda phase, old: send_moved_kv(
-            pipe, old, layouts[phase], set(range(len(layouts[phase]))))) if send else None)
+        phases = SeesawPhases(deploy, low_water=0.75, send_kv=(lambda phase, old, ids=None: send_moved_kv(
+            pipe, old, layouts[phase], set(range(len(layouts[phase]))), ids)) if send else None)
         engine = Engine(pipe.session(), phases, depth=len(pipe.stages))
         try:
             requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]

@@ -9,8 +9,9 @@ recomputed), and each stage's busy fraction (compute seconds over the run's span
 ``NAME+recompute`` is that policy with preempted requests recomputed instead of swapped (the
 side-by-side for the host tier). ``seesaw`` switches between a Seesaw plan's layouts, the KV of
 the stages a switch moves sent or recomputed as the plan chose; ``seesaw-send`` and
-``seesaw-recompute`` always send it or always recompute it. Greedy outputs must be the same
-under every policy; a difference is reported.
+``seesaw-recompute`` always send it or always recompute it (``seesaw-send-late``: sends it all
+at the switch, none while the prefill phase runs). Greedy outputs must be the same under every
+policy; a difference is reported.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def run_workload(plan: Plan, cluster: ClusterSpec, items: list[WorkItem], polici
     unknown = [p for p in policies if not known(p)]
     if unknown:
         raise HpipeError(f"unknown policies {unknown} (choose from {', '.join(POLICIES)}, each optionally +recompute "
-                         "and @prefill, @decode or @STRATEGY; or seesaw, seesaw-send, seesaw-recompute)")
+                         "and @prefill, @decode or @STRATEGY; or " + ", ".join(SEESAW) + ")")
     with deploy(plan, cluster, kv_pool_bytes=kv_pool_bytes, dequantize=dequantize) as deployed:
         layouts = _layouts(plan, cluster, policies, deployed.recovery.stages)
         return _rounds(plan, deployed.pipe, items, policies, rounds, seed, layouts, kv_pool_bytes)
@@ -178,8 +179,9 @@ def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[st
             make = None
             if policy in SEESAW:
                 pipe.load(plan.model_name, layouts[policy]["prefill"], dtype, kv_pool_bytes, adjacent=True)
+                mode, early = SEESAW[policy]
                 phases = seesaw_phases(pipe, plan.model_name, layouts[policy], dtype, kv_pool_bytes,
-                                       sent=seesaw_kv(plan, layouts[policy], SEESAW[policy]))
+                                       sent=seesaw_kv(plan, layouts[policy], mode), early=early)
                 make = lambda phases=phases: phases  # noqa: E731
             else:
                 pipe.load(plan.model_name, layouts[policy], dtype, kv_pool_bytes)
@@ -225,10 +227,12 @@ def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[st
 
 #: the planner's names (planner.seesaw) for what a policy of the bench runs on
 _WAYS = {"gllm@prefill": "prefill layout", "gllm@decode": "decode layout", "seesaw": "seesaw", "seesaw-send": "seesaw",
-         "seesaw-recompute": "seesaw"}
-#: the bench's Seesaw policies, and how each one's switches move the KV of moved stages
-#: (runtime.coordinator.kv_moves.KV_MODES): as the plan chose, always sent, always recomputed
-SEESAW = {"seesaw": "plan", "seesaw-send": "send", "seesaw-recompute": "recompute"}
+         "seesaw-send-late": "seesaw", "seesaw-recompute": "seesaw"}
+#: the bench's Seesaw policies: how each one's switches move the KV of moved stages
+#: (runtime.coordinator.kv_moves.KV_MODES: as the plan chose, always sent, always recomputed), and
+#: whether a prompt's goes as soon as it is read
+SEESAW = {"seesaw": ("plan", True), "seesaw-send": ("send", True), "seesaw-send-late": ("send", False),
+          "seesaw-recompute": ("recompute", True)}
 
 
 def table(result: dict) -> str:

@@ -114,19 +114,20 @@ def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_
 
 
 def seesaw_phases(pipe: Pipeline, model: str, layouts: dict[str, list[Stage]], dtype, kv_pool_bytes: int = 0,
-                  recovery: Redeploy | None = None, sent: set[int] = frozenset()) -> SeesawPhases:
+                  recovery: Redeploy | None = None, sent: set[int] = frozenset(), early: bool = True) -> SeesawPhases:
     """The policy that switches ``pipe`` between the fine-stage ``layouts`` (it starts in prefill,
     which the caller has loaded); ``recovery`` follows the layout in use. A switch sends the KV of
-    the fine stages ``sent`` that it moves (:func:`seesaw_kv`); replays rebuild the others'."""
+    the fine stages ``sent`` that it moves (:func:`seesaw_kv`; with ``early``, a prompt's as soon as
+    it is read); replays rebuild the others'."""
     def switch(phase: str, old: Session) -> Session:
         if recovery is not None:
             recovery.stages = list(layouts[phase])
         pipe.load(model, layouts[phase], dtype, kv_pool_bytes, adjacent=True)
         return pipe.session(resume_from=old)
 
-    def send(phase: str, old: Session) -> dict:
-        return send_moved_kv(pipe, old, layouts[phase], sent)
-    return SeesawPhases(switch, send_kv=send if sent else None)
+    def send(phase: str, old: Session, sequence_ids: list[int] | None = None) -> dict:
+        return send_moved_kv(pipe, old, layouts[phase], sent, sequence_ids)
+    return SeesawPhases(switch, send_kv=send if sent else None, early=early)
 
 
 def seesaw_kv(plan: Plan, layouts: dict[str, list[Stage]], mode: str = "plan") -> set[int]:

@@ -42,19 +42,22 @@ def sent_stages(mode: str, fine: Sequence[Stage], runs: list[dict] | None) -> se
     return {i for i, s in enumerate(fine) if any(a <= s.units.start < b for a, b in chosen)}
 
 
-def send_moved_kv(pipe, session, target: Sequence[Stage], which: set[int]) -> dict:
+def send_moved_kv(pipe, session, target: Sequence[Stage], which: set[int],
+                  sequence_ids: list[int] | None = None) -> dict:
     """Before ``pipe`` (loaded with the fine stages ``session`` runs on) switches to ``target``:
-    each daemon that gives up a stage of ``which`` sends the session's KV on it to the daemon that
-    takes it, all pairs of daemons at once. What was sent (bytes, stages, sequences, seconds)."""
+    each daemon that gives up a stage of ``which`` sends the session's KV on it (of
+    ``sequence_ids``, or of all its sequences) to the daemon that takes it, all pairs of daemons
+    at once. What was sent (bytes, stages, sequences, seconds)."""
     pairs: dict[tuple[int, str], list[int]] = {}
     for i, (now, then) in enumerate(zip(pipe.stages, target)):
-        if now.daemon != then.daemon and i in which:
+        if now.daemon != then.daemon and i in which and sequence_ids != []:
             pairs.setdefault((pipe.stage_daemon[i], then.address), []).append(i)
 
     def send(item) -> tuple[int, int, int]:
         (d, address), stages = item
         client = pipe.clients[d]
-        request = pb.SendKvRequest(session=session.id, key=session.key, stages=stages, target_address=address)
+        request = pb.SendKvRequest(session=session.id, key=session.key, stages=stages, target_address=address,
+                                   sequence_ids=sequence_ids or [])
         try:
             reply = client.call("SendKv", request, timeout=SEND_TIMEOUT_S)
         except grpc.RpcError as e:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -70,19 +71,29 @@ class SeesawPhases:
     name = "seesaw"
 
     def __init__(self, deploy: Callable[[str, Session], Session], phase: str = "prefill", budget: int = 512,
-                 low_water: float = 0.25, send_kv: Callable[[str, Session], dict] | None = None):
+                 low_water: float = 0.25, send_kv: Callable[[str, Session, list[int] | None], dict] | None = None,
+                 early: bool = True):
         if phase not in PHASES:
             raise ValueError(f"a phase is prefill or decode, not {phase!r}")
         self.deploy, self.phase, self.budget, self.low_water = deploy, phase, budget, low_water
-        #: before a switch to a phase, the KV of the stages it moves sent to their new owners (what
-        #: was sent: :func:`runtime.coordinator.kv_moves.send_moved_kv`); None: replays rebuild it all
+        #: ``send_kv(phase, session, sequence ids or None for all)``: the KV of the stages a switch
+        #: to ``phase`` moves, sent to their new owners (what was sent:
+        #: :func:`runtime.coordinator.kv_moves.send_moved_kv`); None: replays rebuild it all
         self.send_kv = send_kv
+        #: send a prompt's KV to its decode owners as soon as it is read, while the prefill phase
+        #: computes the others (its KV does not change until the decode phase); the switch sends the rest
+        self.early = early and send_kv is not None
+        self._early_ids: set[int] = set()  # sequences sent ahead this prefill phase
+        self._early_sends: list[Future] = []
+        self._sender: ThreadPoolExecutor | None = None  # the early sends' thread, for a prefill phase
         self.batch = 0           # requests decoding when the decode phase began
         self.switches: list[dict] = []  # each switch: to which phase, when, how long it took
 
     # --- forming micro-batches ------------------------------------------------------------------
     def form(self, engine: Engine) -> list[Planned]:
         if self.phase == "prefill":
+            if self.early:
+                self._send_ahead(engine)
             planned: list[Planned] = []
             prefill_chunks(engine, self.budget, planned, shortest_first=False, admit=lambda r: _reserve(engine, r))
             return planned
@@ -101,6 +112,33 @@ class SeesawPhases:
         """Decode has run low (or out) and requests wait to be prefilled."""
         return bool(engine.waiting) and len(answering) <= self.low_water * self.batch
 
+    def _send_ahead(self, engine: Engine) -> None:
+        """Start sending the KV of prompts read since the last call to their decode owners, on the
+        sender's thread (the engine goes on forming micro-batches)."""
+        ids = [r.seq_id for r in engine.running
+               if r.tokens and not r.prefilling and not r.in_flight and r.seq_id not in self._early_ids]
+        if ids:
+            self._early_ids.update(ids)
+            if self._sender is None:
+                self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seesaw-kv")
+            self._early_sends.append(self._sender.submit(self.send_kv, "decode", engine.session, ids))
+
+    def _send_rest(self, to: str, old: Session, running: list[Request]) -> dict:
+        """Before a switch to ``to``: wait for what was sent ahead, then send the KV of every other
+        running request; what was sent (``sent_ahead_bytes``: of it, before the switch)."""
+        ahead = [f.result() for f in self._early_sends]
+        if self._sender is not None:
+            self._sender.shutdown()
+        rest = [r.seq_id for r in running if r.seq_id not in self._early_ids] if ahead else None
+        sent = self.send_kv(to, old, rest)
+        self._early_ids, self._early_sends, self._sender = set(), [], None
+        if ahead:
+            sent["sent_ahead_bytes"] = sum(a["sent_bytes"] for a in ahead)
+            sent["sent_bytes"] += sent["sent_ahead_bytes"]
+            sent["sent_sequences"] += sum(a["sent_sequences"] for a in ahead)
+            sent["sent_stages"] = max([sent["sent_stages"]] + [a["sent_stages"] for a in ahead])
+        return sent
+
     # --- switching --------------------------------------------------------------------------------
     def switch(self, engine: Engine) -> bool:
         """With nothing in flight: switch phases if this one has nothing left to do (True if it did)."""
@@ -118,7 +156,7 @@ class SeesawPhases:
 
         def deploy(old: Session) -> Session:
             if self.send_kv is not None:
-                sent.update(self.send_kv(to, old))
+                sent.update(self._send_rest(to, old, list(engine.running)))
             return self.deploy(to, old)
         resumed = engine.switch(deploy)
         self.phase = to

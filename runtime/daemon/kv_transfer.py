@@ -97,13 +97,15 @@ def parts(seq: Sequence, held: dict[int, StageKV], session: int, key: bytes) -> 
 
 
 def send(sequences: SequenceTable, stages: Callable[[], dict], run_on_device: Callable, session: int,
-         key: bytes, wanted: list[int], push: Callable[[Iterator[pb.KvPart]], pb.KvReply]) -> dict:
-    """Send ``session``'s KV on held stages ``wanted`` through ``push`` (a ReceiveKv call on the
-    new owner), a sequence at a time: what was sent."""
+         key: bytes, wanted: list[int], push: Callable[[Iterator[pb.KvPart]], pb.KvReply],
+         only: set[int] | None = None) -> dict:
+    """Send ``session``'s KV on held stages ``wanted`` (of its sequences ``only``, or all of them)
+    through ``push`` (a ReceiveKv call on the new owner), a sequence at a time: what was sent."""
     t0, sent = time.perf_counter(), {"bytes": 0, "sequences": 0}
 
     def stream() -> Iterator[pb.KvPart]:
-        for seq in [s for s in sequences.all() if s.session == session and not s.error]:
+        for seq in [s for s in sequences.all() if s.session == session and not s.error
+                    and (only is None or s.id in only)]:
             held = run_on_device(lambda seq=seq: read(stages(), seq, wanted), 60.0)
             if held:
                 sent["sequences"] += 1

@@ -162,7 +162,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
         try:
             sent = kv_transfer.send(self.server.sequences, lambda: self.server.stages, self.server.run_on_device,
                                     request.session, request.key, list(request.stages),
-                                    lambda parts: client.call("ReceiveKv", parts, timeout=KV_SEND_TIMEOUT_S))
+                                    lambda parts: client.call("ReceiveKv", parts, timeout=KV_SEND_TIMEOUT_S),
+                                    set(request.sequence_ids) or None)
         except grpc.RpcError as e:
             raise StatusError(e.code().name, f"sending KV to {request.target_address}: {e.details()}") from None
         finally:

@@ -48,8 +48,8 @@ def run_seesaw(pipe, path: str, layouts: dict, pool: int, prompts, news, send_kv
         pipe.load(path, layouts[phase], torch.float32, kv_pool_bytes=pool, adjacent=True)
         return pipe.session(resume_from=old)
 
-    def send(phase, old):
-        return send_moved_kv(pipe, old, layouts[phase], set(range(len(layouts[phase]))))
+    def send(phase, old, ids=None):
+        return send_moved_kv(pipe, old, layouts[phase], set(range(len(layouts[phase]))), ids)
 
     pipe.load(path, layouts["prefill"], torch.float32, kv_pool_bytes=pool, adjacent=True)
     phases = SeesawPhases(deploy, send_kv=send if send_kv else None, **kw)
@@ -121,7 +121,8 @@ def test_a_switch_that_sends_the_kv_rebuilds_nothing(tiny, rotate, monkeypatch):
     request goes on where it stood: nothing replayed, nothing started again — even where a switch
     moves every stage (``rotate``: the same cuts on rotated daemons, so a daemon gets sequences it
     never held; with the daemons' static decode steps, as CUDA graphs run them) — and the tokens
-    are the ones each request gets alone."""
+    are the ones each request gets alone. A prompt's KV is sent as soon as it is read, while the
+    prefill phase goes on (the switch sends the rest)."""
     pipe, source, path = tiny
     for d in pipe.served:
         monkeypatch.setattr(d.stage, "decode_steps", "eager" if rotate else "off")
@@ -142,6 +143,8 @@ def test_a_switch_that_sends_the_kv_rebuilds_nothing(tiny, rotate, monkeypatch):
     assert sum(s["restarted"] for s in phases.switches) == 0
     to_decode = [s for s in phases.switches if s["to"] == "decode"]
     assert all(s["sent_bytes"] > 0 and s["sent_stages"] > 0 for s in to_decode), to_decode
+    # most prompts' KV went while the prefill phase computed the others
+    assert sum(s.get("sent_ahead_bytes", 0) for s in to_decode) > sum(s["sent_bytes"] for s in to_decode) / 2
     assert any(s["to"] == "prefill" and s["resumed"] for s in phases.switches)  # mid-answer requests moved too
     assert all(not d.stage.kv_in.nbytes for d in pipe.served)  # nothing left waiting on a daemon
     assert pools_empty(pipe)
