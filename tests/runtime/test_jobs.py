@@ -270,9 +270,13 @@ def test_ctrl_c_then_run_again_loses_and_repeats_nothing(cluster3, plan_file, tm
     assert len(rows) == 12
 
 
-def test_bench_runs_a_seesaw_plan_beside_its_two_layouts(cluster3, plan_file, capsys, tmp_path):
+def test_bench_runs_a_seesaw_plan_beside_its_two_layouts(cluster3, plan_file, capsys, tmp_path, monkeypatch):
     """hpipe plan --objective seesaw, then hpipe bench --workload with each Seesaw layout alone
-    (gllm) and seesaw switching between them: the same greedy outputs, and seesaw switched."""
+    (gllm) and seesaw switching between them: the same greedy outputs, and seesaw switched.
+    The daemons' prefill in float32: a switch that recomputes KV (replays, or a request started
+    again) computes generated positions as prefill rows, in bfloat16 where the CPU has it, and
+    a near tie may then go the other way (docs/decisions/seesaw.md); sent KV is the same bits."""
+    monkeypatch.setenv("HPIPE_PREFILL_GEMM", "float32")  # the coordinator's Load asks the daemons for it
     path, _ = plan_file
     seesaw_plan = tmp_path / "seesaw.json"
     assert main(["plan", "--profile", str(path.parent / "profile.json"), "--seq-len", "96", "--max-len", "256",
