@@ -209,9 +209,12 @@ class IncomingKV:
         return written
 
     def forget(self, session: int) -> None:
-        """``session``'s key, once its sequences were adopted (or it ended)."""
+        """``session``'s key, once its sequences were adopted, and what came of it and was not yet
+        written (it ended here before a Load: nothing would adopt the sequences)."""
         with self._lock:
             self._keys.pop(session, None)
+            for seq_id in [i for i, a in self._arriving.items() if a.session == session]:
+                self.nbytes -= sum(st.nbytes for st in self._arriving.pop(seq_id).stages.values())
 
 
 def _write(held, seq: Sequence, i: int, st: StageKV, device: torch.device) -> int:

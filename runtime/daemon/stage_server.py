@@ -356,6 +356,7 @@ class StageServer:
             self.close(seq_id, session)
         self.prefixes.end(session)
         self.layouts.forget(session)
+        self.kv_in.forget(session)  # KV sent here for it that no Load took
         return self.stats.pop(session)
 
     def status(self, seq_ids: list[int]) -> dict:

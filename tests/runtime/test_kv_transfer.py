@@ -65,3 +65,15 @@ def test_kv_cut_short_is_not_written():
     table = SequenceTable()
     assert incoming.install(dst, table, torch.device("cpu")) == 0
     assert table.find(11).computed[5] == 0  # an empty cache: the replays rebuild it
+
+
+def test_kv_of_a_session_that_ended_is_let_go():
+    src, seq = stage_with(20, torch.float32)
+    incoming = IncomingKV()
+    incoming.receive(parts(seq, read(src, seq, [5]), SESSION, KEY), lambda s, k: None)
+    assert incoming.nbytes > 0
+    incoming.forget(SESSION)  # the session ended on this daemon before a Load took its KV
+    assert incoming.nbytes == 0 and incoming.owns(SESSION, KEY) is None
+    dst, _ = stage_with(0, torch.float32)
+    table = SequenceTable()
+    assert incoming.install(dst, table, torch.device("cpu")) == 0 and table.find(11) is None
