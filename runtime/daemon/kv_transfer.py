@@ -71,6 +71,8 @@ def read(stages: dict, seq: Sequence, wanted: Iterable[int]) -> dict[int, StageK
         if pool is None or not pool.layers or kv is None:
             out[i] = StageKV(n)
             continue
+        if kv.capacity < n:  # swapped out to the host tier (its positions kept, its blocks given back)
+            continue
         slots = kv.slots(0, n, pool.k[pool.layers[0]].device)
         out[i] = StageKV(n, {layer: _positions_first(pool.k[layer], slots) for layer in pool.layers},
                          {layer: _positions_first(pool.v[layer], slots) for layer in pool.layers})

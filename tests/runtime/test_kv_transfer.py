@@ -77,3 +77,13 @@ def test_kv_of_a_session_that_ended_is_let_go():
     dst, _ = stage_with(0, torch.float32)
     table = SequenceTable()
     assert incoming.install(dst, table, torch.device("cpu")) == 0 and table.find(11) is None
+
+
+def test_a_sequence_swapped_out_to_the_host_tier_is_not_read():
+    """Swapped out, a sequence keeps its positions but not its blocks: nothing of it is sent (the
+    coordinator starts such a request again at a switch), and the others still are."""
+    src, seq = stage_with(20, torch.float32)
+    pool = src[5].pool
+    seq.kv[5].release()
+    seq.kv[5] = pool.sequence(64)  # as HostTier.swap_out leaves it: computed 20, no blocks
+    assert read(src, seq, [5]) == {}
