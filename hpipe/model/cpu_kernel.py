@@ -150,8 +150,10 @@ def applies(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def fits(entries: list[Entry], pool: KVPool | None) -> bool:
-    """Whether the kernel takes this micro-batch: every entry one live token."""
-    return pool is not None and bool(entries) and all(e.length == 1 and e.kv is not None for e in entries)
+    """Whether the kernel takes this micro-batch: every entry one live decode token (a prompt's
+    token, :attr:`Entry.prefill`, is computed as a prefill slice's)."""
+    return pool is not None and bool(entries) and all(e.length == 1 and not e.prefill and e.kv is not None
+                                                      for e in entries)
 
 
 class StageKernel:

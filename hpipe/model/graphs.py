@@ -65,8 +65,9 @@ class DecodeGraphs:
 
     @staticmethod
     def fits(entries: list[Entry]) -> bool:
-        """Whether a micro-batch is one this can run: one token per entry, every entry live."""
-        return (0 < len(entries) <= BUCKETS[-1] and all(e.length == 1 and e.kv is not None for e in entries))
+        """Whether a micro-batch is one this can run: one decode token per entry, every entry live."""
+        return (0 < len(entries) <= BUCKETS[-1]
+                and all(e.length == 1 and not e.prefill and e.kv is not None for e in entries))
 
     @torch.inference_mode()
     def __call__(self, x: torch.Tensor, entries: list[Entry]) -> torch.Tensor | None:

@@ -261,12 +261,24 @@ class Entry:
     position ``start``, and the logits wanted back (none, its last position's, or all).
 
     ``kv`` None marks an entry whose sequence has failed or closed: its rows still flow (so the
-    micro-batch keeps its layout) but it neither reads nor writes any cache."""
+    micro-batch keeps its layout) but it neither reads nor writes any cache.
+
+    ``prefill_end``: the positions below it are the prompt's, computed as prefill rows, and those
+    at or past it as decode tokens (a replay's or a restart's decoded tokens get the KV their
+    decode gave them); 0: every row of an entry of two tokens or more is a prefill row."""
 
     start: int
     length: int
     kv: SeqKV | None
     logits: str = "none"  # none | last | all
+    prefill_end: int = 0
+
+    @property
+    def prefill(self) -> int:
+        """How many of its rows, from the first, are prefill rows (the rest are decode tokens)."""
+        if not self.prefill_end:
+            return self.length if self.length > 1 else 0
+        return min(self.length, max(0, self.prefill_end - self.start))
 
 
 class BatchKV:

@@ -116,17 +116,31 @@ class Attention(nn.Module):
         k = qk[:, heads:]
         batch.write(self.layer, k, v)
         o = x.new_empty(t, heads, self.head_dim)
-        on_cpu = not x.is_cuda
         for i, e in enumerate(batch.entries):
             a = batch.offsets[i]
             keys, values = batch.read(self.layer, i, k, v)
-            if e.length == 1 and on_cpu and (self.window is None or e.kv is None):
-                self._attend_one(qk[a, :heads], keys, values, o[a])
-            else:
-                q = qk[a:a + e.length, :heads].transpose(0, 1)[None]
-                out = self._attend(q, keys[None], values[None], e.start if e.kv is not None else 0, batch.masks)
-                o[a:a + e.length] = out[0].transpose(0, 1)
+            if e.kv is None:  # a failed sequence's rows: computed over themselves, never read
+                self._attend_rows(qk[a:a + e.length, :heads], keys, values, 0, o[a:a + e.length], batch.masks)
+                continue
+            n = e.prefill if e.length > 1 else e.length  # a one-token entry keeps its one-token path
+            if n:
+                self._attend_rows(qk[a:a + n, :heads], keys[:, :e.start + n], values[:, :e.start + n], e.start,
+                                  o[a:a + n], batch.masks, prefill=e.prefill > 0)
+            if n < e.length:  # decoded tokens computed again: in float32, as their decode steps were
+                self._attend_rows(qk[a + n:a + e.length, :heads], keys, values, e.start + n, o[a + n:a + e.length],
+                                  batch.masks, prefill=False)
         return self._out(x, o.view(1, t, heads * self.head_dim))
+
+    def _attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, out: torch.Tensor,
+                     masks: dict, prefill: bool | None = None) -> None:
+        """Rows ``q [s, heads, head_dim]`` at positions ``start ..`` over ``keys [kv_heads, start + s,
+        head_dim]``, into ``out [s, heads, head_dim]``: one decode row as a decode step computes it;
+        ``prefill`` (None: rows of several) as a prefill slice, in its precision, else in float32."""
+        if len(q) == 1 and not prefill and not q.is_cuda and (self.window is None or start == 0):
+            self._attend_one(q[0], keys, values, out[0])
+            return
+        res = self._attend(q.transpose(0, 1)[None], keys[None], values[None], start, masks, prefill=prefill)
+        out.copy_(res[0].transpose(0, 1))
 
     def forward_decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                        v_pool: torch.Tensor, write: torch.Tensor, gather: torch.Tensor,
@@ -158,12 +172,14 @@ class Attention(nn.Module):
             torch.bmm(probs, values, out=out.view(self.kv_heads, group, self.head_dim))
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                masks: dict | None = None) -> torch.Tensor:
+                masks: dict | None = None, prefill: bool | None = None) -> torch.Tensor:
         """``q [1, heads, s, head_dim]`` at positions ``start ..`` over ``keys [1, kv_heads, start + s, head_dim]``
-        (``masks``: the micro-batch's masks, made once for all its layers)."""
+        (``masks``: the micro-batch's masks, made once for all its layers; ``prefill``: whether these
+        are a prompt's rows, computed in the prefill's precision, even one; None: where there are several)."""
         s = q.shape[2]
-        if s > 1 and not q.is_cuda:
-            return self._attend_split(q, keys, values, start, {} if masks is None else masks)
+        prefill = s > 1 if prefill is None else prefill
+        if (s > 1 or prefill) and not q.is_cuda:
+            return self._attend_split(q, keys, values, start, {} if masks is None else masks, low=prefill)
         # A lower-right causal mask: query i (position start+i) sees keys 0..start+i. Relying on
         # is_causal would align the triangle top-left and drop the cached prefix.
         mask, causal = None, False
@@ -182,7 +198,7 @@ class Attention(nn.Module):
                                               enable_gqa=self.kv_heads != self.heads)
 
     def _attend_split(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                      masks: dict) -> torch.Tensor:
+                      masks: dict, low: bool = True) -> torch.Tensor:
         """A prefill slice on the CPU, over its keys padded with masked zeros to whole splits of
         ``KV_SPLIT`` positions: SDPA's CPU kernel then splits every slice's keys at the same
         absolute positions, and the splits past a query's own position add exact zeros, so a
@@ -194,9 +210,10 @@ class Attention(nn.Module):
         weights: :func:`hpipe.model.quant.prefill_in_bfloat16`): 2.7x float32's speed for a
         512-token slice over 2,048 keys (AMX), results in float32. Where hpipe's own bfloat16
         GEMM runs (AMD's Zen 4, where SDPA's bfloat16 is no faster than float32), hpipe's own
-        attention instead (``kernels/bf16_attention.cpp``: slicing-invariant by construction)."""
+        attention instead (``kernels/bf16_attention.cpp``: slicing-invariant by construction).
+        ``low`` False: rows of decoded tokens computed again (a replay's), in float32 as decode did."""
         s, n = q.shape[2], start + q.shape[2]
-        low = self.low_precision_prefill and q.dtype == torch.float32 and prefill_in_bfloat16()
+        low = low and self.low_precision_prefill and q.dtype == torch.float32 and prefill_in_bfloat16()
         if low and self.head_dim % 64 == 0 and keys.dtype == torch.float32 and own_bf16_attention():
             # hpipe's own kernel: invariant to the slicing by construction, no padding needed
             out = torch.ops.hpipe.bf16_attention(q[0].transpose(0, 1), keys[0], values[0], start, self.scale,

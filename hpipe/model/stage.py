@@ -310,9 +310,8 @@ class StageModel(nn.Module):
 
 
 def _prefill_rows(entries: list[Entry]) -> torch.Tensor:
-    """Which rows of a micro-batch belong to prefill slices (entries of two tokens or more)."""
-    lengths = torch.tensor([e.length for e in entries])
-    return (lengths > 1).repeat_interleave(lengths)
+    """Which rows of a micro-batch are prefill rows (:attr:`Entry.prefill`)."""
+    return torch.cat([torch.arange(e.length) < e.prefill for e in entries])
 
 
 def logit_rows(entries: list[Entry]) -> list[int] | None:

@@ -218,7 +218,7 @@ class Engine(Preempting, Rebinding):
                 entries.append(pb.Entry(sequence_id=r.seq_id, start=start, length=p.length,
                                         logits=pb.LAST_LOGITS if p.sampled else pb.NO_LOGITS,
                                         max_len=r.max_len if first else 0, cached=r.hit if first else (),
-                                        keep=p.keep or ()))
+                                        keep=p.keep or (), prefill_end=len(r.prompt) if r.prefilling else 0))
                 r.laid_out += p.length
                 r.in_flight += 1
         mb = self.session.submit(entries, torch.tensor(tokens, dtype=torch.long))

@@ -108,7 +108,8 @@ class Replay:
     def micro_batch(self, request: Callable[[int], Request]) -> tuple[list[pb.Entry], torch.Tensor, pb.Replay]:
         """Its entries, token ids and stages as a session submits them (``request``: a sequence's)."""
         entries = [pb.Entry(sequence_id=i, start=a, length=n, logits=pb.NO_LOGITS,
-                            max_len=request(i).max_len if a == 0 else 0) for i, a, n in self.entries]
+                            max_len=request(i).max_len if a == 0 else 0, prefill_end=len(request(i).prompt))
+                   for i, a, n in self.entries]
         tokens = torch.tensor([t for i, a, n in self.entries for t in request(i).prefix[a:a + n]], dtype=torch.long)
         return entries, tokens, pb.Replay(first=self.first, last=self.last)
 

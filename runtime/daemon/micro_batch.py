@@ -66,7 +66,8 @@ class MicroBatches:
                 live = False
             if live:
                 live_seqs.append((seq, e.start + e.length))
-            entries.append(KVEntry(e.start, e.length, seq.kv.get(stage.index) if live else None, LOGITS[e.logits]))
+            entries.append(KVEntry(e.start, e.length, seq.kv.get(stage.index) if live else None, LOGITS[e.logits],
+                                   e.prefill_end))
         model = stage.model
         out = None
         timer = self.io.timer()

@@ -90,3 +90,50 @@ def test_scattered_blocks_give_the_same_logits(smollm2):
         assert (seq.run(70) is None) == scatter
         outs.append(torch.cat(out))
     assert (outs[0] - outs[1]).abs().max() <= 1e-5 * outs[0].abs().max()
+
+
+def _kv(pool: KVPool, seq, n: int) -> torch.Tensor:
+    """Every layer's keys and values of a sequence's first ``n`` positions, ``[2, layers, kv_heads, n, head_dim]``."""
+    slots = seq.slots(0, n, torch.device("cpu"))
+    return torch.stack([torch.stack([pool.k[la].index_select(1, slots) for la in pool.layers]),
+                        torch.stack([pool.v[la].index_select(1, slots) for la in pool.layers])])
+
+
+def test_a_replay_computes_decoded_tokens_as_their_decode_did(smollm2, prefill_gemm):
+    """A replay or a restart computes a prompt and the tokens decoded after it in one entry. Its
+    prompt rows are prefill rows and the decoded ones decode rows (``prefill_end``): with the
+    prefill in bfloat16, the rebuilt KV of the decoded positions is the float32 one their decode
+    steps wrote (up to float32's summation order), not a bfloat16 rounding of it, and the prompt's
+    is the same bits."""
+    cfg = smollm2.config
+    stage = StageModel.from_checkpoint(smollm2.weights(), cfg, UnitRange.full(cfg.num_layers))
+    prompt, decoded = 150, 12
+    ids = torch.randint(0, cfg.vocab_size, (prompt + decoded,), generator=torch.Generator().manual_seed(3))
+    pool = KVPool(UnitRange.full(cfg.num_layers).attention_layers(), 64, cfg.num_kv_heads, cfg.head_dim,
+                  stage.dtype, stage.device)
+    first = pool.sequence(len(ids))
+    first.grow(prompt)
+    stage.forward_batch(ids[:prompt], [Entry(0, prompt, first, "none", prompt)], pool)
+    for p in range(prompt, prompt + decoded):
+        first.grow(p + 1)
+        last = stage.forward_batch(ids[p:p + 1], [Entry(p, 1, first, "last")], pool)[0]
+    original = _kv(pool, first, len(ids))
+
+    def replay(prefill_end):
+        seq = pool.sequence(len(ids))
+        seq.grow(len(ids))
+        logits = stage.forward_batch(ids, [Entry(0, len(ids), seq, "last", prefill_end)], pool)[0]
+        kv = _kv(pool, seq, len(ids))
+        seq.release()
+        return kv, logits
+
+    kv, logits = replay(prompt)
+    assert torch.equal(kv[..., :prompt, :], original[..., :prompt, :])
+    scale = original[..., prompt:, :].abs().max()
+    exact = (kv[..., prompt:, :] - original[..., prompt:, :]).abs().max() / scale
+    assert exact <= 1e-5, exact
+    assert (logits - last).abs().max() <= 1e-5 * last.abs().max()
+    if prefill_gemm == "bfloat16":  # every row a prefill row, as before: the decoded KV rounded
+        kv, _ = replay(0)
+        rounded = (kv[..., prompt:, :] - original[..., prompt:, :]).abs().max() / scale
+        assert rounded > 30 * max(exact, 1e-7), (rounded, exact)

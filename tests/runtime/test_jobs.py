@@ -7,7 +7,9 @@ import pytest
 from hpipe.app.bench import energy_reader
 from hpipe.app.cli import main
 from hpipe.app.jobs import build_prompt
+from hpipe.core.errors import ModelSourceError
 from hpipe.model.generate import LocalModel, generate_ids
+from hpipe.model.quant import set_prefill_gemm
 from planner.costs import Workload
 from planner.strategies import plan as make_plan
 from profiler.measure import profile_cluster
@@ -270,13 +272,23 @@ def test_ctrl_c_then_run_again_loses_and_repeats_nothing(cluster3, plan_file, tm
     assert len(rows) == 12
 
 
+def _bfloat16_prefill() -> bool:
+    """Whether this CPU multiplies quantized prefill rows in bfloat16 when asked."""
+    try:
+        set_prefill_gemm(set_prefill_gemm("bfloat16"))
+    except ModelSourceError:
+        return False
+    return True
+
+
 def test_bench_runs_a_seesaw_plan_beside_its_two_layouts(cluster3, plan_file, capsys, tmp_path, monkeypatch):
     """hpipe plan --objective seesaw, then hpipe bench --workload with each Seesaw layout alone
     (gllm) and seesaw switching between them: the same greedy outputs, and seesaw switched.
-    The daemons' prefill in float32: a switch that recomputes KV (replays, or a request started
-    again) computes generated positions as prefill rows, in bfloat16 where the CPU has it, and
-    a near tie may then go the other way (docs/decisions/seesaw.md); sent KV is the same bits."""
-    monkeypatch.setenv("HPIPE_PREFILL_GEMM", "float32")  # the coordinator's Load asks the daemons for it
+    The daemons' prefill in bfloat16 where the CPU has it: a switch that recomputes KV (replays,
+    or a request started again) computes the decoded positions as decode rows, in float32
+    (``Entry.prefill_end``), so the tokens stay those of a single layout; sent KV is the same bits."""
+    # the coordinator's Load asks the daemons for it
+    monkeypatch.setenv("HPIPE_PREFILL_GEMM", "bfloat16" if _bfloat16_prefill() else "float32")
     path, _ = plan_file
     seesaw_plan = tmp_path / "seesaw.json"
     assert main(["plan", "--profile", str(path.parent / "profile.json"), "--seq-len", "96", "--max-len", "256",

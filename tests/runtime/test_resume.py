@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
+from hpipe.model import StageModel
 from hpipe.model.generate import LocalModel, decode_loop
 from hpipe.model.kvpool import KVPool
 from hpipe.model.sampling import Sampler
@@ -17,7 +18,7 @@ from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.policies import POLICIES
 from runtime.coordinator.recovery import Redeploy
-from runtime.coordinator.resume import Piece, replays, resume_point
+from runtime.coordinator.resume import Piece, Replay, replays, resume_point
 from runtime.daemon.replay_log import ReplayLog
 from runtime.daemon.sequences import Sequence
 from runtime.wire.messages import pb
@@ -72,6 +73,17 @@ def test_replays_keep_each_sequence_in_position_order_and_within_the_token_budge
     assert batches[first_of_7[0]].last == 1 and batches[first_of_7[-1]].last == 2
 
 
+def test_a_replay_marks_where_each_prompt_ends():
+    """A replay's entry says where its sequence's prompt ends (``prefill_end``): the stages compute
+    the decoded tokens it covers as decode rows, so their KV is what their decode steps wrote."""
+    requests = {7: Request(list(range(1, 41)), 8), 8: Request(list(range(1, 11)), 8)}
+    for r in requests.values():
+        r.restart(r.prompt + [5, 6, 7])
+    entries, tokens, stages = Replay(1, 2, [(7, 0, 43), (8, 4, 9)]).micro_batch(requests.__getitem__)
+    assert [(e.start, e.length, e.prefill_end, e.max_len) for e in entries] == [(0, 43, 40, 48), (4, 9, 10, 0)]
+    assert tokens.tolist() == requests[7].prefix + requests[8].prefix[4:13] and (stages.first, stages.last) == (1, 2)
+
+
 # --- the logs and the blocks ----------------------------------------------------------------------
 def _seq(max_len: int = 64) -> Sequence:
     return Sequence(1, 1, max_len, {}, {0: 0})
@@ -117,13 +129,22 @@ def test_a_truncated_sequence_gives_its_later_blocks_back():
 
 # --- the whole path, in process ---------------------------------------------------------------------
 @pytest.mark.parametrize("lost,budget", [("a", None), ("b", None), ("b", 0)])
-def test_a_restarted_daemon_of_an_interleaved_chain_is_rebuilt_by_replays(smollm2, lost, budget):
+def test_a_restarted_daemon_of_an_interleaved_chain_is_rebuilt_by_replays(smollm2, lost, budget, monkeypatch):
     """Daemons a and b hold stages 0, 2 and 1, 3 of four. One is stopped while a long prompt is
     prefilled and 6 others decode, and started again empty on the same port: every request
     resumes (replays from the token ids for stage 0, from the logs for the others) and ends with
     the tokens of a single-process run; nothing stays behind on the daemons. With no replay
-    budget, every request is prefilled again from its token ids instead, with the same tokens."""
+    budget, every request is prefilled again from its token ids instead, with the same tokens.
+    Either way the stages compute the decoded tokens again as decode rows, the prompt's as
+    prefill rows (``Entry.prefill_end``: what keeps that KV exact under bfloat16 prefill)."""
     cfg = smollm2.config
+    computed = []  # (start, length, prefill rows) of every entry of several tokens a stage computed
+    forward_batch = StageModel.forward_batch
+
+    def recording(self, x, entries, pool):
+        computed.extend((e.start, e.length, e.prefill) for e in entries if e.length > 1)
+        return forward_batch(self, x, entries, pool)
+    monkeypatch.setattr(StageModel, "forward_batch", recording)
     kw = {} if budget is None else {"replay_budget": budget}
     served = {name: Served(name, **kw) for name in "ab"}
     try:
@@ -144,6 +165,11 @@ def test_a_restarted_daemon_of_an_interleaved_chain_is_rebuilt_by_replays(smollm
             assert resumed["resumed"] == 7 and resumed["restarted"] == 0 and resumed["replayed_positions"] > 0, resumed
         else:
             assert resumed["resumed"] == 0 and resumed["restarted"] == 7, resumed
+        prompts = {len(r.prompt) for r in running.requests}
+        # every multi-token entry ends its prefill rows where some prompt does, or holds only prompt rows
+        assert all(n == length or start + n in prompts for start, length, n in computed)
+        if budget == 0:  # prompts and decoded tokens prefilled again in one entry: the latter as decode rows
+            assert any(n < length for _, length, n in computed)
         engine.session.close()
         deadline = time.monotonic() + 10
         while True:
