@@ -223,7 +223,10 @@ def switch_cost(cost: CostModel, mix: Mix, prefill: Layout, decode: Layout, batc
         # from what enters it: the token ids (the coordinator's) for a run at the start, else the
         # rows the daemon before it in the decode layout logged, over their link
         before = decode.owner(a - 1) if a else dst
-        entering = 0.0 if before == dst else cost.link(before, dst).latency_s + act / cost.link(before, dst).bandwidth_Bps
+        entering = 0.0
+        if before != dst:
+            into = cost.link(before, dst)
+            entering = into.latency_s + act / into.bandwidth_Bps
         redo = entering + batch * sum(
             per_unit[1] if kinds[x] == ATTN else per_unit[2] for x in range(a, b) if kinds[x] in (ATTN, MLP))
         if send <= redo:
