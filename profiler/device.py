@@ -24,7 +24,7 @@ from hpipe.core.units import UnitRange
 from hpipe.model import StageCache, StageModel, packed
 from hpipe.model.kvpool import BatchKV
 from hpipe.model.layers import Attention
-from hpipe.model.quant import TYPES, prefill_rows
+from hpipe.model.quant import TYPES, asked_prefill_gemm, prefill_rows
 
 
 def _cgroup_quota() -> str:
@@ -83,9 +83,11 @@ def fingerprint(device: torch.device) -> str:
         usable, online = cpu_counts()
         hw = (f"{cpu}/{online}cpu/affinity={usable}/quota={_cgroup_quota()}"
               f"/emulation={os.environ.get('HPIPE_EMULATION', '')}")
-    # the kernels a stage runs: float32 CPU projections are packed for MKL where that pays
+    # the kernels a stage runs: float32 CPU projections are packed for MKL where that pays; quantized
+    # prefill rows in bfloat16 by default unless the daemon's environment says float32
     packs = device.type == "cpu" and packed.pays()
-    sw = f"torch={torch.__version__}/threads={torch.get_num_threads()}/mkl_packed={int(packs)}"
+    sw = (f"torch={torch.__version__}/threads={torch.get_num_threads()}/mkl_packed={int(packs)}"
+          f"/prefill={asked_prefill_gemm() if device.type == 'cpu' else ''}")
     return hashlib.sha256(f"{hw}|{sw}".encode()).hexdigest()[:16] + f" {hw}"
 
 

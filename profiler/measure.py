@@ -7,8 +7,8 @@ the others one at a time. Then every daemon times a reference stage alone (kept 
 error), and the daemons of a shared machine time it in rounds, each alone and then all at once:
 that slowdown (``meta.colocation_factors``) gives each one's speed alone, for schedules whose
 stages never overlap. ``colocation=False`` measures every grid alone and skips the rounds.
-Compute grids are cached per (device fingerprint, model dimensions, dtype, grid, and the
-fingerprints of the group a grid was measured beside), so re-profiling unchanged devices is
+Compute grids are cached per (device fingerprint, model dimensions, dtype, grid, the precision
+of quantized prefill rows, and the fingerprints of the group a grid was measured beside), so re-profiling unchanged devices is
 instant; ``force`` re-measures. A daemon that is down or answers badly fails the whole profile
 with its name: partial results are never written as if complete.
 """
@@ -30,6 +30,7 @@ from hpipe.core.cluster import ClusterSpec, memory_system
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import HpipeError
 from hpipe.core.profile import DTYPE_BYTES, ComputeGrid, DaemonProfile, LinkProfile, Profile
+from hpipe.model.quant import asked_prefill_gemm
 from hpipe.model.stage import DTYPES
 from profiler.grid import DEFAULT_MAX_LEN, METHOD, SWEEPS, estimate_seconds, grid_axes, grids_from_reply
 from profiler.grid_cache import grid_path, load_grids, store_grids
@@ -96,9 +97,7 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
         for d in cluster.daemons:
             groups.setdefault(share_key(d), []).append(d)
         ref = reference_stage(cfg, n, max_len, batch)
-        request = pb.ProfileRequest(config_json=json.dumps(shape), dtype=TO_WIRE[DTYPES[dtype]], batches=batches,
-                                    tokens=tokens, contexts=contexts, max_len=max_len, repeats=repeats)
-        key_parts = [METHOD, shape, dtype, batches, tokens, contexts, repeats]
+        request, key_parts = grid_request(shape, dtype, (batches, tokens, contexts), max_len, repeats)
         say(_forecast(cluster, groups, clients, infos, key_parts, force, colocation, shape, dtype,
                       (batches, tokens, contexts), repeats, max_len, colocation_rounds))
         grids, from_cache, together = {}, [], []
@@ -174,6 +173,20 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
             "measured_together": together, "steal_s": steal}
     return Profile(cfg, model_name, dtype, tuple(devices), tuple(links), source="measured", meta=meta,
                    weight_bits=weight_bits)
+
+
+def grid_request(shape: dict, dtype: str, axes: tuple[list, list, list], max_len: int,
+                 repeats: int) -> tuple[pb.ProfileRequest, list]:
+    """What each daemon is asked to measure, and what its cached grid is keyed by. Quantized
+    prefill rows are timed in the precision runs will ask the daemons to compute in (this
+    process's ``HPIPE_PREFILL_GEMM``, as a pipeline's Load sends it; where it names none, each
+    daemon's default, which its fingerprint names)."""
+    prefill = asked_prefill_gemm()
+    batches, tokens, contexts = axes
+    request = pb.ProfileRequest(config_json=json.dumps(shape), dtype=TO_WIRE[DTYPES[dtype]], batches=batches,
+                                tokens=tokens, contexts=contexts, max_len=max_len, repeats=repeats,
+                                prefill_gemm=prefill)
+    return request, [METHOD, shape, dtype, batches, tokens, contexts, repeats] + ([prefill] if prefill else [])
 
 
 def _forecast(cluster, groups, clients, infos, key_parts, force, colocation, shape, dtype, axes, sweeps, max_len,

@@ -21,6 +21,7 @@ from hpipe.core.config import ModelConfig
 from hpipe.core.errors import HpipeError
 from hpipe.core.profile import Profile
 from hpipe.core.units import block_units
+from hpipe.model.quant import asked_prefill_gemm
 from hpipe.model.stage import DTYPES
 from runtime.wire.channels import DaemonClient, Security
 from runtime.wire.messages import TO_WIRE, pb
@@ -41,7 +42,8 @@ def time_stage(client, d, shape: dict, dtype: str, units: tuple[int, int], batch
     try:
         return client.call("TimeStage", pb.StageTimeRequest(
             config_json=json.dumps(shape), dtype=TO_WIRE[DTYPES[dtype]], unit_start=units[0],
-            unit_end=units[1], batch=batch, tokens=tokens, context=context, repeats=repeats),
+            unit_end=units[1], batch=batch, tokens=tokens, context=context, repeats=repeats,
+            prefill_gemm=asked_prefill_gemm()),
             timeout=PROFILE_TIMEOUT_S).seconds
     except grpc.RpcError as e:
         raise daemon_error(d, "failed to time a stage", e) from None

@@ -19,7 +19,7 @@ from hpipe.core.cluster import split_address
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import InputError, StatusError
 from hpipe.core.units import UnitRange
-from hpipe.model.quant import TYPES
+from hpipe.model.quant import TYPES, prefill_gemm_as
 from profiler.device import cpu_counts, fingerprint, host_id, measure_units, release_timed_stages, time_stage
 from profiler.links import MAX_PROBE_BYTES, time_probes
 from runtime.daemon import memory
@@ -60,8 +60,11 @@ class ProfilerServicer(pb_grpc.ProfilerServiceServicer):
             raise InputError(f"profile grid has more than {MAX_GRID_POINTS} points")
         repeats = min(max(1, request.repeats), MAX_REPEATS)
         t0 = time.perf_counter()
-        times = self.server.run_on_device(lambda: measure_units(cfg, dtype, self.server.device, *axes,
-                                                                request.max_len, repeats, weight_type=weight_type))
+        def measure():
+            with prefill_gemm_as(request.prefill_gemm):
+                return measure_units(cfg, dtype, self.server.device, *axes, request.max_len, repeats,
+                                     weight_type=weight_type)
+        times = self.server.run_on_device(measure)
         units = [pb.UnitTimes(kind=k, batches=axes[0], tokens=axes[1],
                               contexts=axes[2] if k == "attn" else [0],
                               seconds=[t for plane in v for row in plane for t in row]) for k, v in times.items()]
@@ -75,9 +78,11 @@ class ProfilerServicer(pb_grpc.ProfilerServiceServicer):
             raise InputError("batch and tokens must be >= 1 and context >= 0")
         check_extent(cfg, request.batch, request.tokens, request.context)
         dtype = compute_dtype(request.dtype, self.server.device)
-        seconds = self.server.run_on_device(lambda: time_stage(
-            cfg, dtype, self.server.device, units, request.batch, request.tokens, request.context,
-            min(max(1, request.repeats), MAX_REPEATS), weight_type))
+        def measure():
+            with prefill_gemm_as(request.prefill_gemm):
+                return time_stage(cfg, dtype, self.server.device, units, request.batch, request.tokens,
+                                  request.context, min(max(1, request.repeats), MAX_REPEATS), weight_type)
+        seconds = self.server.run_on_device(measure)
         return pb.StageTimeReply(seconds=seconds)
 
     @handled

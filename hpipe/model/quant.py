@@ -40,6 +40,16 @@ def prefill_in_bfloat16() -> bool:
     return cpu_kernel.available() and torch.ops.hpipe.prefill_gemm("") == "bfloat16"
 
 
+#: what a process's prefill GEMM defaults to (``float32`` keeps it float32), and what a coordinator
+#: asks its daemons to compute and to time prefill in ("": each daemon's default)
+PREFILL_ENV = "HPIPE_PREFILL_GEMM"
+
+
+def asked_prefill_gemm() -> str:
+    """The prefill GEMM's precision this process's environment names ("": none, the default)."""
+    return os.environ.get(PREFILL_ENV, "")
+
+
 #: ``HPIPE_PREFILL_ATTENTION=sdpa`` keeps bfloat16 prefill attention on SDPA where hpipe's own
 #: kernel would run (to compare the two)
 ATTENTION_ENV = "HPIPE_PREFILL_ATTENTION"
@@ -90,6 +100,22 @@ def set_prefill_gemm(mode: str) -> str:
     except RuntimeError as e:
         raise ModelSourceError(str(e).splitlines()[0]) from None
     return before
+
+
+@contextmanager
+def prefill_gemm_as(mode: str):
+    """Within: the prefill GEMM's precision ``mode`` (``"float32"``, ``"bfloat16"``, or ``""``: the
+    process's default from its CPU and ``HPIPE_PREFILL_GEMM``, not what was set last), restored
+    after; nothing to set where ``mode`` is ``""`` and the kernels are not loaded yet (they load
+    with the default). A :class:`ModelSourceError` where bfloat16 is asked of a CPU without it."""
+    if not (cpu_kernel.available() if mode else cpu_kernel.loaded()):
+        yield
+        return
+    before = set_prefill_gemm(mode or "default")
+    try:
+        yield
+    finally:
+        torch.ops.hpipe.prefill_gemm(before)
 
 
 def row_bytes(ggml_type: int, in_features: int) -> int:

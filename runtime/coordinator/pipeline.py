@@ -12,7 +12,6 @@ waiting, so the slices pipeline through the stages; each decode step waits for i
 from __future__ import annotations
 
 import logging
-import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -24,6 +23,7 @@ import torch
 from hpipe.core.cluster import ClusterSpec, DaemonSpec, decode_lane
 from hpipe.core.errors import InputError
 from hpipe.core.plan import PlanError, Stage, stages_from_cuts
+from hpipe.model.quant import asked_prefill_gemm
 from runtime.coordinator.session import Session, StageFailure
 from runtime.coordinator.ship import Shipment, Transfer, is_data_loss
 from runtime.wire.channels import DaemonClient, Security
@@ -126,7 +126,7 @@ class Pipeline:
             ports, lanes = map(list, zip(*pool.map(ask, range(len(daemons)))))
         wire = [stage_to_wire(s, ports[stage_daemon[i]]) for i, s in enumerate(stages)]
         requests = [pb.LoadRequest(model=model, dtype=dtype_to_wire(dtype), stages=wire, kv_pool_bytes=kv_pool_bytes,
-                                   dequantize=self.dequantize, prefill_gemm=os.environ.get("HPIPE_PREFILL_GEMM", ""),
+                                   dequantize=self.dequantize, prefill_gemm=asked_prefill_gemm(),
                                    held=[i for i, dd in enumerate(stage_daemon) if dd == d])
                     for d in range(len(daemons))]
 

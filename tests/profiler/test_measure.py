@@ -374,3 +374,55 @@ def test_links_are_timed_over_the_data_plane():
         client.close()
     finally:
         a.stop(), b.stop()
+
+
+def test_quantized_prefill_is_timed_in_the_precision_runs_ask_for(monkeypatch):
+    """A daemon times quantized prefill rows in the precision the coordinator's runs will ask of it
+    (``HPIPE_PREFILL_GEMM``, as a Load sends it), not whatever its last deployment set, and keeps
+    its own afterwards; the grid cache keys on it, so a grid timed in one is never reused for the other."""
+    import json
+
+    import grpc
+
+    from hpipe.core.shapes import random_config
+    from hpipe.model import cpu_kernel, quant
+    from profiler.measure import grid_request
+    from tests.cluster_helpers import Served
+
+    if not cpu_kernel.available():
+        pytest.skip("hpipe's CPU kernels could not be built here")
+    cfg = random_config("random:tiny")
+    shape = {**cfg.to_dict(), "quantization_config": {"quant_method": "gguf", "ggml_type": 8}}
+    keys = {}
+    for mode in ("float32", "bfloat16", ""):
+        monkeypatch.setenv("HPIPE_PREFILL_GEMM", mode)
+        request, keys[mode] = grid_request(shape, "float32", ([1], [1, 16], [0, 16]), 64, 1)
+        assert request.prefill_gemm == mode
+    assert len({json.dumps(k) for k in keys.values()}) == 3
+    seen = []
+    forward = quant.QuantLinear.forward
+
+    def spy(self, x):
+        if self.low_precision and x.reshape(-1, x.shape[-1]).shape[0] > 1:
+            seen.append(torch.ops.hpipe.prefill_gemm(""))
+        return forward(self, x)
+
+    monkeypatch.setattr(quant.QuantLinear, "forward", spy)
+    bf16 = torch.ops.hpipe.bf16_gemm_kernel() != "none"
+    before = torch.ops.hpipe.prefill_gemm("")
+    served = Served("p")
+    try:
+        client = served.client()
+        for mode in ("float32", "bfloat16"):
+            request.prefill_gemm = mode
+            seen.clear()
+            if mode == "bfloat16" and not bf16:
+                with pytest.raises(grpc.RpcError, match="bfloat16"):
+                    client.call("ProfileCompute", request)
+                continue
+            client.call("ProfileCompute", request)
+            assert seen and set(seen) == {mode}
+            assert torch.ops.hpipe.prefill_gemm("") == before  # the daemon's own precision again
+        client.close()
+    finally:
+        served.stop()
