@@ -20,7 +20,7 @@ from typing import Sequence as Seq
 import grpc
 import torch
 
-from hpipe.core.cluster import ClusterSpec, DaemonSpec, decode_lane
+from hpipe.core.cluster import ClusterSpec, DaemonSpec, decode_lane, decode_lanes
 from hpipe.core.errors import InputError
 from hpipe.core.plan import PlanError, Stage, stages_from_cuts
 from hpipe.model.quant import asked_prefill_gemm
@@ -78,7 +78,7 @@ class Pipeline:
         self.clients: list[DaemonClient] = []
         self.loads: list[pb.LoadReply] = []    # per daemon in use: what its Load reported
         self.data_ports: list[int] = []        # per daemon in use
-        self.lanes = 0                         # distinct decode lanes among them (hpipe.core.cluster.decode_lane)
+        self.lanes = 0                         # decode lanes among them (hpipe.core.cluster.decode_lanes)
         self.vocab_size = 0
         self.model, self.dtype = "", None      # what the stages hold, as loaded
         self.transfers: list[Transfer] = []    # per daemon in use: the weights the last load shipped it
@@ -112,7 +112,7 @@ class Pipeline:
         stage_daemon = [names.index(s.daemon) for s in stages]
         self.clients = [DaemonClient(d.address, self.security, d.name) for d in daemons]
 
-        def ask(d: int) -> tuple[int, str]:  # each daemon's data port and decode lane, all at once
+        def ask(d: int) -> tuple[int, tuple]:  # each daemon's data port and decode lane, all at once
             spec, client = daemons[d], self.clients[d]
             try:
                 port = client.call("Status", pb.StatusRequest(), timeout=10.0).data_port
@@ -120,7 +120,8 @@ class Pipeline:
             except grpc.RpcError as e:
                 raise StageFailure(f"{spec.name} at {spec.address} is not responding: {e.code().name}: "
                                    f"{e.details()}") from None
-            return port, decode_lane(spec.name, info.host_id or spec.host, info.device, info.cpus, info.host_cpus)
+            return port, (decode_lane(spec.name, info.host_id or spec.host, info.device, info.cpus, info.host_cpus),
+                          info.threads, info.host_cpus)
 
         with ThreadPoolExecutor(max_workers=len(daemons)) as pool:
             ports, lanes = map(list, zip(*pool.map(ask, range(len(daemons)))))
@@ -157,7 +158,7 @@ class Pipeline:
             self.loads = list(pool.map(load, range(len(daemons))))
         self.daemons, self.stages, self.stage_daemon, self.data_ports = daemons, stages, stage_daemon, ports
         self.model, self.dtype = model, dtype
-        self.lanes = len(set(lanes))
+        self.lanes = decode_lanes(lanes)
         self.vocab_size = self.loads[stage_daemon[-1]].vocab_size
         return self.stages
 

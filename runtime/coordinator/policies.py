@@ -7,10 +7,11 @@ prefill whatever the policy.
 
 - ``gllm`` (gLLM's Token Throttling, ``docs/decisions/scheduler.md``): decode tokens spread evenly
   over the micro-batches in flight, ``#D = ceil(running decode requests / depth)`` (eq. 4), where
-  the depth counts the pipeline's decode lanes (:func:`hpipe.core.cluster.decode_lane`), not its
+  the depth counts the pipeline's decode lanes (:func:`hpipe.core.cluster.decode_lanes`), not its
   stages: a decode step reads every weight whatever its batch, so stages sharing one memory gain
-  nothing from more, smaller decode micro-batches and pay for every extra read, unless their
-  daemon is pinned to cores of its own; prefill
+  from more, smaller decode micro-batches only while they compute at once (daemons pinned to
+  cores of their own, or as many of a machine's unpinned daemons as its cores hold their
+  threads) and pay for every extra read beyond that; prefill
   tokens ``#P = max(min(#WP / T, MaxP (KVfree - KVthresh) / (1 - KVthresh)), MinP)`` (eq. 3),
   where ``#WP`` is every prompt token not yet sent, and none at all while the tightest stage's free
   KV share is under ``KVthresh`` (unless nothing decodes and nothing is in flight: ``MinP`` then,

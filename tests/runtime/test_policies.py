@@ -68,6 +68,23 @@ def test_a_decode_lane_is_a_memory_system_or_a_pinned_cpu_daemon():
     assert decode_lane("a", "boot-1", "cpu") != decode_lane("a", "boot-2", "cpu")
 
 
+def test_a_machines_unpinned_cpu_daemons_decode_as_many_micro_batches_as_its_cores_hold():
+    from hpipe.core.cluster import decode_lane, decode_lanes
+
+    def lanes(names, cpus, host_cpus, threads, host="boot-1", device="cpu"):
+        return [(decode_lane(n, host, device, cpus, host_cpus), threads, host_cpus) for n in names]
+
+    assert decode_lanes(lanes("abc", 2, 2, 1)) == 2      # local-3: one thread each on two cores
+    assert decode_lanes(lanes("abc", 2, 2, 2)) == 1      # two threads each: one computes at a time
+    assert decode_lanes(lanes("abc", 16, 16, 1)) == 3    # never more than one each
+    assert decode_lanes(lanes("abc", 16, 16, 4)) == 3
+    assert decode_lanes(lanes("abc", 0, 0, 1)) == 1      # an older daemon that does not say: one
+    assert decode_lanes(lanes(["fast", "mid", "slow"], 1, 2, 1)) == 3  # pinned: a lane each
+    # GPUs: one lane per GPU, whatever the host's cores; other machines add theirs
+    assert decode_lanes(lanes(["g0", "g0b"], 1, 16, 1, device="cuda:0")) == 1
+    assert decode_lanes(lanes("ab", 2, 2, 1) + lanes("cd", 2, 2, 1, host="boot-2")) == 4
+
+
 class Admitting(Engine):
     """A stand-in that admits as the engine does, with a prefix cache."""
 
