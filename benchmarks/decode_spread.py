@@ -1,5 +1,5 @@
 """gLLM's decode spread, side by side: decode tokens split over the pipeline's stages (eq. 4 as
-the paper writes it) or over its decode lanes (what ``gllm`` does; ``hpipe.core.cluster.decode_lane``),
+the paper writes it) or over its decode lanes (what ``gllm`` does; ``hpipe.core.lanes.decode_lane``),
 on a live cluster, in interleaved rounds.
 
     python benchmarks/decode_spread.py --plan plan.json --cluster clusters/local-3.yaml \

@@ -20,8 +20,9 @@ from typing import Sequence as Seq
 import grpc
 import torch
 
-from hpipe.core.cluster import ClusterSpec, DaemonSpec, decode_lane, decode_lanes
+from hpipe.core.cluster import ClusterSpec, DaemonSpec
 from hpipe.core.errors import InputError
+from hpipe.core.lanes import decode_lane, decode_lanes
 from hpipe.core.plan import PlanError, Stage, stages_from_cuts
 from hpipe.model.quant import asked_prefill_gemm
 from runtime.coordinator.session import Session, StageFailure
@@ -78,7 +79,7 @@ class Pipeline:
         self.clients: list[DaemonClient] = []
         self.loads: list[pb.LoadReply] = []    # per daemon in use: what its Load reported
         self.data_ports: list[int] = []        # per daemon in use
-        self.lanes = 0                         # decode lanes among them (hpipe.core.cluster.decode_lanes)
+        self.lanes = 0                         # decode lanes among them (hpipe.core.lanes.decode_lanes)
         self.vocab_size = 0
         self.model, self.dtype = "", None      # what the stages hold, as loaded
         self.transfers: list[Transfer] = []    # per daemon in use: the weights the last load shipped it

@@ -7,7 +7,7 @@ prefill whatever the policy.
 
 - ``gllm`` (gLLM's Token Throttling, ``docs/decisions/scheduler.md``): decode tokens spread evenly
   over the micro-batches in flight, ``#D = ceil(running decode requests / depth)`` (eq. 4), where
-  the depth counts the pipeline's decode lanes (:func:`hpipe.core.cluster.decode_lanes`), not its
+  the depth counts the pipeline's decode lanes (:func:`hpipe.core.lanes.decode_lanes`), not its
   stages: a decode step reads every weight whatever its batch, so stages sharing one memory gain
   from more, smaller decode micro-batches only while they compute at once (daemons pinned to
   cores of their own, or as many of a machine's unpinned daemons as its cores hold their

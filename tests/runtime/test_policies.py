@@ -52,7 +52,7 @@ def test_decode_tokens_spread_over_decode_lanes():
 
 
 def test_a_decode_lane_is_a_memory_system_or_a_pinned_cpu_daemon():
-    from hpipe.core.cluster import decode_lane
+    from hpipe.core.lanes import decode_lane
 
     # daemons sharing a machine's cores share its memory bandwidth: one lane (local-3)
     assert len({decode_lane(n, "boot-1", "cpu", 2, 2) for n in "abc"}) == 1
@@ -69,7 +69,7 @@ def test_a_decode_lane_is_a_memory_system_or_a_pinned_cpu_daemon():
 
 
 def test_a_machines_unpinned_cpu_daemons_decode_as_many_micro_batches_as_its_cores_hold():
-    from hpipe.core.cluster import decode_lane, decode_lanes
+    from hpipe.core.lanes import decode_lane, decode_lanes
 
     def lanes(names, cpus, host_cpus, threads, host="boot-1", device="cpu"):
         return [(decode_lane(n, host, device, cpus, host_cpus), threads, host_cpus) for n in names]
