@@ -8,8 +8,8 @@ error), and the daemons of a shared machine time it in rounds, each alone and th
 that slowdown (``meta.colocation_factors``) gives each one's speed alone, for schedules whose
 stages never overlap. ``colocation=False`` measures every grid alone and skips the rounds.
 Compute grids are cached per (device fingerprint, model dimensions, dtype, grid, the precision
-of quantized prefill rows, and the fingerprints of the group a grid was measured beside), so re-profiling unchanged devices is
-instant; ``force`` re-measures. A daemon that is down or answers badly fails the whole profile
+of quantized prefill rows, and the fingerprints of the group a grid was measured beside), so
+re-profiling unchanged devices is instant; ``force`` re-measures. A daemon that is down or answers badly fails the whole profile
 with its name: partial results are never written as if complete.
 """
 

@@ -122,11 +122,11 @@ class Attention(nn.Module):
             if e.kv is None:  # a failed sequence's rows: computed over themselves, never read
                 self._attend_rows(qk[a:a + e.length, :heads], keys, values, 0, o[a:a + e.length], batch.masks)
                 continue
-            n = e.prefill if e.length > 1 else e.length  # a one-token entry keeps its one-token path
+            n = e.prefill  # the prompt's rows, in the prefill's precision
             if n:
                 self._attend_rows(qk[a:a + n, :heads], keys[:, :e.start + n], values[:, :e.start + n], e.start,
-                                  o[a:a + n], batch.masks, prefill=e.prefill > 0)
-            if n < e.length:  # decoded tokens computed again: in float32, as their decode steps were
+                                  o[a:a + n], batch.masks, prefill=True)
+            if n < e.length:  # decode tokens (a replay's or a restart's too): in float32, as decode steps
                 self._attend_rows(qk[a + n:a + e.length, :heads], keys, values, e.start + n, o[a + n:a + e.length],
                                   batch.masks, prefill=False)
         return self._out(x, o.view(1, t, heads * self.head_dim))
