@@ -26,7 +26,7 @@ def decode_lanes(daemons: list[tuple[tuple[str, ...], int, int]]) -> int:
     host_cpus)``, compute at once: one per distinct key, except a machine's unpinned CPU daemons
     (one key), which compute as many at once as its cores hold their threads (``host_cpus //
     threads``, one each at most). On ``local-3`` (three daemons of one thread on two cores) one
-    micro-batch kept one core computing at a time: 2 lanes made gllm's decode-heavy run 1.2x
+    micro-batch kept one core computing at a time: 2 lanes made gllm's decode-heavy run 1.3x
     (docs/decisions/scheduler.md)."""
     groups: dict[tuple[str, ...], list[tuple[int, int]]] = {}
     for key, threads, host_cpus in daemons:

@@ -310,8 +310,10 @@ class StageModel(nn.Module):
 
 
 def _prefill_rows(entries: list[Entry]) -> torch.Tensor:
-    """Which rows of a micro-batch are prefill rows (:attr:`Entry.prefill`)."""
-    return torch.cat([torch.arange(e.length) < e.prefill for e in entries])
+    """Which rows of a micro-batch are prefill rows (:attr:`Entry.prefill`: each entry's first ones)."""
+    lengths = torch.tensor([e.length for e in entries])
+    first = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)  # each row's entry's first row
+    return torch.arange(len(first)) - first < torch.tensor([e.prefill for e in entries]).repeat_interleave(lengths)
 
 
 def logit_rows(entries: list[Entry]) -> list[int] | None:
