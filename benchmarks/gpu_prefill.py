@@ -86,14 +86,14 @@ def through_daemon(args, cfg, ids, dtype, graphs: bool = True, decode_only: bool
                 t = time.perf_counter()
                 start = 0
                 for k, s in enumerate(slices):
-                    seq.submit(ids[:, start:start + s], want_logits=k == len(slices) - 1)
+                    seq.submit(ids[:, start:start + s], want_logits=k == len(slices) - 1, prefill=True)
                     start += s
                 for _ in slices:
                     seq.result()
                 elapsed = time.perf_counter() - t
                 t = time.perf_counter()
                 for _ in range(args.decode):
-                    seq.submit(ids[:, :1])
+                    seq.submit(ids[:, :1], prefill=False)
                     seq.result()
                 decode = (time.perf_counter() - t) / max(args.decode, 1)
             finally:

@@ -75,7 +75,8 @@ def prefill_once(pipe: Pipeline, ids: torch.Tensor, micro_batches: int, slices: 
         for u, seq in enumerate(seqs):
             start = 0
             for k, n in enumerate(slices):
-                mb = seq.submit(ids[u * b:(u + 1) * b, start:start + n], want_logits=k == len(slices) - 1)
+                mb = seq.submit(ids[u * b:(u + 1) * b, start:start + n], want_logits=k == len(slices) - 1,
+                                prefill=True)
                 where[mb] = (u, start, n)
                 start += n
         for seq in seqs:

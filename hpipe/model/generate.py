@@ -141,22 +141,22 @@ class LocalRunner:
         self.caches = [s.new_cache(batch, max_len) for s in stages]
         self.position = 0
 
-    def _forward(self, ids: torch.Tensor, logits: bool = True) -> torch.Tensor | None:
+    def _forward(self, ids: torch.Tensor, logits: bool, prefill: bool) -> torch.Tensor | None:
         x = ids
         for stage, cache in zip(self.stages, self.caches):
-            x = stage(x, self.position, cache, logits=logits)
+            x = stage(x, self.position, cache, logits=logits, prefill=prefill)
         self.position += ids.shape[1]
         return x[0, -1] if logits else None
 
     def prefill(self, ids: torch.Tensor, slices: Sequence[int]) -> torch.Tensor:
         start, logits = 0, None
         for k, n in enumerate(slices):
-            logits = self._forward(ids[:, start:start + n], logits=k == len(slices) - 1)
+            logits = self._forward(ids[:, start:start + n], logits=k == len(slices) - 1, prefill=True)
             start += n
         return logits
 
     def step(self, token: int) -> torch.Tensor:
-        return self._forward(torch.tensor([[token]]))
+        return self._forward(torch.tensor([[token]]), logits=True, prefill=False)
 
 
 class LocalModel:

@@ -13,7 +13,7 @@ import math
 import torch
 
 from hpipe.core.errors import InputError
-from hpipe.model.kvpool import BLOCK_SIZE, Entry, KVPool, SeqKV
+from hpipe.model.kvpool import BLOCK_SIZE, Entry, KVPool, SeqKV, prefill_end
 
 
 class StageCache:
@@ -46,12 +46,15 @@ class StageCache:
                 f"positions up to {start + tokens} exceed the sequence's declared max length {self.max_len}"
             )
 
-    def entries(self, start: int, tokens: int, logits: str) -> list[Entry]:
-        """The rows' entries for positions ``[start, start + tokens)`` (their blocks taken)."""
+    def entries(self, start: int, tokens: int, logits: str, prefill: bool | None = None) -> list[Entry]:
+        """The rows' entries for positions ``[start, start + tokens)`` (their blocks taken).
+        ``prefill``: True, the positions are the prompt's (prefill rows, whatever their number);
+        False, decode tokens; None, :class:`Entry`'s rule by length."""
         for row in self.rows:
             row.grow(start + tokens)
-        return [Entry(start, tokens, row if self.pool else None, logits) for row in self.rows] if self.rows else \
-            [Entry(start, tokens, None, logits) for _ in range(self.batch)]
+        end = prefill_end(start, tokens, prefill)
+        return [Entry(start, tokens, row if self.pool else None, logits, end) for row in self.rows] if self.rows else \
+            [Entry(start, tokens, None, logits, end) for _ in range(self.batch)]
 
     @property
     def layers(self) -> list[int]:

@@ -281,6 +281,14 @@ class Entry:
         return min(self.length, max(0, self.prefill_end - self.start))
 
 
+def prefill_end(start: int, tokens: int, prefill: bool | None) -> int:
+    """An entry's ``prefill_end`` for ``tokens`` positions from ``start`` that are all prompt
+    (True), all decode tokens (False), or left to the rule by length (None)."""
+    if prefill is None:
+        return 0
+    return start + tokens if prefill else start
+
+
 class BatchKV:
     """Where each entry of a micro-batch writes and reads its keys and values, worked out once for
     all the stage's layers."""

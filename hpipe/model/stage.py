@@ -204,11 +204,13 @@ class StageModel(nn.Module):
     # --- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, start: int, cache: StageCache, *, all_logits: bool = False,
-                logits: bool = True) -> torch.Tensor | None:
+                logits: bool = True, prefill: bool | None = None) -> torch.Tensor | None:
         """Positions ``[start, start + tokens)`` of the ``batch`` rows of one cache: ``x`` is token ids
         ``[batch, tokens]`` or the residual stream ``[batch, tokens, hidden]``. Returns the residual
         stream, or at the head the logits of the last position ``[batch, 1, vocab]`` (every position's
-        with ``all_logits``; None when no logits are wanted)."""
+        with ``all_logits``; None when no logits are wanted). ``prefill``: the positions are the
+        prompt's (True: prefill rows, also a slice of one token) or decode tokens (False); None
+        decides by length (two tokens or more: prefill), as the profiler's timings want."""
         if self.units.has_embed:
             if x.dtype not in (torch.int64, torch.int32) or x.dim() != 2:
                 raise InputError(f"the first stage takes token ids [batch, tokens], got {x.dtype} {tuple(x.shape)}")
@@ -220,7 +222,7 @@ class StageModel(nn.Module):
         batch, tokens = x.shape[0], x.shape[1]
         cache.check_slice(start, tokens, batch)
         wanted = "all" if all_logits else "last" if logits else "none"
-        out = self.forward_batch(x.reshape(batch * tokens, *x.shape[2:]), cache.entries(start, tokens, wanted),
+        out = self.forward_batch(x.reshape(batch * tokens, *x.shape[2:]), cache.entries(start, tokens, wanted, prefill),
                                  cache.pool)
         cache.length = start + tokens
         if out is None or not self.units.has_head:

@@ -24,6 +24,7 @@ from hpipe.core.cluster import ClusterSpec, DaemonSpec
 from hpipe.core.errors import InputError
 from hpipe.core.lanes import decode_lane, decode_lanes
 from hpipe.core.plan import PlanError, Stage, stages_from_cuts
+from hpipe.model.kvpool import prefill_end
 from hpipe.model.quant import asked_prefill_gemm
 from runtime.coordinator.session import Session, StageFailure
 from runtime.coordinator.ship import Shipment, Transfer, is_data_loss
@@ -200,15 +201,19 @@ class RemoteSequence:
         self.position = 0
         self._pending: list[int] = []
 
-    def submit(self, ids: torch.Tensor, *, want_logits: bool = True, all_logits: bool = False) -> int:
-        """Send one slice of token ids ``[batch, tokens]`` into the pipeline (returns without waiting)."""
+    def submit(self, ids: torch.Tensor, *, want_logits: bool = True, all_logits: bool = False,
+               prefill: bool | None = None) -> int:
+        """Send one slice of token ids ``[batch, tokens]`` into the pipeline (returns without waiting).
+        ``prefill``: the slice is the prompt's (True) or decode tokens (False); None: the stages
+        decide by its length (see :class:`hpipe.model.kvpool.Entry`)."""
         ids = ids.to(torch.int64).reshape(self.batch, -1)
         n = ids.shape[1]
         if self.position + n > self.max_len:
             raise InputError(f"positions up to {self.position + n} exceed the sequence's max length {self.max_len}")
         logits = pb.ALL_LOGITS if all_logits else pb.LAST_LOGITS if want_logits else pb.NO_LOGITS
+        end = prefill_end(self.position, n, prefill)
         entries = [pb.Entry(sequence_id=i, start=self.position, length=n, logits=logits,
-                            max_len=self.max_len if self.position == 0 else 0) for i in self.ids]
+                            max_len=self.max_len if self.position == 0 else 0, prefill_end=end) for i in self.ids]
         mb = self.session.submit(entries, ids)
         self.position += n
         self._pending.append((mb, n if all_logits else 0))
@@ -250,7 +255,7 @@ class RemoteRunner:
     def prefill(self, ids: torch.Tensor, slices: Seq[int]) -> torch.Tensor:
         start = 0
         for k, n in enumerate(slices):
-            self.seq.submit(ids[:, start:start + n], want_logits=k == len(slices) - 1)
+            self.seq.submit(ids[:, start:start + n], want_logits=k == len(slices) - 1, prefill=True)
             start += n
         logits = None
         for _ in slices:  # results arrive in order; only the last carries logits
@@ -258,7 +263,7 @@ class RemoteRunner:
         return logits[0]
 
     def step(self, token: int) -> torch.Tensor:
-        self.seq.submit(torch.tensor([[token]]))
+        self.seq.submit(torch.tensor([[token]]), prefill=False)
         return self.seq.result()[0]
 
 

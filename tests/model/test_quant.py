@@ -260,8 +260,9 @@ def test_bfloat16_prefill_does_not_depend_on_the_slicing(smollm2, bfloat16_prefi
     """However a prompt is sliced (the plan's slices, gLLM's load-dependent budget, a recovery's
     replay, a prefix cache's hit), every position's hidden state is the same bits: the GEMM rounds
     rows alone and the attention splits keys at fixed positions (layers.Attention._attend_split).
-    Unaligned slices, a slice of two tokens and cuts of the model included; compared where the
-    head takes them (the float32 head's sums differ by an ulp between a few rows and many)."""
+    Unaligned slices, slices of two tokens and of one (a prompt's rows are prefill rows whatever
+    their number: ``prefill=True``) and cuts of the model included; compared where the head takes
+    them (the float32 head's sums differ by an ulp between a few rows and many)."""
     ids = torch.tensor([smollm2.tokenizer()(TEXT.read_text())["input_ids"][:1500]])
     cfg = smollm2.config
     model = LocalModel(smollm2, cuts=(23, 40, cfg.num_units - 1))
@@ -271,11 +272,14 @@ def test_bfloat16_prefill_does_not_depend_on_the_slicing(smollm2, bfloat16_prefi
         for n in slices:
             x = ids[:, start:start + n]
             for stage, cache in zip(runner.stages[:-1], runner.caches):
-                x = stage(x, start, cache)
+                x = stage(x, start, cache, prefill=True)
             out.append(x[0])
             start += n
         return torch.cat(out)
 
     reference = hidden([1500])
-    for slices in ([512, 512, 476], [700, 800], [2, 1030, 468], [448, 560, 492]):
+    for slices in ([512, 512, 476], [700, 800], [2, 1030, 468], [448, 560, 492], [1, 1499], [700, 1, 799],
+                   [1499, 1]):
         assert torch.equal(hidden(slices), reference), slices
+    runner = model.open(ids.shape[1])  # the generation loop's prefill says so too
+    assert torch.equal(runner.prefill(ids, [1499, 1]), model.open(ids.shape[1]).prefill(ids, [1500]))

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from hpipe.app.cli import main
+from hpipe.core.errors import ModelSourceError
 from hpipe.model.generate import LocalModel, generate
+from hpipe.model.quant import PREFILL_ENV, set_prefill_gemm
 from hpipe.model.sampling import SamplingParams
-from runtime.coordinator.pipeline import Pipeline, cut_stages, generate_on_cluster
+from runtime.coordinator.pipeline import Pipeline, RemoteRunner, cut_stages, generate_on_cluster
 
 PROMPTS = ["What is the capital of France?", "Name three colours of the rainbow."]
 MAX_NEW = 12
@@ -80,6 +82,30 @@ def test_interleaved_stages_equal_single_process(cluster3, smollm2, reference):
                                                    ["s1", "s0", "s0"]), torch.float32)
     finally:
         pipe.close()
+
+
+def test_a_prompts_one_token_slice_is_computed_as_prompt(cluster3, smollm2, monkeypatch):
+    """In bfloat16 prefill (skipped where the CPU has none), a prompt sliced with slices of one
+    token gives the logits of the same prompt in one slice in one process, to the bit: the slices
+    say they are the prompt's (``prefill_end``), so the daemons compute a one-token slice as a
+    prefill row, in bfloat16, not as a decode token in float32 (0.1 apart in the logits)."""
+    try:
+        before = set_prefill_gemm("bfloat16")
+    except ModelSourceError as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv(PREFILL_ENV, "bfloat16")  # what the coordinator's Load asks of the daemons
+    ids = torch.randint(0, smollm2.config.vocab_size, (1, 97), generator=torch.Generator().manual_seed(1))
+    n = ids.shape[1]
+    pipe = Pipeline(cluster3.spec)
+    try:
+        want = LocalModel(smollm2).open(n + 1).prefill(ids, [n])
+        pipe.load("smollm2-135m", cut_stages(pipe.cluster, [6, 31], smollm2.config.num_units), torch.float32)
+        for slices in ([n - 1, 1], [1, 7, 1, n - 9]):
+            with pipe.open(n + 1) as seq:
+                assert torch.equal(RemoteRunner(seq).prefill(ids, slices), want), slices
+    finally:
+        pipe.close()
+        set_prefill_gemm(before)
 
 
 @pytest.mark.parametrize("daemons", [None, ["s0", "s1", "s0", "s2"]])
