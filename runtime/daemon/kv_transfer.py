@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 
 #: the most bytes of keys or values one KvPart carries (as the weights' chunks, runtime.coordinator.ship)
 PART_BYTES = 4 << 20
+
+#: the most sessions whose keys :class:`IncomingKV` keeps (the oldest goes first): a session that
+#: never comes back (its coordinator died between a send and its Resume) leaves its key behind
+KEPT_SESSIONS = 64
 
 
 @dataclass
@@ -133,7 +138,7 @@ class IncomingKV:
         self.nbytes = 0
         self._lock = threading.Lock()
         self._arriving: dict[int, _Arriving] = {}
-        self._keys: dict[int, bytes] = {}  # session -> its key, as the sender had it
+        self._keys: OrderedDict[int, bytes] = OrderedDict()  # session -> its key, as the sender had it
 
     def receive(self, stream: Iterable[pb.KvPart], known: Callable[[int, bytes], bool | None]) -> dict:
         """Keep a ReceiveKv stream's parts; ``known(session, key)``: whether the key is the session's
@@ -176,6 +181,8 @@ class IncomingKV:
                 if known(part.session, part.key) is False:
                     raise StatusError("PERMISSION_DENIED", f"KV of session {part.session} without its key")
                 self._keys[part.session] = part.key
+                while len(self._keys) > KEPT_SESSIONS:  # its KV, if any is still here, goes with it
+                    self._drop(next(iter(self._keys)))
             elif not hmac.compare_digest(held, part.key):
                 raise StatusError("PERMISSION_DENIED", f"KV of session {part.session} without its key")
 
@@ -214,9 +221,12 @@ class IncomingKV:
         """``session``'s key, once its sequences were adopted, and what came of it and was not yet
         written (it ended here before a Load: nothing would adopt the sequences)."""
         with self._lock:
-            self._keys.pop(session, None)
-            for seq_id in [i for i, a in self._arriving.items() if a.session == session]:
-                self.nbytes -= sum(st.nbytes for st in self._arriving.pop(seq_id).stages.values())
+            self._drop(session)
+
+    def _drop(self, session: int) -> None:
+        self._keys.pop(session, None)
+        for seq_id in [i for i, a in self._arriving.items() if a.session == session]:
+            self.nbytes -= sum(st.nbytes for st in self._arriving.pop(seq_id).stages.values())
 
 
 def _write(held, seq: Sequence, i: int, st: StageKV, device: torch.device) -> int:

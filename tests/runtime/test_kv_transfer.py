@@ -79,6 +79,21 @@ def test_kv_of_a_session_that_ended_is_let_go():
     assert incoming.install(dst, table, torch.device("cpu")) == 0 and table.find(11) is None
 
 
+def test_the_keys_of_sessions_that_never_came_back_are_let_go(monkeypatch):
+    """KV of more sessions than it keeps keys of: the oldest session's key and KV go, the newest's stay."""
+    monkeypatch.setattr(kv_transfer, "KEPT_SESSIONS", 3)
+    src, seq = stage_with(20, torch.float32)
+    incoming = IncomingKV()
+    for session in range(1, 6):
+        seq.id = 100 + session
+        incoming.receive(parts(seq, read(src, seq, [5]), session, KEY), lambda s, k: None)
+    assert [incoming.owns(s, KEY) for s in range(1, 6)] == [None, None, True, True, True]
+    dst, _ = stage_with(0, torch.float32)
+    table = SequenceTable()
+    assert incoming.install(dst, table, torch.device("cpu")) == 3 * 20
+    assert table.find(101) is None and table.find(105).session == 5
+
+
 def test_a_sequence_swapped_out_to_the_host_tier_is_not_read():
     """Swapped out, a sequence keeps its positions but not its blocks: nothing of it is sent (the
     coordinator starts such a request again at a switch), and the others still are."""
