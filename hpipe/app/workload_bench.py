@@ -10,7 +10,8 @@ recomputed), and each stage's busy fraction (compute seconds over the run's span
 side-by-side for the host tier). ``seesaw`` switches between a Seesaw plan's layouts, the KV of
 the stages a switch moves sent or recomputed as the plan chose; ``seesaw-send`` and
 ``seesaw-recompute`` always send it or always recompute it (``seesaw-send-late``: sends it all
-at the switch, none while the prefill phase runs). Greedy outputs must be the same under every
+at the switch, none while the prefill phase runs; ``seesaw-send-pools``: parks nothing in the host
+tier, so a phase's batch is what the pools hold). Greedy outputs must be the same under every
 policy; a difference is reported.
 """
 
@@ -179,9 +180,9 @@ def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[st
             make = None
             if policy in SEESAW:
                 pipe.load(plan.model_name, layouts[policy]["prefill"], dtype, kv_pool_bytes, adjacent=True)
-                mode, early = SEESAW[policy]
+                mode, early, park = SEESAW[policy]
                 phases = seesaw_phases(pipe, plan.model_name, layouts[policy], dtype, kv_pool_bytes,
-                                       sent=seesaw_kv(plan, layouts[policy], mode), early=early)
+                                       sent=seesaw_kv(plan, layouts[policy], mode), early=early, park=park)
                 make = lambda phases=phases: phases  # noqa: E731
             else:
                 pipe.load(plan.model_name, layouts[policy], dtype, kv_pool_bytes)
@@ -209,7 +210,7 @@ def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[st
         if any("switches" in run for run in rs):  # seesaw: layout switches a run, their seconds
             med["switches"] = statistics.median(len(run["switches"]) for run in rs)
             med["switch_s"] = statistics.median(sum(x["seconds"] for x in run["switches"]) for run in rs)
-            for k in ("sent_bytes", "replayed_positions", "restarted"):  # the KV of the stages switches moved
+            for k in ("sent_bytes", "replayed_positions", "restarted", "parked"):  # the KV of the stages switches moved
                 med[k] = statistics.median(sum(x.get(k, 0) for x in run["switches"]) for run in rs)
         if all("phases" in run for run in rs):  # and each phase's seconds and busy fractions
             med["phases"] = {ph: {"seconds": statistics.median(run["phases"][ph]["seconds"] for run in rs),
@@ -227,12 +228,12 @@ def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[st
 
 #: the planner's names (planner.seesaw) for what a policy of the bench runs on
 _WAYS = {"gllm@prefill": "prefill layout", "gllm@decode": "decode layout", "seesaw": "seesaw", "seesaw-send": "seesaw",
-         "seesaw-send-late": "seesaw", "seesaw-recompute": "seesaw"}
+         "seesaw-send-late": "seesaw", "seesaw-recompute": "seesaw", "seesaw-send-pools": "seesaw"}
 #: the bench's Seesaw policies: how each one's switches move the KV of moved stages
-#: (runtime.coordinator.kv_moves.KV_MODES: as the plan chose, always sent, always recomputed), and
-#: whether a prompt's goes as soon as it is read
-SEESAW = {"seesaw": ("plan", True), "seesaw-send": ("send", True), "seesaw-send-late": ("send", False),
-          "seesaw-recompute": ("recompute", True)}
+#: (runtime.coordinator.kv_moves.KV_MODES: as the plan chose, always sent, always recomputed),
+#: whether a prompt's goes as soon as it is read, and whether a full pool parks prompts in the host tier
+SEESAW = {"seesaw": ("plan", True, True), "seesaw-send": ("send", True, True), "seesaw-send-late": ("send", False, True),
+          "seesaw-recompute": ("recompute", True, True), "seesaw-send-pools": ("send", True, False)}
 
 
 def table(result: dict) -> str:
@@ -255,7 +256,8 @@ def table(result: dict) -> str:
         if "switches" in r:
             lines.append(f"{p}: {r['switches']:.0f} layout switches a run, {r['switch_s']:.2f} s in them; KV of "
                          f"moved stages: {r['sent_bytes'] / 1e6:.1f} MB sent, {r['replayed_positions']:.0f} positions "
-                         f"replayed, {r['restarted']:.0f} requests started again")
+                         f"replayed, {r['restarted']:.0f} requests started again; {r['parked']:.0f} requests "
+                         "parked in the host tier at a switch")
         for ph, x in r.get("phases", {}).items():
             lines.append(f"{p}, {ph} phase: {x['seconds']:.1f} s, busy " + ", ".join(
                 f"{d} {v:.2f}" for d, v in x["busy"].items()))

@@ -114,11 +114,14 @@ def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_
 
 
 def seesaw_phases(pipe: Pipeline, model: str, layouts: dict[str, list[Stage]], dtype, kv_pool_bytes: int = 0,
-                  recovery: Redeploy | None = None, sent: set[int] = frozenset(), early: bool = True) -> SeesawPhases:
+                  recovery: Redeploy | None = None, sent: set[int] = frozenset(), early: bool = True,
+                  park: bool = True) -> SeesawPhases:
     """The policy that switches ``pipe`` between the fine-stage ``layouts`` (it starts in prefill,
     which the caller has loaded); ``recovery`` follows the layout in use. A switch sends the KV of
     the fine stages ``sent`` that it moves (:func:`seesaw_kv`; with ``early``, a prompt's as soon as
-    it is read); replays rebuild the others'."""
+    it is read); replays rebuild the others'. With ``park``, where every stage a switch moves is
+    sent, a prefill phase parks prompts it has read in the daemons' host tier when the pools are
+    full and goes on (:class:`SeesawPhases`)."""
     def switch(phase: str, old: Session) -> Session:
         if recovery is not None:
             recovery.stages = list(layouts[phase])
@@ -127,7 +130,8 @@ def seesaw_phases(pipe: Pipeline, model: str, layouts: dict[str, list[Stage]], d
 
     def send(phase: str, old: Session, sequence_ids: list[int] | None = None) -> dict:
         return send_moved_kv(pipe, old, layouts[phase], sent, sequence_ids)
-    return SeesawPhases(switch, send_kv=send if sent else None, early=early)
+    moved = {i for i, (a, b) in enumerate(zip(layouts["prefill"], layouts["decode"])) if a.daemon != b.daemon}
+    return SeesawPhases(switch, send_kv=send if sent else None, early=early, park=park and moved <= set(sent))
 
 
 def seesaw_kv(plan: Plan, layouts: dict[str, list[Stage]], mode: str = "plan") -> set[int]:

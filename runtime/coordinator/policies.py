@@ -42,7 +42,8 @@ LOOKUPS = 64
 
 
 def prefill_chunks(engine: Engine, budget: int, planned: list[Planned], shortest_first: bool,
-                   short_apart: bool = False, admit: Callable[[Request], bool] | None = None) -> bool:
+                   short_apart: bool = False, admit: Callable[[Request], bool] | None = None,
+                   skip: Callable[[Request], bool] | None = None) -> bool:
     """Prefill chunks into ``planned``, up to ``budget`` tokens, from requests prefilling and then
     waiting ones (admitted as they get their first chunk), oldest first; or, ``shortest_first``,
     the fewest prompt tokens left first (a waiting one counted without its cached blocks, for the
@@ -51,12 +52,13 @@ def prefill_chunks(engine: Engine, budget: int, planned: list[Planned], shortest
     (``SHORT_PROMPT``) takes no long chunk. A lone prompt with nothing else to do takes its plan
     slices whole, whatever the budget: HPipe's pipelined prefill. ``admit`` decides whether a
     waiting request may start (default: the engine's :meth:`Engine.admit`; a policy may reserve
-    more). Whether a long chunk was left out for a short prompt."""
+    more); waiting requests that ``skip`` names are passed over (a policy's to bring back). Whether
+    a long chunk was left out for a short prompt."""
     admit = admit or engine.admit
     busy = {id(p.request) for p in planned}
     running = sorted((r for r in engine.running if r.prefilling and r.ready and id(r) not in busy),
                      key=lambda r: r.arrival_s)
-    candidates = running + list(engine.waiting)
+    candidates = running + [r for r in engine.waiting if skip is None or not skip(r)]
     left: dict[int, int] = {}
     if shortest_first:  # stable: the oldest first among equals
         if engine.cache is not None:

@@ -39,6 +39,15 @@ class Preempting:
                 self._preempt(victim)
         return planned
 
+    def park(self, r: Request) -> bool:
+        """Swap running ``r`` (nothing of it in flight) out to the host tier to wait there, if the
+        tier has room for it (True); else nothing changes (a Seesaw prefill phase's parking)."""
+        if (not self.swap or r.in_flight or r.swapped or r.laid_out <= r.begins_at
+                or self.room.of(r.laid_out) > self.tier - self.tier_used):
+            return False
+        self._preempt(r)
+        return True
+
     def _preempt(self, r: Request, recompute: bool = False) -> None:
         """Free ``r``'s blocks: its KV goes to the host tier if that has room (it comes back when
         ``r`` runs again), else (or with ``recompute``) it recomputes its prompt and tokens then."""

@@ -56,12 +56,15 @@ class Rebinding:
             for r in reversed(restarted):
                 self.running.remove(r)
                 self.waiting.insert(0, r)  # the oldest first again
+            parked = set()
             for r in self.waiting:  # a swapped copy may be lost with a daemon, or of moved stages
-                if r.swapped:
+                if r.swapped and _whole(session.resumed.get(r.seq_id, {}), len(session.pipe.stages), r.laid_out):
+                    parked.add(r.seq_id)  # every stage holds it in its host tier (kept, or sent there)
+                elif r.swapped:
                     self._unswap(r)
                     r.new_sequence()
                     r.restart(r.prompt + r.tokens)
-            stale = set(session.resumed) - set(wanted)  # adopted, but no running request goes on with them
+            stale = set(session.resumed) - set(wanted) - parked  # adopted, but no request goes on with them
             session.close_sequences(sorted(stale))
             self._end(old, daemons)
             batches = replays(wanted)
@@ -114,3 +117,9 @@ class Rebinding:
         self.ended.append({"daemons": daemons or [st.daemon for st in old.pipe.stages],
                            "seconds": until - self._bound_s, "stats": old.close()})
         self._bound_s, self._switching_s = time.monotonic(), None
+
+
+def _whole(progress: dict[int, tuple[int, int]], stages: int, positions: int) -> bool:
+    """Whether every stage of the new session holds a sequence's ``positions`` (a swapped one's:
+    in its daemon's host tier)."""
+    return positions > 0 and all(progress.get(i, (0, 0))[0] >= positions for i in range(stages))

@@ -72,7 +72,7 @@ class SeesawPhases:
 
     def __init__(self, deploy: Callable[[str, Session], Session], phase: str = "prefill", budget: int = 512,
                  low_water: float = 0.25, send_kv: Callable[[str, Session, list[int] | None], dict] | None = None,
-                 early: bool = True):
+                 early: bool = True, park: bool = False):
         if phase not in PHASES:
             raise ValueError(f"a phase is prefill or decode, not {phase!r}")
         self.deploy, self.phase, self.budget, self.low_water = deploy, phase, budget, low_water
@@ -83,19 +83,26 @@ class SeesawPhases:
         #: send a prompt's KV to its decode owners as soon as it is read, while the prefill phase
         #: computes the others (its KV does not change until the decode phase); the switch sends the rest
         self.early = early and send_kv is not None
+        #: park prefilled requests in the daemons' host tier when the pools are full, so the prefill
+        #: phase goes on past what the pools hold and the decode phase brings them back as others
+        #: finish (Seesaw's tiered buffer, §4.2); only where a switch sends the KV of every stage it
+        #: moves (a parked sequence's goes from one host tier to the other) and the engine swaps
+        self.park = park and send_kv is not None
         self._early_ids: set[int] = set()  # sequences sent ahead this prefill phase
         self._early_sends: list[Future] = []
         self._sender: ThreadPoolExecutor | None = None  # the early sends' thread, for a prefill phase
         self.batch = 0           # requests decoding when the decode phase began
+        self.parked = 0          # requests parked in the host tier by the prefill phases
         self.switches: list[dict] = []  # each switch: to which phase, when, how long it took
 
     # --- forming micro-batches ------------------------------------------------------------------
     def form(self, engine: Engine) -> list[Planned]:
         if self.phase == "prefill":
-            if self.early:
-                self._send_ahead(engine)
             planned: list[Planned] = []
-            prefill_chunks(engine, self.budget, planned, shortest_first=False, admit=lambda r: _reserve(engine, r))
+            prefill_chunks(engine, self.budget, planned, shortest_first=False, admit=lambda r: self._admit(engine, r),
+                           skip=lambda r: bool(r.swapped))  # parked: the decode phase brings it back
+            if self.early:  # after parking: a parked request's KV goes from the host tier at the switch
+                self._send_ahead(engine)
             return planned
         for r in [r for r in engine.waiting if r.tokens]:  # mid-answer, but the switch kept none of its KV
             if not _reserve(engine, r):  # (every stage moved): it computes its prompt and tokens again
@@ -109,8 +116,26 @@ class SeesawPhases:
         return [Planned(r, r.next_chunk() if r.prefilling else 1) for r in ready]
 
     def _drained(self, engine: Engine, answering: list[Request]) -> bool:
-        """Decode has run low (or out) and requests wait to be prefilled."""
-        return bool(engine.waiting) and len(answering) <= self.low_water * self.batch
+        """Decode has run low (or out), requests wait to be prefilled, and none waits to decode (a
+        parked one, or one a switch started again, comes back first)."""
+        return bool(engine.waiting) and len(answering) <= self.low_water * self.batch and \
+            not any(r.tokens for r in engine.waiting)
+
+    def _admit(self, engine: Engine, r: Request) -> bool:
+        """The prefill phase's admission: ``r`` if the pools hold it beside the requests running
+        (:func:`_reserve`); if not, and parking, prompts read since the last call go to the host
+        tier one at a time (the newest first) until they do."""
+        if _reserve(engine, r):
+            return True
+        if not self.park:
+            return False
+        for victim in sorted((x for x in engine.running if x.tokens and x.seq_id not in self._early_ids),
+                             key=lambda x: -x.admitted):
+            if engine.park(victim):  # else the tier has no room for it: it decodes in the next phase
+                self.parked += 1
+                if _reserve(engine, r):
+                    return True
+        return False
 
     def _send_ahead(self, engine: Engine) -> None:
         """Start sending the KV of prompts read since the last call to their decode owners, on the
@@ -153,10 +178,11 @@ class SeesawPhases:
             to = "prefill"
         t0 = time.monotonic()
         sent: dict = {}
+        parked = sum(1 for r in engine.waiting if r.swapped)
 
         def deploy(old: Session) -> Session:
-            if self.send_kv is not None:
-                sent.update(self._send_rest(to, old, list(engine.running)))
+            if self.send_kv is not None:  # the running requests' KV, and the parked ones' from the tier
+                sent.update(self._send_rest(to, old, engine.running + [r for r in engine.waiting if r.swapped]))
             return self.deploy(to, old)
         resumed = engine.switch(deploy)
         self.phase = to
@@ -164,7 +190,7 @@ class SeesawPhases:
             self.batch = len(_answering(engine)) + sum(1 for r in engine.waiting if r.tokens)
         took = time.monotonic() - t0
         self.switches.append({"to": to, "at_s": t0, "seconds": took, "requests": len(engine.running),
-                              **resumed, **sent})
+                              "parked": parked, **resumed, **sent})
         log.info("seesaw: switched to the %s layout in %.2f s (%d requests running)", to, took, len(engine.running))
         return True
 

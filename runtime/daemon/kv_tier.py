@@ -136,6 +136,39 @@ class HostTier:
         """Forget a freed sequence's copy."""
         self._held.pop(seq_id, None)
 
+    def keep(self, stages: dict) -> None:
+        """A layout switch (a reshard): the copies of stages still held stay, those of stages given
+        up go (their KV was sent to the new owner, or is rebuilt there)."""
+        for seq_id, copy in list(self._held.items()):
+            for i in [i for i in copy.positions if i not in stages]:
+                del copy.positions[i]
+                copy.k.pop(i, None)
+                copy.v.pop(i, None)
+            if not copy.positions:
+                del self._held[seq_id]
+
+    def stage_copy(self, seq_id: int, i: int) -> tuple[dict, dict] | None:
+        """A swapped sequence's keys and values on stage ``i`` (each layer's ``[kv_heads, positions,
+        head_dim]``), None when the tier holds none of it."""
+        copy = self._held.get(seq_id)
+        if copy is None or i not in copy.positions:
+            return None
+        return copy.k.get(i, {}), copy.v.get(i, {})
+
+    def adopt(self, seq: Sequence, i: int, positions: int, k: dict, v: dict, stages: dict) -> bool:
+        """Keep KV another daemon sent for stage ``i`` of a swapped sequence (each layer's ``[kv_heads,
+        positions, head_dim]``) as its copy here, so the sequence stays in the tier and comes back
+        whole; False (nothing kept) when the tier has no room for it."""
+        copy = self._held.get(seq.id) or Swapped({})
+        before = copy.blocks(BLOCK_SIZE) if seq.id in self._held else 0
+        if self.used_blocks(BLOCK_SIZE) - before + max(before, math.ceil(positions / BLOCK_SIZE)) > \
+                self.capacity(stages):
+            return False
+        copy.positions[i], copy.k[i], copy.v[i] = positions, k, v
+        self._held[seq.id] = copy
+        seq.planned[i] = seq.computed[i] = positions
+        return True
+
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` (a pool's rows gathered by index: already a copy) in host memory, pinned on a GPU."""

@@ -34,6 +34,7 @@ import torch
 
 from hpipe.core.errors import StatusError
 from hpipe.model.kvpool import PoolExhausted
+from runtime.daemon.kv_tier import HostTier
 from runtime.daemon.sequences import Sequence, SequenceTable
 from runtime.wire.messages import dtype_from_wire, dtype_to_wire, pb
 
@@ -55,6 +56,7 @@ class StageKV:
     k: dict[int, torch.Tensor] = field(default_factory=dict)
     v: dict[int, torch.Tensor] = field(default_factory=dict)
     filled: int = 0  # positions received, over every layer's keys and values (a stream cut short leaves fewer)
+    swapped: bool = False  # the sequence's copy in the host tier (kv_tier), not its blocks in a pool
 
     def complete(self, layers: list[int]) -> bool:
         return all(x in self.k and x in self.v for x in layers) and self.filled == 2 * len(layers) * self.positions
@@ -64,19 +66,25 @@ class StageKV:
         return sum(t.nbytes for t in self.k.values()) + sum(t.nbytes for t in self.v.values())
 
 
-def read(stages: dict, seq: Sequence, wanted: Iterable[int]) -> dict[int, StageKV]:
+def read(stages: dict, seq: Sequence, wanted: Iterable[int], tier: HostTier | None = None) -> dict[int, StageKV]:
     """``seq``'s computed positions on each held stage of ``wanted``, copied into host memory (run
-    it on the worker); a stage without attention has none to copy, only its positions."""
+    it on the worker); a stage without attention has none to copy, only its positions. A sequence
+    swapped out to the host ``tier`` is read from its copy there (none without the tier)."""
     out = {}
     for i in wanted:
         held, kv, n = stages.get(i), seq.kv.get(i), seq.computed.get(i, 0)
         if held is None or n <= 0:
             continue
         pool = held.pool
+        copy = tier.stage_copy(seq.id, i) if tier is not None else None
+        if copy is not None:
+            out[i] = StageKV(n, {layer: t.transpose(0, 1).contiguous() for layer, t in copy[0].items()},
+                             {layer: t.transpose(0, 1).contiguous() for layer, t in copy[1].items()}, swapped=True)
+            continue
         if pool is None or not pool.layers or kv is None:
             out[i] = StageKV(n)
             continue
-        if kv.capacity < n:  # swapped out to the host tier (its positions kept, its blocks given back)
+        if kv.capacity < n:  # swapped out, and its copy is not here
             continue
         slots = kv.slots(0, n, pool.k[pool.layers[0]].device)
         out[i] = StageKV(n, {layer: _positions_first(pool.k[layer], slots) for layer in pool.layers},
@@ -90,7 +98,7 @@ def parts(seq: Sequence, held: dict[int, StageKV], session: int, key: bytes) -> 
     for i, st in held.items():
         if not st.k:
             yield pb.KvPart(session=session, key=key, sequence_id=seq.id, max_len=seq.max_len, stage=i,
-                            positions=st.positions, layer=-1)
+                            positions=st.positions, layer=-1, swapped=st.swapped)
         for values, layers in ((False, st.k), (True, st.v)):
             for layer, t in layers.items():
                 n, heads, dim = t.shape
@@ -100,20 +108,22 @@ def parts(seq: Sequence, held: dict[int, StageKV], session: int, key: bytes) -> 
                     data = t[a:a + c].view(torch.uint8).numpy().tobytes()
                     yield pb.KvPart(session=session, key=key, sequence_id=seq.id, max_len=seq.max_len, stage=i,
                                     positions=st.positions, layer=layer, values=values, start=a, count=c,
-                                    dtype=dtype_to_wire(t.dtype), kv_heads=heads, head_dim=dim, data=data)
+                                    dtype=dtype_to_wire(t.dtype), kv_heads=heads, head_dim=dim, data=data,
+                                    swapped=st.swapped)
 
 
 def send(sequences: SequenceTable, stages: Callable[[], dict], run_on_device: Callable, session: int,
          key: bytes, wanted: list[int], push: Callable[[Iterator[pb.KvPart]], pb.KvReply],
-         only: set[int] | None = None) -> dict:
-    """Send ``session``'s KV on held stages ``wanted`` (of its sequences ``only``, or all of them)
-    through ``push`` (a ReceiveKv call on the new owner), a sequence at a time: what was sent."""
+         only: set[int] | None = None, tier: HostTier | None = None) -> dict:
+    """Send ``session``'s KV on held stages ``wanted`` (of its sequences ``only``, or all of them;
+    a swapped one's from the host ``tier``) through ``push`` (a ReceiveKv call on the new owner), a
+    sequence at a time: what was sent."""
     t0, sent = time.perf_counter(), {"bytes": 0, "sequences": 0}
 
     def stream() -> Iterator[pb.KvPart]:
         for seq in [s for s in sequences.all() if s.session == session and not s.error
                     and (only is None or s.id in only)]:
-            held = run_on_device(lambda seq=seq: read(stages(), seq, wanted), 60.0)
+            held = run_on_device(lambda seq=seq: read(stages(), seq, wanted, tier), 60.0)
             if held:
                 sent["sequences"] += 1
                 sent["bytes"] += sum(st.nbytes for st in held.values())
@@ -152,7 +162,7 @@ class IncomingKV:
                 if a.session != part.session or part.positions <= 0:
                     raise StatusError("INVALID_ARGUMENT", f"sequence {part.sequence_id}: a KV part of another "
                                       "session, or of no positions")
-                st = a.stages.setdefault(part.stage, StageKV(part.positions))
+                st = a.stages.setdefault(part.stage, StageKV(part.positions, swapped=part.swapped))
                 if t is None:  # a stage without KV: only how far it is
                     seqs.add(part.sequence_id)
                     continue
@@ -192,10 +202,12 @@ class IncomingKV:
             held = self._keys.get(session)
         return None if held is None else hmac.compare_digest(held, key)
 
-    def install(self, stages: dict, sequences: SequenceTable, device: torch.device) -> int:
-        """Write what arrived into the held stages' pools (run it on the worker, after a Load); the
-        positions written. KV of a stage not held here is dropped; a sequence that was not here is
-        opened in its session, with empty caches on the other held stages (replays fill them)."""
+    def install(self, stages: dict, sequences: SequenceTable, device: torch.device,
+                tier: HostTier | None = None) -> int:
+        """Write what arrived into the held stages' pools (run it on the worker, after a Load), a
+        swapped sequence's into the host ``tier`` (it stays swapped out); the positions written.
+        KV of a stage not held here is dropped; a sequence that was not here is opened in its
+        session, with empty caches on the other held stages (replays fill them)."""
         with self._lock:
             arriving, self._arriving, self.nbytes = self._arriving, {}, 0
         written = 0
@@ -214,7 +226,10 @@ class IncomingKV:
                 seq.planned.setdefault(i, 0)
                 seq.computed.setdefault(i, 0)
             for i, st in a.stages.items():
-                written += _write(stages.get(i), seq, i, st, device)
+                if st.swapped:
+                    written += _keep_swapped(stages, seq, i, st, tier)
+                else:
+                    written += _write(stages.get(i), seq, i, st, device)
         return written
 
     def forget(self, session: int) -> None:
@@ -254,6 +269,26 @@ def _write(held, seq: Sequence, i: int, st: StageKV, device: torch.device) -> in
         pool.v[layer][:, slots] = st.v[layer].to(device).transpose(0, 1)
     seq.planned[i] = seq.computed[i] = n
     return n
+
+
+def _keep_swapped(stages: dict, seq: Sequence, i: int, st: StageKV, tier: HostTier | None) -> int:
+    """A swapped sequence's KV for stage ``i``, kept in the host tier: it comes back into the pool
+    with the sequence's other stages when the coordinator brings it back."""
+    held = stages.get(i)
+    if held is None or tier is None:
+        log.warning("KV of swapped sequence %d came for stage %d, which is not held here", seq.id, i)
+        return 0
+    if held.pool is None or not held.pool.layers:  # nothing to keep: it only goes on from there
+        seq.planned[i] = seq.computed[i] = st.positions
+        return st.positions
+    if not st.complete(held.pool.layers):
+        log.warning("the KV sent for swapped sequence %d on stage %d did not all come", seq.id, i)
+        return 0
+    if not tier.adopt(seq, i, st.positions, {x: t.transpose(0, 1) for x, t in st.k.items()},
+                      {x: t.transpose(0, 1) for x, t in st.v.items()}, stages):
+        log.warning("the host tier has no room for swapped sequence %d's KV of stage %d", seq.id, i)
+        return 0
+    return st.positions
 
 
 def _positions_first(pool_kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

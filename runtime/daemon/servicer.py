@@ -163,7 +163,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             sent = kv_transfer.send(self.server.sequences, lambda: self.server.stages, self.server.run_on_device,
                                     request.session, request.key, list(request.stages),
                                     lambda parts: client.call("ReceiveKv", parts, timeout=KV_SEND_TIMEOUT_S),
-                                    set(request.sequence_ids) or None)
+                                    set(request.sequence_ids) or None, self.server.tier)
         except grpc.RpcError as e:
             raise StatusError(e.code().name, f"sending KV to {request.target_address}: {e.details()}") from None
         finally:

@@ -140,7 +140,7 @@ class StageServer:
                 memory.reset_peak(self.device)  # peaks reported from now on are this deployment's
                 log.info("loaded units %s of %s (%s) in %.1fs", self._held(), dep.model, dep.dtype,
                          time.perf_counter() - t0)
-            self.run_on_device(lambda: self.kv_in.install(self.stages, self.sequences, self.device))
+            self.run_on_device(lambda: self.kv_in.install(self.stages, self.sequences, self.device, self.tier))
             models = [s.model for s in self.stages.values()]
             self.weights_cache.hold_only(dep.shipped.hashes() if dep.shipped else set())
         cfg = models[0].cfg
@@ -184,7 +184,7 @@ class StageServer:
             self.weight_bytes = sum(s.model.weight_bytes() for s in self.stages.values())
             held = self.weight_bytes + sum(s.pool.nbytes for s in self.stages.values() if s.pool is not None)
             self.parked.park(models, self.memory_budget, held, self.device)
-            self.tier.reset()  # its copies are of the old layout's stages: the coordinator recomputes them
+            self.tier.keep(self.stages)  # the copies of the stages it keeps (those it gives up were sent)
         self.run_on_device(drop)
         if any(i not in self.stages for i in dep.held):
             self._extend(dep)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hpipe.model.kvpool import KVPool
-from runtime.daemon import kv_transfer
+from runtime.daemon import kv_tier, kv_transfer
+from runtime.daemon.kv_tier import HostTier
 from runtime.daemon.kv_transfer import IncomingKV, parts, read
 from runtime.daemon.sequences import Sequence, SequenceTable
 
@@ -102,3 +103,42 @@ def test_a_sequence_swapped_out_to_the_host_tier_is_not_read():
     seq.kv[5].release()
     seq.kv[5] = pool.sequence(64)  # as HostTier.swap_out leaves it: computed 20, no blocks
     assert read(src, seq, [5]) == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_swapped_sequence_goes_from_one_tier_to_the_other(dtype):
+    """Seesaw's parked sequences: swapped out on the old owner, its KV is read from that host tier,
+    sent marked as swapped, kept in the new owner's tier (not its pool), and comes back into the
+    new owner's pool the same bits; a reshard keeps the copies of the stages a daemon still holds."""
+    src, seq = stage_with(37, dtype)
+    want = keys(src, seq)
+    old_tier = HostTier()
+    assert old_tier.swap_out(seq, src) and seq.kv[5].capacity == 0
+    sent = list(parts(seq, read(src, seq, [5], old_tier), SESSION, KEY))
+    assert sent and all(p.swapped for p in sent)
+    incoming, new_tier = IncomingKV(), HostTier()
+    incoming.receive(iter(sent), lambda s, k: None)
+    dst, _ = stage_with(0, dtype)
+    table = SequenceTable()
+    assert incoming.install(dst, table, torch.device("cpu"), new_tier) == 37
+    new = table.find(11)
+    assert new.computed[5] == 37 and new.kv[5].capacity == 0 and new_tier.holds(11)  # still out of the pool
+    new_tier.keep(dst)  # the same stage held after a switch: the copy stays
+    new_tier.swap_in(new, dst)
+    for (k0, v0), (k1, v1) in zip(want, keys(dst, new)):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    old_tier.keep({})  # the old owner gave stage 5 up: its copy goes
+    assert not old_tier.holds(11)
+
+
+def test_a_tier_without_room_keeps_nothing_of_a_sent_swapped_sequence(monkeypatch):
+    src, seq = stage_with(20, torch.float32)
+    old_tier = HostTier()
+    assert old_tier.swap_out(seq, src)
+    incoming, new_tier = IncomingKV(), HostTier()
+    incoming.receive(parts(seq, read(src, seq, [5], old_tier), SESSION, KEY), lambda s, k: None)
+    monkeypatch.setattr(kv_tier, "TIER_FACTOR", 0)  # the new owner's tier has no room
+    dst, _ = stage_with(0, torch.float32)
+    table = SequenceTable()
+    assert incoming.install(dst, table, torch.device("cpu"), new_tier) == 0
+    assert table.find(11).computed[5] == 0 and not new_tier.holds(11)  # the coordinator starts it again

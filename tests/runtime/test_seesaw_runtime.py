@@ -152,6 +152,36 @@ def test_a_switch_that_sends_the_kv_rebuilds_nothing(tiny, rotate, monkeypatch):
         assert any(s.graphs is not None and s.graphs.runs for d in pipe.served for s in d.stage.stages.values())
 
 
+@pytest.mark.parametrize("rotate", [False, True])
+def test_prefilled_requests_park_in_the_host_tier(tiny, rotate):
+    """Seesaw's tiered buffer (§4.2): with pools that hold a third of the requests, the prefill
+    phase parks prompts it has read in the daemons' host tier and goes on prefilling; at the
+    switch a parked sequence's KV goes from the old owner's tier to the new owner's (``rotate``:
+    every stage moves), and the decode phase brings parked requests back as others finish. Fewer
+    switches than without parking, nothing replayed or started again, every request's tokens the
+    ones it gets alone, and the tiers and pools empty at the end."""
+    pipe, source, path = tiny
+    cfg = source.config
+    names = [d.name for d in pipe.cluster.daemons]
+    layouts = fine_stages({"prefill": cut_stages(pipe.cluster, [3, 5], cfg.num_units),
+                           "decode": cut_stages(pipe.cluster, [3, 5] if rotate else [2, 6], cfg.num_units,
+                                                daemons=[names[1], names[2], names[0]])})
+    prompts, news = workload(16, cfg.vocab_size)
+    news = [m + 8 for m in news]
+    switches = {}
+    for park in (False, True):
+        requests, phases, engine = run_seesaw(pipe, path, layouts, 24 * BLOCK, prompts, news, send_kv=True,
+                                              park=park)
+        assert all(r.stop_reason == "length" and not r.error for r in requests), [r.error for r in requests]
+        assert [r.tokens for r in requests] == alone(source, prompts, news)
+        assert sum(s["replayed_positions"] for s in phases.switches) == 0
+        assert sum(s["restarted"] for s in phases.switches) == 0 and engine.recomputed == 0
+        switches[park] = len(phases.switches)
+        assert pools_empty(pipe) and all(not d.stage.tier.used_blocks(BLOCK) for d in pipe.served)
+    assert phases.parked > 0 and engine.swaps >= phases.parked
+    assert switches[True] < switches[False], switches
+
+
 def test_the_plan_says_which_stages_send_their_kv():
     def stage(daemon, a, b):
         return Stage(daemon, f"{daemon}:1", UnitRange(a, b, 4))
