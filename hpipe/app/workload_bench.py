@@ -29,7 +29,14 @@ from hpipe.core.errors import HpipeError
 from hpipe.core.plan import Plan
 from hpipe.core.workload import WorkItem, prompt_ids
 from hpipe.model.stage import DTYPES
-from runtime.coordinator.deploy import deploy, seesaw_kv, seesaw_layouts, seesaw_phases, seesaw_plan_layouts
+from runtime.coordinator.deploy import (
+    deploy,
+    learn_rooms,
+    seesaw_kv,
+    seesaw_layouts,
+    seesaw_phases,
+    seesaw_plan_layouts,
+)
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import Pipeline
 from runtime.coordinator.policies import POLICIES
@@ -183,6 +190,7 @@ def _rounds(plan: Plan, pipe: Pipeline, items: list[WorkItem], policies: list[st
                 mode, early, park = SEESAW[policy]
                 phases = seesaw_phases(pipe, plan.model_name, layouts[policy], dtype, kv_pool_bytes,
                                        sent=seesaw_kv(plan, layouts[policy], mode), early=early, park=park)
+                learn_rooms(pipe, plan.model_name, layouts[policy], dtype, kv_pool_bytes, phases)
                 make = lambda phases=phases: phases  # noqa: E731
             else:
                 pipe.load(plan.model_name, layouts[policy], dtype, kv_pool_bytes)

@@ -102,6 +102,8 @@ def deploy(plan: Plan, cluster: ClusterSpec, *, strategy: str | None = None, kv_
     try:
         try:
             pipe.load(plan.model_name, stages, dtype, kv_pool_bytes, adjacent=bool(layouts))
+            if phases is not None:
+                learn_rooms(pipe, plan.model_name, layouts, dtype, kv_pool_bytes, phases)
         except StageFailure as e:
             if e.lasting:
                 raise
@@ -132,6 +134,17 @@ def seesaw_phases(pipe: Pipeline, model: str, layouts: dict[str, list[Stage]], d
         return send_moved_kv(pipe, old, layouts[phase], sent, sequence_ids)
     moved = {i for i, (a, b) in enumerate(zip(layouts["prefill"], layouts["decode"])) if a.daemon != b.daemon}
     return SeesawPhases(switch, send_kv=send if sent else None, early=early, park=park and moved <= set(sent))
+
+
+def learn_rooms(pipe: Pipeline, model: str, layouts: dict[str, list[Stage]], dtype, kv_pool_bytes: int,
+                phases: SeesawPhases) -> None:
+    """Load the decode layout, then the prefill layout again, and tell ``phases`` what each one's
+    pools and host tier hold (a daemon sizes its pools for the stages it holds, so the two
+    layouts' differ; told, the first prefill phase admits and parks only what both hold)."""
+    for phase in ("decode", "prefill"):
+        pipe.load(model, layouts[phase], dtype, kv_pool_bytes, adjacent=True)
+        pools = pipe.pools()
+        phases.learn(phase, min((p.blocks for p in pools), default=0), min((p.tier_blocks for p in pools), default=0))
 
 
 def seesaw_kv(plan: Plan, layouts: dict[str, list[Stage]], mode: str = "plan") -> set[int]:

@@ -39,11 +39,12 @@ class Preempting:
                 self._preempt(victim)
         return planned
 
-    def park(self, r: Request) -> bool:
+    def park(self, r: Request, tier: int | None = None) -> bool:
         """Swap running ``r`` (nothing of it in flight) out to the host tier to wait there, if the
-        tier has room for it (True); else nothing changes (a Seesaw prefill phase's parking)."""
-        if (not self.swap or r.in_flight or r.swapped or r.laid_out <= r.begins_at
-                or self.room.of(r.laid_out) > self.tier - self.tier_used):
+        tier (of ``tier`` blocks at most) has room for it (True); else nothing changes (a Seesaw
+        prefill phase's parking)."""
+        room = min(self.tier, self.tier if tier is None else tier) - self.tier_used
+        if not self.swap or r.in_flight or r.swapped or r.laid_out <= r.begins_at or self.room.of(r.laid_out) > room:
             return False
         self._preempt(r)
         return True

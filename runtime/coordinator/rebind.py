@@ -56,11 +56,12 @@ class Rebinding:
             for r in reversed(restarted):
                 self.running.remove(r)
                 self.waiting.insert(0, r)  # the oldest first again
-            parked = set()
+            parked, lost = set(), 0
             for r in self.waiting:  # a swapped copy may be lost with a daemon, or of moved stages
                 if r.swapped and _whole(session.resumed.get(r.seq_id, {}), len(session.pipe.stages), r.laid_out):
                     parked.add(r.seq_id)  # every stage holds it in its host tier (kept, or sent there)
                 elif r.swapped:
+                    lost += 1
                     self._unswap(r)
                     r.new_sequence()
                     r.restart(r.prompt + r.tokens)
@@ -77,7 +78,7 @@ class Rebinding:
             except StageFailure as e:  # broke again while resuming: recovered again below
                 broken = str(e)
             resumed = {"resumed": len(self.running), "kept_positions": kept,
-                       "replayed_positions": sum(b.tokens for b in batches), "restarted": len(restarted)}
+                       "replayed_positions": sum(b.tokens for b in batches), "restarted": len(restarted) + lost}
             if record:
                 self.resumes.append(resumed)
             self._checked = time.monotonic()

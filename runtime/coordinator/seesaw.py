@@ -93,19 +93,21 @@ class SeesawPhases:
         self._sender: ThreadPoolExecutor | None = None  # the early sends' thread, for a prefill phase
         self.batch = 0           # requests decoding when the decode phase began
         self.parked = 0          # requests parked in the host tier by the prefill phases
+        self._room: dict[str, tuple[int, int]] = {}  # phase -> its layout's tightest pool and tier, in blocks
         self.switches: list[dict] = []  # each switch: to which phase, when, how long it took
 
     # --- forming micro-batches ------------------------------------------------------------------
     def form(self, engine: Engine) -> list[Planned]:
         if self.phase == "prefill":
             planned: list[Planned] = []
-            prefill_chunks(engine, self.budget, planned, shortest_first=False, admit=lambda r: self._admit(engine, r),
+            prefill_chunks(engine, self.budget, planned, shortest_first=False,
+                           admit=lambda r: self._admit(engine, r, planned),
                            skip=lambda r: bool(r.swapped))  # parked: the decode phase brings it back
             if self.early:  # after parking: a parked request's KV goes from the host tier at the switch
                 self._send_ahead(engine)
             return planned
         for r in [r for r in engine.waiting if r.tokens]:  # mid-answer, but the switch kept none of its KV
-            if not _reserve(engine, r):  # (every stage moved): it computes its prompt and tokens again
+            if not _reserve(engine, r, self._blocks(engine)):  # (every stage moved): it computes its prompt and tokens again
                 break                    # here, and decodes on
         answering = _answering(engine)
         if self._drained(engine, answering):
@@ -121,21 +123,38 @@ class SeesawPhases:
         return bool(engine.waiting) and len(answering) <= self.low_water * self.batch and \
             not any(r.tokens for r in engine.waiting)
 
-    def _admit(self, engine: Engine, r: Request) -> bool:
+    def _admit(self, engine: Engine, r: Request, planned: list[Planned]) -> bool:
         """The prefill phase's admission: ``r`` if the pools hold it beside the requests running
         (:func:`_reserve`); if not, and parking, prompts read since the last call go to the host
-        tier one at a time (the newest first) until they do."""
-        if _reserve(engine, r):
+        tier one at a time (the newest first) until they do; never one with an entry ``planned``
+        in this micro-batch (a request a switch resumed, computing its last token again)."""
+        blocks = self._blocks(engine)
+        if _reserve(engine, r, blocks):
             return True
         if not self.park:
             return False
-        for victim in sorted((x for x in engine.running if x.tokens and x.seq_id not in self._early_ids),
-                             key=lambda x: -x.admitted):
-            if engine.park(victim):  # else the tier has no room for it: it decodes in the next phase
+        tier = min(self._room[phase][1] for phase in self._room)
+        busy = {id(p.request) for p in planned}
+        for victim in sorted((x for x in engine.running if x.tokens and x.seq_id not in self._early_ids
+                              and id(x) not in busy), key=lambda x: -x.admitted):
+            if engine.park(victim, tier):  # else the tier has no room for it: it decodes in the next phase
                 self.parked += 1
-                if _reserve(engine, r):
+                if _reserve(engine, r, blocks):
                     return True
         return False
+
+    def learn(self, phase: str, blocks: int, tier: int) -> None:
+        """``phase``'s layout has pools of ``blocks`` blocks at the tightest stage and a host tier of
+        ``tier`` (known before the run, the first prefill phase admits and parks only what the
+        decode layout holds too: :func:`runtime.coordinator.deploy.learn_rooms`)."""
+        self._room[phase] = (blocks, tier)
+
+    def _blocks(self, engine: Engine) -> int:
+        """The pool blocks a request admitted now may count on: the tightest pool of both layouts
+        that this policy has run on (a daemon's pools are sized for the stages it holds, so the
+        layouts' differ), as it must fit the one after the next switch too (0: no pools)."""
+        self._room[self.phase] = (engine.room.blocks, engine.tier)
+        return min(b for b, _ in self._room.values())
 
     def _send_ahead(self, engine: Engine) -> None:
         """Start sending the KV of prompts read since the last call to their decode owners, on the
@@ -201,13 +220,13 @@ def _answering(engine: Engine) -> list[Request]:
     return [r for r in engine.running if r.tokens]
 
 
-def _reserve(engine: Engine, r: Request) -> bool:
-    """Admit ``r`` as the prefill phase does: only if the pools hold it and every request already
-    running at their full lengths (no prefill is preempted)."""
+def _reserve(engine: Engine, r: Request, blocks: int) -> bool:
+    """Admit ``r`` as the prefill phase does: only if pools of ``blocks`` blocks hold it and every
+    request already running at their full lengths (no prefill is preempted)."""
     room = engine.room
-    if room.blocks and engine.running:  # alone, it is the engine's to admit (or to fail, if too long)
+    if blocks and engine.running:  # alone, it is the engine's to admit (or to fail, if too long)
         shared = (engine.cache.ready - engine.cache.idle) if engine.cache is not None else 0  # cached blocks in use
         reserved = sum(room.of(x.max_len) for x in engine.running) + room.of(r.max_len)
-        if reserved > room.blocks - shared:
+        if reserved > blocks - shared:
             return False
     return engine.admit(r)

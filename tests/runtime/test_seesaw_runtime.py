@@ -40,10 +40,14 @@ def test_fine_stages_cut_each_layout_at_every_cut_of_both():
         fine_stages({"prefill": prefill, "decode": decode[:1]})
 
 
-def run_seesaw(pipe, path: str, layouts: dict, pool: int, prompts, news, send_kv: bool = False, **kw):
+def run_seesaw(pipe, path: str, layouts: dict, pool: int, prompts, news, send_kv: bool = False,
+               checked: bool = False, **kw):
     """``prompts`` under :class:`SeesawPhases` (``kw``) switching ``pipe`` between ``layouts``
     (started on prefill), pools of ``pool`` bytes, the KV of every moved stage sent at a switch
-    (``send_kv``) or rebuilt by replays: (the requests, the policy, the engine)."""
+    (``send_kv``) or rebuilt by replays: (the requests, the policy, the engine). ``checked``: every
+    micro-batch the policy forms names running requests only, none parked after it was planned (a request
+    swapped out after its entry was laid out would be computed without its KV on a daemon that
+    ran the swap before the entry)."""
     def deploy(phase, old):
         pipe.load(path, layouts[phase], torch.float32, kv_pool_bytes=pool, adjacent=True)
         return pipe.session(resume_from=old)
@@ -53,6 +57,14 @@ def run_seesaw(pipe, path: str, layouts: dict, pool: int, prompts, news, send_kv
 
     pipe.load(path, layouts["prefill"], torch.float32, kv_pool_bytes=pool, adjacent=True)
     phases = SeesawPhases(deploy, send_kv=send if send_kv else None, **kw)
+    if checked:
+        form = phases.form
+
+        def checked_form(engine):
+            planned = form(engine)
+            assert all(p.request in engine.running for p in planned)  # none parked after it was planned
+            return planned
+        phases.form = checked_form
     session = pipe.session()
     try:
         engine = Engine(session, phases, depth=len(pipe.stages))
@@ -152,26 +164,29 @@ def test_a_switch_that_sends_the_kv_rebuilds_nothing(tiny, rotate, monkeypatch):
         assert any(s.graphs is not None and s.graphs.runs for d in pipe.served for s in d.stage.stages.values())
 
 
-@pytest.mark.parametrize("rotate", [False, True])
-def test_prefilled_requests_park_in_the_host_tier(tiny, rotate):
-    """Seesaw's tiered buffer (§4.2): with pools that hold a third of the requests, the prefill
+@pytest.mark.parametrize("rotate,low_water,n", [(False, 0.25, 16), (True, 0.25, 16), (False, 0.75, 48),
+                                                 (True, 0.75, 48)])
+def test_prefilled_requests_park_in_the_host_tier(tiny, rotate, low_water, n):
+    """Seesaw's tiered buffer (§4.2): with pools that hold a few of the requests, the prefill
     phase parks prompts it has read in the daemons' host tier and goes on prefilling; at the
     switch a parked sequence's KV goes from the old owner's tier to the new owner's (``rotate``:
     every stage moves), and the decode phase brings parked requests back as others finish. Fewer
     switches than without parking, nothing replayed or started again, every request's tokens the
-    ones it gets alone, and the tiers and pools empty at the end."""
+    ones it gets alone, and the tiers and pools empty at the end. With ``low_water`` 0.75 and more
+    requests than pools and tiers hold, requests cross switches mid-answer, and a prefill phase
+    that parks begins with requests a switch resumed (computing their last token again)."""
     pipe, source, path = tiny
     cfg = source.config
     names = [d.name for d in pipe.cluster.daemons]
     layouts = fine_stages({"prefill": cut_stages(pipe.cluster, [3, 5], cfg.num_units),
                            "decode": cut_stages(pipe.cluster, [3, 5] if rotate else [2, 6], cfg.num_units,
                                                 daemons=[names[1], names[2], names[0]])})
-    prompts, news = workload(16, cfg.vocab_size)
+    prompts, news = workload(n, cfg.vocab_size)
     news = [m + 8 for m in news]
     switches = {}
     for park in (False, True):
-        requests, phases, engine = run_seesaw(pipe, path, layouts, 24 * BLOCK, prompts, news, send_kv=True,
-                                              park=park)
+        requests, phases, engine = run_seesaw(pipe, path, layouts, (24 if n == 16 else 12) * BLOCK, prompts, news,
+                                              send_kv=True, park=park, low_water=low_water, checked=True)
         assert all(r.stop_reason == "length" and not r.error for r in requests), [r.error for r in requests]
         assert [r.tokens for r in requests] == alone(source, prompts, news)
         assert sum(s["replayed_positions"] for s in phases.switches) == 0
