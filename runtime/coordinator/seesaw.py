@@ -21,6 +21,11 @@ decoding fall to ``low_water`` of the batch it began with, or finish, while othe
 it switches back. So a switch happens once per pool-full of requests, never per request, and
 every request's greedy tokens are those of a single layout (the same weights, positions and
 KV). Time to first token is what it costs: a request waits for the phase that prefills it.
+
+With ``park`` (Seesaw's tiered buffer, §4.2), a full pool does not end the prefill phase: prompts
+it has read go to the daemons' host tier (a swap-out) while the tier has room, and it goes on; a
+switch sends a parked sequence's KV from tier to tier, and the decode phase brings parked
+requests back as others finish, so a switch happens once per pools-and-tier-full.
 """
 
 from __future__ import annotations
@@ -106,9 +111,11 @@ class SeesawPhases:
             if self.early:  # after parking: a parked request's KV goes from the host tier at the switch
                 self._send_ahead(engine)
             return planned
-        for r in [r for r in engine.waiting if r.tokens]:  # mid-answer, but the switch kept none of its KV
-            if not _reserve(engine, r, self._blocks(engine)):  # (every stage moved): it computes its prompt and tokens again
-                break                    # here, and decodes on
+        # mid-answer and waiting: parked, or the switch kept none of its KV (every stage moved: it
+        # computes its prompt and tokens again here, and decodes on)
+        for r in [r for r in engine.waiting if r.tokens]:
+            if not _reserve(engine, r, self._blocks(engine)):
+                break
         answering = _answering(engine)
         if self._drained(engine, answering):
             return []  # let what is in flight come back, then switch
