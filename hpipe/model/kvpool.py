@@ -283,7 +283,8 @@ class Entry:
 
 def prefill_end(start: int, tokens: int, prefill: bool | None) -> int:
     """An entry's ``prefill_end`` for ``tokens`` positions from ``start`` that are all prompt
-    (True), all decode tokens (False), or left to the rule by length (None)."""
+    (True), all decode tokens (False), or left to the rule by length (None; also False at
+    position 0, where a sequence's prompt begins and 0 is the field's "not said")."""
     if prefill is None:
         return 0
     return start + tokens if prefill else start

@@ -113,8 +113,9 @@ class SeesawPhases:
             return planned
         # mid-answer and waiting: parked, or the switch kept none of its KV (every stage moved: it
         # computes its prompt and tokens again here, and decodes on)
+        blocks = self._blocks(engine)
         for r in [r for r in engine.waiting if r.tokens]:
-            if not _reserve(engine, r, self._blocks(engine)):
+            if not _reserve(engine, r, blocks):
                 break
         answering = _answering(engine)
         if self._drained(engine, answering):

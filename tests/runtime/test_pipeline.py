@@ -97,13 +97,17 @@ def test_a_prompts_one_token_slice_is_computed_as_prompt(cluster3, smollm2, monk
     ids = torch.randint(0, smollm2.config.vocab_size, (1, 97), generator=torch.Generator().manual_seed(1))
     n = ids.shape[1]
     pipe = Pipeline(cluster3.spec)
+    threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(1)  # as the daemons compute (a GEMM on more threads may sum otherwise)
         want = LocalModel(smollm2).open(n + 1).prefill(ids, [n])
+        torch.set_num_threads(threads)
         pipe.load("smollm2-135m", cut_stages(pipe.cluster, [6, 31], smollm2.config.num_units), torch.float32)
         for slices in ([n - 1, 1], [1, 7, 1, n - 9]):
             with pipe.open(n + 1) as seq:
                 assert torch.equal(RemoteRunner(seq).prefill(ids, slices), want), slices
     finally:
+        torch.set_num_threads(threads)
         pipe.close()
         set_prefill_gemm(before)
 
