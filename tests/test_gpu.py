@@ -169,12 +169,23 @@ def test_gguf_blocks_stay_quantized_on_the_gpu(smollm2, dtype):
     assert a.token_ids == b.token_ids
 
 
-def _mixed_daemons():
-    return [Served("g0", device="cuda:0", memory_share=0.2), Served("g1", device="cuda:0", memory_share=0.2),
-            Served("c0", device="cpu")]
+@pytest.fixture
+def mixed(tiny_dirs):
+    """Two GPU daemons sharing the card and a CPU one, in this process: (pipeline, source, path)."""
+    path = str(tiny_dirs["llama"])
+    daemons = [Served("g0", device="cuda:0", memory_share=0.2), Served("g1", device="cuda:0", memory_share=0.2),
+               Served("c0", device="cpu")]
+    pipe = Pipeline(cluster_of(*daemons))
+    pipe.served = daemons  # the tests look into the daemons' stage servers
+    try:
+        yield pipe, resolve_model(path), path
+    finally:
+        pipe.close()
+        for d in daemons:
+            d.stop()
 
 
-def test_kv_swapped_to_pinned_host_memory_comes_back_on_gpu(tiny_dirs):
+def test_kv_swapped_to_pinned_host_memory_comes_back_on_gpu(mixed):
     """The host tier on GPU daemons (pinned host memory, copied back to the card): pools of a
     quarter of what the requests hold at once, the tokens of the CPU reference (float32: the GPU
     gives the CPU's tokens, as the mixed test above checks), nothing recomputed."""
@@ -182,71 +193,49 @@ def test_kv_swapped_to_pinned_host_memory_comes_back_on_gpu(tiny_dirs):
     from runtime.coordinator.policies import POLICIES
     from tests.runtime.test_engine import BLOCK, alone, chunks, workload
 
-    path = str(tiny_dirs["llama"])
-    source = resolve_model(path)
+    pipe, source, path = mixed
     cfg = source.config
-    daemons = _mixed_daemons()
-    pipe = Pipeline(cluster_of(*daemons))
+    prompts, news = workload(24, cfg.vocab_size)
+    pipe.load(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32, kv_pool_bytes=20 * BLOCK)
+    session = pipe.session()
     try:
-        prompts, news = workload(24, cfg.vocab_size)
-        pipe.load(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32, kv_pool_bytes=20 * BLOCK)
-        session = pipe.session()
-        try:
-            engine = Engine(session, POLICIES["sarathi"](), depth=3)
-            requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
-            engine.run()
-        finally:
-            session.close()
-        assert all(not r.error for r in requests), [r.error for r in requests if r.error][:3]
-        assert [r.tokens for r in requests] == alone(source, prompts, news)
-        assert engine.preemptions > 0 and engine.swaps == engine.preemptions and engine.recomputed == 0
-        assert all(s.pool is None or s.pool.k[s.pool.layers[0]].is_cuda for d in daemons[:2]
-                   for s in d.stage.stages.values())
+        engine = Engine(session, POLICIES["sarathi"](), depth=3)
+        requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
+        engine.run()
     finally:
-        pipe.close()
-        for d in daemons:
-            d.stop()
+        session.close()
+    assert all(not r.error for r in requests), [r.error for r in requests if r.error][:3]
+    assert [r.tokens for r in requests] == alone(source, prompts, news)
+    assert engine.preemptions > 0 and engine.swaps == engine.preemptions and engine.recomputed == 0
+    assert all(s.pool is None or s.pool.k[s.pool.layers[0]].is_cuda for d in pipe.served[:2]
+               for s in d.stage.stages.values())
 
 
-@pytest.mark.parametrize("send", [True, False])
-def test_seesaw_switches_between_gpu_and_cpu_daemons(tiny_dirs, send):
+@pytest.mark.parametrize("kv", ["recompute", "send", "park"])
+def test_seesaw_switches_between_gpu_and_cpu_daemons(mixed, kv):
     """Seesaw's layouts with every stage moving between the GPU daemons and the CPU one at each
-    switch, the KV sent (nothing rebuilt) or recomputed: the tokens of the CPU reference."""
-    from runtime.coordinator.engine import Engine, Request
-    from runtime.coordinator.kv_moves import send_moved_kv
-    from runtime.coordinator.seesaw import SeesawPhases, fine_stages
-    from tests.runtime.test_engine import BLOCK, alone, chunks, workload
+    switch, the KV recomputed, sent (nothing rebuilt), or sent and, with pools for a third of the
+    requests, prefilled requests parked in the host tiers (pinned on the GPU daemons) and sent
+    from tier to tier at a switch: the tokens of the CPU reference."""
+    from runtime.coordinator.seesaw import fine_stages
+    from tests.runtime.test_engine import BLOCK, alone, pools_empty, workload
+    from tests.runtime.test_seesaw_runtime import run_seesaw
 
-    path = str(tiny_dirs["llama"])
-    source = resolve_model(path)
+    pipe, source, path = mixed
     cfg = source.config
-    daemons = _mixed_daemons()
-    pipe = Pipeline(cluster_of(*daemons))
-    try:
-        prompts, news = workload(16, cfg.vocab_size)
-        news = [m + 8 for m in news]
-        layouts = fine_stages({"prefill": cut_stages(pipe.cluster, [3, 5], cfg.num_units),
-                               "decode": cut_stages(pipe.cluster, [3, 5], cfg.num_units, daemons=["c0", "g0", "g1"])})
-
-        def deploy(phase, old):
-            pipe.load(path, layouts[phase], torch.float32, kv_pool_bytes=24 * BLOCK, adjacent=True)
-            return pipe.session(resume_from=old)
-        pipe.load(path, layouts["prefill"], torch.float32, kv_pool_bytes=24 * BLOCK, adjacent=True)
-        phases = SeesawPhases(deploy, low_water=0.75, send_kv=(lambda phase, old, ids=None: send_moved_kv(
-            pipe, old, layouts[phase], set(range(len(layouts[phase]))), ids)) if send else None)
-        engine = Engine(pipe.session(), phases, depth=len(pipe.stages))
-        try:
-            requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
-            engine.run()
-        finally:
-            engine.session.close()
-        assert all(not r.error for r in requests), [r.error for r in requests if r.error][:3]
-        assert [r.tokens for r in requests] == alone(source, prompts, news)
-        assert len(phases.switches) >= 2
-        if send:
-            assert all(s["sent_bytes"] > 0 for s in phases.switches if s["to"] == "decode")
-            assert sum(s["replayed_positions"] + s["restarted"] for s in phases.switches) == 0
-    finally:
-        pipe.close()
-        for d in daemons:
-            d.stop()
+    prompts, news = workload(16, cfg.vocab_size)
+    news = [m + 8 for m in news]
+    layouts = fine_stages({"prefill": cut_stages(pipe.cluster, [3, 5], cfg.num_units),
+                           "decode": cut_stages(pipe.cluster, [3, 5], cfg.num_units, daemons=["c0", "g0", "g1"])})
+    requests, phases, engine = run_seesaw(pipe, path, layouts, 24 * BLOCK, prompts, news, send_kv=kv != "recompute",
+                                          park=kv == "park", low_water=0.25 if kv == "park" else 0.75,
+                                          checked=True)
+    assert all(not r.error for r in requests), [r.error for r in requests if r.error][:3]
+    assert [r.tokens for r in requests] == alone(source, prompts, news)
+    assert len(phases.switches) >= (1 if kv == "park" else 2)
+    if kv != "recompute":
+        assert all(s["sent_bytes"] > 0 for s in phases.switches if s["to"] == "decode")
+        assert sum(s["replayed_positions"] + s["restarted"] for s in phases.switches) == 0
+    if kv == "park":
+        assert phases.parked > 0 and engine.swaps >= phases.parked and engine.recomputed == 0
+        assert pools_empty(pipe) and all(not d.stage.tier.used_blocks(BLOCK) for d in pipe.served)
