@@ -99,3 +99,32 @@ def test_a_quota_the_threads_cannot_exceed_is_not_applied(tmp_path):
     emu = emulate.Emulation(ClusterSpec.load(path), tmp_path)
     assert emu.limit_cpu(emu.cluster.daemons[0], os.getpid()) == "100% of a core: no quota needed for 1 thread(s)"
     assert emu.record.read()["cgroups"] == []  # nothing created, nothing to remove
+
+
+@pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")
+def test_a_namespace_set_up_again_gets_the_link_the_file_says_now(tmp_path):
+    """`cluster up` again over an emulated host an earlier one left (an `up` that failed half-way,
+    or a cluster file edited since): its link is shaped as the file says now, not left as it was."""
+    def host(emulate_line: str) -> emulate.Emulation:
+        path = tmp_path / "c.yaml"
+        path.write_text(f"daemons:\n  - {{name: reshape, address: '198.18.0.46:1', emulate: {{{emulate_line}}}}}\n")
+        return emulate.Emulation(ClusterSpec.load(path), tmp_path)
+
+    def qdiscs() -> str:
+        inside = subprocess.run(["ip", "netns", "exec", "hp-reshape", "tc", "qdisc", "show", "dev", "hpereshape"],
+                                capture_output=True, text=True).stdout
+        outside = subprocess.run(["tc", "qdisc", "show", "dev", "hpvreshape"], capture_output=True, text=True).stdout
+        return inside + outside
+
+    emu = host("rate: 100mbit")
+    try:
+        emu.setup_network()
+        assert qdiscs().count("rate 100Mbit") == 2  # each way
+        host("rate: 40mbit").setup_network()
+        shaped = qdiscs()
+        assert shaped.count("rate 40Mbit") == 2 and "100Mbit" not in shaped, shaped
+        host("cpus: '0'").setup_network()
+        assert "tbf" not in qdiscs()
+    finally:
+        removed = emu.teardown()
+    assert "hp-reshape" in removed

@@ -48,38 +48,48 @@ def setup_network(cluster: ClusterSpec, record: State) -> None:
     run("ip", "link", "set", BRIDGE, "up")
     for d in netns:
         ns, host_if, ns_if = names(d)
-        if ns in state["netns"]:
-            continue
-        run("ip", "netns", "add", ns)
-        state["netns"].append(ns)
-        record.write(state)
-        run("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        run("ip", "link", "set", ns_if, "netns", ns)
-        run("ip", "link", "set", host_if, "master", BRIDGE, "up")
-        inside = ("ip", "netns", "exec", ns)
-        run(*inside, "ip", "addr", "add", f"{d.host}/24", "dev", ns_if)
-        run(*inside, "ip", "link", "set", ns_if, "up")
-        run(*inside, "ip", "link", "set", "lo", "up")
-        run(*inside, "ip", "route", "add", "default", "via", BRIDGE_IP)
-        rate, delay = d.emulate.get("rate"), d.emulate.get("delay_ms")
-        parent = ("root",)
-        if delay:
-            r = subprocess.run([*inside, "tc", "qdisc", "add", "dev", ns_if, "root", "handle", "1:", "netem",
-                                "delay", f"{float(delay)}ms"], capture_output=True, text=True)
-            if r.returncode != 0:
-                raise HpipeError(f"daemon {d.name}: delay_ms needs tc netem, which this kernel lacks "
-                                 f"({r.stderr.strip()}); remove delay_ms (rate works without it)")
-            parent = ("parent", "1:")
-        if rate:
-            burst = f"{_burst_kbit(str(rate))}kbit"
-            run(*inside, "tc", "qdisc", "add", "dev", ns_if, *parent, "handle", "2:", "tbf", "rate", str(rate),
-                 "burst", burst, "latency", "100ms")
-            # and what comes in: a host's link bounds its downloads too (weights a coordinator
-            # sends it, activations from the stage before), as a real NIC does
-            run("tc", "qdisc", "add", "dev", host_if, "root", "tbf", "rate", str(rate), "burst", burst,
-                "latency", "100ms")
-        log.info("emulated host %s at %s (rate %s, delay %s ms)", d.name, d.host, rate, delay)
+        if ns not in state["netns"]:
+            run("ip", "netns", "add", ns)
+            state["netns"].append(ns)
+            record.write(state)
+            run("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+            run("ip", "link", "set", ns_if, "netns", ns)
+            run("ip", "link", "set", host_if, "master", BRIDGE, "up")
+            inside = ("ip", "netns", "exec", ns)
+            run(*inside, "ip", "addr", "add", f"{d.host}/24", "dev", ns_if)
+            run(*inside, "ip", "link", "set", ns_if, "up")
+            run(*inside, "ip", "link", "set", "lo", "up")
+            run(*inside, "ip", "route", "add", "default", "via", BRIDGE_IP)
+        # shaped each time: a namespace an earlier `up` left (one that failed half-way, or a
+        # cluster file edited since) gets the link the file says now
+        shape(d)
     record.write(state)
+
+
+def shape(d: DaemonSpec) -> None:
+    """``d``'s link as its ``rate`` and ``delay_ms`` say (none: unshaped), replacing what it had."""
+    ns, host_if, ns_if = names(d)
+    inside = ("ip", "netns", "exec", ns)
+    for cmd in ((*inside, "tc", "qdisc", "del", "dev", ns_if, "root"), ("tc", "qdisc", "del", "dev", host_if, "root")):
+        subprocess.run(cmd, capture_output=True)  # nothing to delete on a new link
+    rate, delay = d.emulate.get("rate"), d.emulate.get("delay_ms")
+    parent = ("root",)
+    if delay:
+        r = subprocess.run([*inside, "tc", "qdisc", "add", "dev", ns_if, "root", "handle", "1:", "netem",
+                            "delay", f"{float(delay)}ms"], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise HpipeError(f"daemon {d.name}: delay_ms needs tc netem, which this kernel lacks "
+                             f"({r.stderr.strip()}); remove delay_ms (rate works without it)")
+        parent = ("parent", "1:")
+    if rate:
+        burst = f"{_burst_kbit(str(rate))}kbit"
+        run(*inside, "tc", "qdisc", "add", "dev", ns_if, *parent, "handle", "2:", "tbf", "rate", str(rate),
+            "burst", burst, "latency", "100ms")
+        # and what comes in: a host's link bounds its downloads too (weights a coordinator
+        # sends it, activations from the stage before), as a real NIC does
+        run("tc", "qdisc", "add", "dev", host_if, "root", "tbf", "rate", str(rate), "burst", burst,
+            "latency", "100ms")
+    log.info("emulated host %s at %s (rate %s, delay %s ms)", d.name, d.host, rate, delay)
 
 
 def _burst_kbit(rate: str) -> int:
