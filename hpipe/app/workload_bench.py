@@ -7,7 +7,8 @@ end-of-sequence ignored) and reports output and total tokens/s, time to first to
 output token (p50 and p99), preemptions (swaps into the daemons' host tier, and positions
 recomputed), and each stage's busy fraction (compute seconds over the run's span). A policy named
 ``NAME+recompute`` is that policy with preempted requests recomputed instead of swapped (the
-side-by-side for the host tier). ``seesaw`` switches between a Seesaw plan's layouts, the KV of
+side-by-side for the host tier); ``NAME+whole``, with every sampled row's logits sent whole from
+the last stage (the side-by-side for sending a greedy row's top logits only). ``seesaw`` switches between a Seesaw plan's layouts, the KV of
 the stages a switch moves sent or recomputed as the plan chose; ``seesaw-send`` and
 ``seesaw-recompute`` always send it or always recompute it (``seesaw-send-late``: sends it all
 at the switch, none while the prefill phase runs; ``seesaw-send-pools``: parks nothing in the host
@@ -59,7 +60,7 @@ def run_once(plan: Plan, pipe: Pipeline, items: list[WorkItem], policy: str, see
     offsets = {c.name: c.clock_offset() for c in pipe.clients}
     name, _, mode = policy.partition("@")[0].partition("+")
     engine = Engine(session, (make_policy or POLICIES[name])(), depth=len(pipe.stages), max_running=max_running,
-                    swap=mode != "recompute")
+                    swap=mode != "recompute", top_logits=mode != "whole")
     slicer = plan.slicer()
     done, stop = [0], threading.Event()
     requests: list[Request] = []
@@ -152,12 +153,12 @@ def run_workload(plan: Plan, cluster: ClusterSpec, items: list[WorkItem], polici
     def known(p: str) -> bool:
         name, _, layout = p.partition("@")
         base, _, mode = name.partition("+")
-        return (base in POLICIES and mode in ("", "recompute") and layout in ("", "prefill", "decode", *plan.strategies)
+        return (base in POLICIES and mode in ("", "recompute", "whole") and layout in ("", "prefill", "decode", *plan.strategies)
                 or p in SEESAW)
     unknown = [p for p in policies if not known(p)]
     if unknown:
         raise HpipeError(f"unknown policies {unknown} (choose from {', '.join(POLICIES)}, each optionally +recompute "
-                         "and @prefill, @decode or @STRATEGY; or " + ", ".join(SEESAW) + ")")
+                         "or +whole, and @prefill, @decode or @STRATEGY; or " + ", ".join(SEESAW) + ")")
     with deploy(plan, cluster, kv_pool_bytes=kv_pool_bytes, dequantize=dequantize) as deployed:
         layouts = _layouts(plan, cluster, policies, deployed.recovery.stages)
         return _rounds(plan, deployed.pipe, items, policies, rounds, seed, layouts, kv_pool_bytes)

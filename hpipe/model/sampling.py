@@ -60,6 +60,11 @@ class SamplingParams:
     def penalised(self) -> bool:
         return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
+    def needs_only_top(self, k: int) -> bool:
+        """Whether a row's ``k`` largest logits draw what the whole row draws: greedy, or a top-k
+        cut of at most ``k``, without penalties (which could lift a token from below the cut)."""
+        return not self.penalised and (self.greedy or 0 < self.top_k <= k)
+
 
 class Sampler:
     """One request's sampling state: its parameters, its generator, the tokens it has seen."""

@@ -43,6 +43,7 @@ from runtime.coordinator.rebind import Rebinding
 from runtime.coordinator.request import Request
 from runtime.coordinator.session import Session, StageFailure
 from runtime.coordinator.stall import StallGuard
+from runtime.wire.logits import TOP_LOGITS
 from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,13 @@ class Engine(Preempting, Rebinding):
 
     def __init__(self, session: Session, policy, depth: int, max_running: int = 64,
                  recover: Callable[[str, Session], Session] | None = None, prefix_cache: float | None = None,
-                 swap: bool = True):
+                 swap: bool = True, top_logits: bool = True):
         """``prefix_cache``: keep a prefix cache, with room for this share of the tightest stage's
-        pool in blocks nobody holds (None: no cache); ``swap``: preempt into the host tier."""
+        pool in blocks nobody holds (None: no cache); ``swap``: preempt into the host tier;
+        ``top_logits``: a request that needs only its row's largest logits gets only those from the
+        last stage (runtime/wire/logits.py), not the whole row."""
         self.session, self.policy, self.depth, self.max_running = session, policy, max(1, depth), max_running
+        self.top_logits = top_logits
         #: when the pipeline breaks: (error, the broken session's id) -> a new session on a working
         #: pipeline that took over its sequences where it could, or StageFailure (runtime.coordinator.recovery)
         self.recover = recover
@@ -216,7 +220,7 @@ class Engine(Preempting, Rebinding):
                     tokens.append(r.tokens[-1])
                     decode += 1
                 entries.append(pb.Entry(sequence_id=r.seq_id, start=start, length=p.length,
-                                        logits=pb.LAST_LOGITS if p.sampled else pb.NO_LOGITS,
+                                        logits=self._logits(r) if p.sampled else pb.NO_LOGITS,
                                         max_len=r.max_len if first else 0, cached=r.hit if first else (),
                                         keep=p.keep or (), prefill_end=len(r.prompt) if r.prefilling else 0))
                 r.laid_out += p.length
@@ -225,6 +229,12 @@ class Engine(Preempting, Rebinding):
         self._in_flight[mb] = Sent(planned, time.monotonic(), prefill, decode)
         self.micro_batches += 1
         return True
+
+    def _logits(self, r: Request) -> int:
+        """What ``r``'s sampled row needs from the last stage: its top logits where they draw what
+        the whole row does (no log-probabilities asked for), else the whole row."""
+        top = self.top_logits and r.logprobs is None and r.sampler.params.needs_only_top(TOP_LOGITS)
+        return pb.LAST_TOP if top else pb.LAST_LOGITS
 
     def _collect(self) -> None:
         watch = [r.seq_id for r in self.running]
@@ -252,10 +262,10 @@ class Engine(Preempting, Rebinding):
                     self._refused(r, *failed)
             if rows:
                 logits = result.logits[rows]
-                # a row's sum is finite exactly when its logits are (a NaN or an inf carries through;
-                # finite logits of any real model are far from overflowing a float32 sum), and one
-                # sum costs less than a check per element and a reduction of the booleans
-                finite = torch.isfinite(logits.sum(dim=-1)).tolist()
+                # a row's largest logit is finite unless a NaN or an inf came through (a NaN or +inf is
+                # the largest; a row of -inf has none finite): one reduction, not a check per element.
+                # Not the sum: a row sent as its top logits (runtime/wire/logits.py) is -inf past them
+                finite = torch.isfinite(logits.amax(dim=-1)).tolist()
                 if not all(finite):  # NaN or inf hidden states upstream: say so, do not sample noise
                     for r, ok in zip(owners, finite):
                         if not ok:

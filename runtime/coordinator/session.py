@@ -33,6 +33,7 @@ import torch
 
 from hpipe.core.cluster import split_address
 from hpipe.core.errors import HpipeError
+from runtime.wire.logits import unpack
 from runtime.wire.messages import pb
 from runtime.wire.transport import Connection, LinkError, client_context, connect, read_payload
 
@@ -84,6 +85,9 @@ class Session:
         self._lock = threading.Lock()
         self._done = threading.Condition()
         self._results: dict[int, Result] = {}
+        #: micro-batch -> each row of its result: sent as its top logits? (runtime/wire/logits.py)
+        self._top: dict[int, list[bool]] = {}
+        self.result_bytes = 0  # the logits' bytes the last stage sent back
         self._broken: str | None = None
         self._reader = threading.Thread(target=self._read_results, name=f"results-{self.id}", daemon=True)
         self._reader.start()
@@ -120,6 +124,9 @@ class Session:
                 raise HpipeError("the session is closed")
             mb = self._next
             self._next += 1
+            if replay is None:
+                self._top[mb] = [e.logits == pb.LAST_TOP for e in entries if e.logits != pb.NO_LOGITS
+                                 for _ in range(e.length if e.logits == pb.ALL_LOGITS else 1)]
             layout = pb.Frame(layout=pb.MicroBatch(id=mb, entries=entries, replay=replay))
             try:
                 for conn in self.conns:
@@ -166,9 +173,17 @@ class Session:
                     raise LinkError(f"unexpected {frame.WhichOneof('kind')} frame from the last stage")
                 act = frame.activation
                 buf = read_payload(self._last.sock, act.payload_bytes)
-                rows = act.payload_bytes // (4 * self.vocab_size)
-                result = Result(act.micro_batch, buf.view(torch.float32).view(rows, self.vocab_size),
-                                {f.sequence_id: (f.code, f.message) for f in act.failed})
+                self.result_bytes += act.payload_bytes
+                # not under self._lock: submit holds it while it sends, which may wait on the daemons, which
+                # may wait on this reader; the entry was put in before the layout went out
+                top = self._top.pop(act.micro_batch, None)
+                if top is None:  # not one this session sent: whole rows, as it would be
+                    top = [False] * (act.payload_bytes // (4 * self.vocab_size))
+                try:
+                    logits = unpack(buf.view(torch.float32), top, self.vocab_size)
+                except (ValueError, RuntimeError) as e:
+                    raise LinkError(f"the last stage sent micro-batch {act.micro_batch}'s logits malformed: {e}") from None
+                result = Result(act.micro_batch, logits, {f.sequence_id: (f.code, f.message) for f in act.failed})
                 with self._done:
                     self._results[act.micro_batch] = result
                     self._done.notify_all()

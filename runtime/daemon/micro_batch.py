@@ -24,11 +24,14 @@ from runtime.daemon.layout import Layout, Layouts
 from runtime.daemon.outbox import Outbox
 from runtime.daemon.sequences import SequenceTable
 from runtime.daemon.session_stats import SessionStats
+from runtime.wire.logits import pack
 from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
 
-LOGITS = {pb.NO_LOGITS: "none", pb.LAST_LOGITS: "last", pb.ALL_LOGITS: "all"}
+#: what the model computes for an entry (a LAST_TOP entry: its last position's logits, of which
+#: only the largest are sent on)
+LOGITS = {pb.NO_LOGITS: "none", pb.LAST_LOGITS: "last", pb.ALL_LOGITS: "all", pb.LAST_TOP: "last"}
 
 
 class MicroBatches:
@@ -87,7 +90,8 @@ class MicroBatches:
             rows = sum(e.length if e.logits == "all" else 1 for e in entries if e.logits != "none")
             if out is None or out.shape[0] != rows:
                 out = torch.zeros(rows, model.cfg.vocab_size, device=model.device)
-            out = out.float()
+            out = pack(out.float(), [e.logits == pb.LAST_TOP for e in layout.entries if e.logits != pb.NO_LOGITS
+                                     for _ in range(e.length if e.logits == pb.ALL_LOGITS else 1)])
         elif out is None:
             out = torch.zeros(layout.tokens, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
         act = pb.Activation(session=layout.session, micro_batch=layout.id, stage=stage.index + 1,
