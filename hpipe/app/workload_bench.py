@@ -8,8 +8,8 @@ output token (p50 and p99), preemptions (swaps into the daemons' host tier, and 
 recomputed), and each stage's busy fraction (compute seconds over the run's span). A policy named
 ``NAME+recompute`` is that policy with preempted requests recomputed instead of swapped (the
 side-by-side for the host tier); ``NAME+whole``, with every sampled row's logits sent whole from
-the last stage (the side-by-side for sending a greedy row's top logits only). ``seesaw`` switches between a Seesaw plan's layouts, the KV of
-the stages a switch moves sent or recomputed as the plan chose; ``seesaw-send`` and
+the last stage (the side-by-side for sending a greedy row's top logits only). ``seesaw``
+switches between a Seesaw plan's layouts, the KV of the stages a switch moves sent or recomputed as the plan chose; ``seesaw-send`` and
 ``seesaw-recompute`` always send it or always recompute it (``seesaw-send-late``: sends it all
 at the switch, none while the prefill phase runs; ``seesaw-send-pools``: parks nothing in the host
 tier, so a phase's batch is what the pools hold). Greedy outputs must be the same under every
@@ -153,8 +153,8 @@ def run_workload(plan: Plan, cluster: ClusterSpec, items: list[WorkItem], polici
     def known(p: str) -> bool:
         name, _, layout = p.partition("@")
         base, _, mode = name.partition("+")
-        return (base in POLICIES and mode in ("", "recompute", "whole") and layout in ("", "prefill", "decode", *plan.strategies)
-                or p in SEESAW)
+        return (base in POLICIES and mode in ("", "recompute", "whole")
+                and layout in ("", "prefill", "decode", *plan.strategies) or p in SEESAW)
     unknown = [p for p in policies if not known(p)]
     if unknown:
         raise HpipeError(f"unknown policies {unknown} (choose from {', '.join(POLICIES)}, each optionally +recompute "

@@ -174,15 +174,15 @@ class Session:
                 act = frame.activation
                 buf = read_payload(self._last.sock, act.payload_bytes)
                 self.result_bytes += act.payload_bytes
-                # not under self._lock: submit holds it while it sends, which may wait on the daemons, which
-                # may wait on this reader; the entry was put in before the layout went out
+                # not under self._lock: submit holds it while it sends, which may wait on the daemons,
+                # which may wait on this reader; the entry was put in before the layout went out
                 top = self._top.pop(act.micro_batch, None)
                 if top is None:  # not one this session sent: whole rows, as it would be
                     top = [False] * (act.payload_bytes // (4 * self.vocab_size))
                 try:
                     logits = unpack(buf.view(torch.float32), top, self.vocab_size)
                 except (ValueError, RuntimeError) as e:
-                    raise LinkError(f"the last stage sent micro-batch {act.micro_batch}'s logits malformed: {e}") from None
+                    raise LinkError(f"micro-batch {act.micro_batch}'s logits came malformed: {e}") from None
                 result = Result(act.micro_batch, logits, {f.sequence_id: (f.code, f.message) for f in act.failed})
                 with self._done:
                     self._results[act.micro_batch] = result

@@ -24,7 +24,8 @@ def test_pack_and_unpack_keep_whole_rows_and_each_top_row_s_largest(vocab):
         kept = torch.isfinite(back[i])
         assert int(kept.sum()) == k
         assert torch.equal(back[i][kept], out[i][kept])  # the same values at the same token ids
-        assert torch.equal(torch.sort(out[i], descending=True).values[:k], torch.sort(back[i][kept], descending=True).values)
+        largest = torch.sort(out[i], descending=True).values[:k]
+        assert torch.equal(largest, torch.sort(back[i][kept], descending=True).values)
     assert torch.equal(unpack(pack(out, [False] * 5), [False] * 5, vocab), out)
     with pytest.raises(ValueError, match="payload"):
         unpack(buf[:-1], top, vocab)
@@ -81,8 +82,8 @@ def test_greedy_requests_get_their_tokens_from_top_rows_and_the_others_whole_row
 
     pipe, source = three
     prompts, news = workload(12, source.config.vocab_size)
-    params = [SamplingParams(), SamplingParams(temperature=0.9, top_k=8, seed=1), SamplingParams(temperature=0.9, seed=2),
-              SamplingParams()] * 3
+    params = [SamplingParams(), SamplingParams(temperature=0.9, top_k=8, seed=1),
+              SamplingParams(temperature=0.9, seed=2), SamplingParams()] * 3
     logprobs = [None, None, None, 2] * 3  # the fourth of each: greedy, with log-probabilities (a whole row)
 
     def run(top_logits: bool):
