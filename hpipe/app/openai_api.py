@@ -65,6 +65,7 @@ class Sampling(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(-1, ge=-1)  # vLLM's extension: sample among the k likeliest (-1 or 0: no cut)
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)

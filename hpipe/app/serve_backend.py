@@ -220,8 +220,9 @@ class Backend:
         with self._lock:
             if len(engine.waiting) >= self.max_queue:
                 raise Busy(f"{len(engine.waiting)} requests are waiting already; try again shortly", retry_after=1)
-            params = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                    frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty)
+            params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
+                                    seed=body.seed, frequency_penalty=body.frequency_penalty,
+                                    presence_penalty=body.presence_penalty)
 
             def done(r: Request) -> None:
                 self.metrics.finished.labels(r.stop_reason).inc()

@@ -50,6 +50,10 @@ def test_openai_client_chat_completions_and_models(server):
                                                  stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == backend.decode(want)
     assert chunks[-1].usage.completion_tokens == len(want)
+    # vLLM's top_k: a draw among the likeliest one is the greedy answer, whatever the temperature
+    one = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=1.5, seed=5,
+                                         extra_body={"top_k": 1})
+    assert one.choices[0].message.content == backend.decode(want)
     text = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0)
     assert text.choices[0].text == backend.decode(reference(source, backend.text_prompt("Once upon a time"), 6))
     with_lp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0,
@@ -124,7 +128,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv_on_every_stage(server
 
 @pytest.mark.parametrize("case,status,code", [
     ("malformed", 400, None), ("bad key", 401, "invalid_api_key"), ("unknown model", 404, "model_not_found"),
-    ("too long", 413, "context_length_exceeded"), ("n > 1", 400, None)])
+    ("too long", 413, "context_length_exceeded"), ("n > 1", 400, None), ("top_k < -1", 400, None)])
 def test_error_statuses(server, case, status, code):
     base, *_ = server
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -139,6 +143,8 @@ def test_error_statuses(server, case, status, code):
         body["messages"][0]["content"] = "word " * 200  # the plan takes 64 tokens
     elif case == "n > 1":
         body["n"] = 2
+    elif case == "top_k < -1":
+        body["top_k"] = -2
     r = httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers)
     assert r.status_code == status, r.text
     error = r.json()["error"]

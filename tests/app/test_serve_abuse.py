@@ -179,7 +179,7 @@ def test_a_bounded_fuzz_leaves_the_server_serving(served):
     values = [None, 0, 1, -1, 2 ** 70, -2 ** 70, 1e-300, 1e300, 0.5, "", "x", "\x00", [], {}, [1], True,
               {"type": "text", "text": 5}, "🙂" * 50]
     fields = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
-              "presence_penalty", "frequency_penalty", "stream", "logprobs", "top_logprobs", "echo", "ignore_eos"]
+              "presence_penalty", "frequency_penalty", "stream", "logprobs", "top_logprobs", "echo", "ignore_eos", "top_k"]
     expected = chat(base).json()["choices"][0]["message"]
     with httpx.Client(timeout=30) as client:
         for i in range(150):
