@@ -9,8 +9,8 @@ recomputed), and each stage's busy fraction (compute seconds over the run's span
 ``NAME+recompute`` is that policy with preempted requests recomputed instead of swapped (the
 side-by-side for the host tier); ``NAME+whole``, with every sampled row's logits sent whole from
 the last stage (the side-by-side for sending a greedy row's top logits only). ``seesaw``
-switches between a Seesaw plan's layouts, the KV of the stages a switch moves sent or recomputed as the plan chose; ``seesaw-send`` and
-``seesaw-recompute`` always send it or always recompute it (``seesaw-send-late``: sends it all
+switches between a Seesaw plan's layouts, the KV of the stages a switch moves sent or recomputed
+as the plan chose; ``seesaw-send`` and ``seesaw-recompute`` always send it or always recompute it (``seesaw-send-late``: sends it all
 at the switch, none while the prefill phase runs; ``seesaw-send-pools``: parks nothing in the host
 tier, so a phase's batch is what the pools hold). Greedy outputs must be the same under every
 policy; a difference is reported.

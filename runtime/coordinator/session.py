@@ -33,7 +33,7 @@ import torch
 
 from hpipe.core.cluster import split_address
 from hpipe.core.errors import HpipeError
-from runtime.wire.logits import unpack
+from runtime.wire.logits import top_rows, unpack
 from runtime.wire.messages import pb
 from runtime.wire.transport import Connection, LinkError, client_context, connect, read_payload
 
@@ -125,8 +125,7 @@ class Session:
             mb = self._next
             self._next += 1
             if replay is None:
-                self._top[mb] = [e.logits == pb.LAST_TOP for e in entries if e.logits != pb.NO_LOGITS
-                                 for _ in range(e.length if e.logits == pb.ALL_LOGITS else 1)]
+                self._top[mb] = top_rows(entries)
             layout = pb.Frame(layout=pb.MicroBatch(id=mb, entries=entries, replay=replay))
             try:
                 for conn in self.conns:

@@ -24,7 +24,7 @@ from runtime.daemon.layout import Layout, Layouts
 from runtime.daemon.outbox import Outbox
 from runtime.daemon.sequences import SequenceTable
 from runtime.daemon.session_stats import SessionStats
-from runtime.wire.logits import pack
+from runtime.wire.logits import pack, top_rows
 from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
@@ -87,11 +87,10 @@ class MicroBatches:
                 self._fail_all(layout, failures, "INTERNAL", f"stage {stage.index}: internal error: {err!r}")
         timer.stop()
         if model.units.has_head:
-            rows = sum(e.length if e.logits == "all" else 1 for e in entries if e.logits != "none")
-            if out is None or out.shape[0] != rows:
-                out = torch.zeros(rows, model.cfg.vocab_size, device=model.device)
-            out = pack(out.float(), [e.logits == pb.LAST_TOP for e in layout.entries if e.logits != pb.NO_LOGITS
-                                     for _ in range(e.length if e.logits == pb.ALL_LOGITS else 1)])
+            top = top_rows(layout.entries)
+            if out is None or out.shape[0] != len(top):
+                out = torch.zeros(len(top), model.cfg.vocab_size, device=model.device)
+            out = pack(out.float(), top)
         elif out is None:
             out = torch.zeros(layout.tokens, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
         act = pb.Activation(session=layout.session, micro_batch=layout.id, stage=stage.index + 1,

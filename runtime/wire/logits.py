@@ -17,8 +17,17 @@ from __future__ import annotations
 
 import torch
 
+from runtime.wire.messages import pb
+
 #: the logits a ``LAST_TOP`` row carries (of the vocabulary's, if it is smaller)
 TOP_LOGITS = 64
+
+
+def top_rows(entries) -> list[bool]:
+    """The rows of a micro-batch's result, in order, for its layout's ``entries`` (``pb.Entry``):
+    each sent as its top logits (a ``LAST_TOP`` entry's) or whole."""
+    return [e.logits == pb.LAST_TOP for e in entries if e.logits != pb.NO_LOGITS
+            for _ in range(e.length if e.logits == pb.ALL_LOGITS else 1)]
 
 
 def pack(out: torch.Tensor, top: list[bool]) -> torch.Tensor:
