@@ -92,7 +92,6 @@ class HostTier:
             kv.release()
             seq.kv[i] = pool.sequence(seq.max_len)
             seq.planned[i] = seq.computed[i] = n
-        seq.cached = 0  # its copy back goes into blocks of its own
         self._held[seq.id] = copy
         self.swapped_out += 1
         return True

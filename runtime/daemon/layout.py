@@ -8,8 +8,10 @@ alone: it is recorded as failed, its entries are computed as dead rows (so the m
 its shape), and the failure travels with the micro-batch's data to the coordinator.
 
 An entry that starts before the position its sequence reached rewinds it there (its later KV
-blocks and replay log are dropped), but never into the cached prefix a sequence began with
-(:mod:`runtime.daemon.prefix_store`): those blocks are shared, and a sequence never writes them. A replay micro-batch (``MicroBatch.replay``) is laid out only
+blocks and replay log are dropped), but never into the cached prefix a sequence began with on a
+stage (:mod:`runtime.daemon.prefix_store`): those blocks are shared, and a sequence never writes
+them. A stage that has none of them (one a layout switch or a recovery moved here) is rebuilt
+from position 0 like any other. A replay micro-batch (``MicroBatch.replay``) is laid out only
 on the held stages it rebuilds; a daemon holding the stage just before them sends it from its
 replay log (:mod:`runtime.coordinator.resume` plans replays).
 """
@@ -103,12 +105,23 @@ class Layouts:
                 seen.add(e.sequence_id)
                 if stages:
                     self._lay_out(layout, session, e, held, stages)
+            if layout.last is not None:
+                self._fail_replayed(layout)
         if stages:
             with self._arrived:
                 self._by_key[session, mb.id] = layout
                 self._arrived.notify_all()
         if source is not None:
             self.outbox.replay(held[source], layout)
+
+    def _fail_replayed(self, layout: Layout) -> None:
+        """A replay has no result to carry its failures to the coordinator: each sequence it could
+        not lay out fails here, so its next entry fails with ``DATA_LOSS`` and the coordinator
+        computes it again in a new sequence, instead of that entry finding the stage short of it."""
+        for seq_id, failure in layout.failures.items():
+            seq = self.sequences.find(seq_id)
+            if seq is not None and seq.session == layout.session:
+                seq.fail("DATA_LOSS", f"replaying it: {failure.code}: {failure.message}")
 
     def _lay_out(self, layout: Layout, session: int, e: pb.Entry, held: dict, stages: dict) -> None:
         """Open (on every ``held`` stage) or find ``e``'s sequence, and lay ``e`` out on ``stages``."""
@@ -132,7 +145,7 @@ class Layouts:
                 return
             seq = Sequence(e.sequence_id, session, e.max_len,
                            {i: s.pool.sequence(e.max_len) for i, s in held.items() if s.pool is not None},
-                           {i: cached for i in held}, {i: cached for i in held}, cached=cached)
+                           {i: cached for i in held}, {i: cached for i in held})
             if e.cached:
                 missing = self.prefixes.begin(session, seq.kv, list(e.cached))
                 if missing:  # the coordinator's index and this daemon disagree: it starts again without;
@@ -162,9 +175,11 @@ class Layouts:
                 layout.fail(e.sequence_id, "FAILED_PRECONDITION", f"sequence {e.sequence_id}: an entry starts at "
                             f"position {e.start}; the sequence continues at {seq.planned[i]}")
                 return
-            if e.start < seq.cached:
+            # this stage's cached prefix (a stage moved here has none: it is rebuilt from 0)
+            shared = seq.kv[i].shared * seq.kv[i].pool.block_size if i in seq.kv else 0
+            if e.start < shared:
                 layout.fail(e.sequence_id, "FAILED_PRECONDITION", f"sequence {e.sequence_id}: an entry starts at "
-                            f"position {e.start}, inside the {seq.cached} cached positions it began with")
+                            f"position {e.start}, inside the {shared} cached positions it began with on stage {i}")
                 return
             if e.start < seq.planned[i]:
                 self._rewind(seq, i, e.start)

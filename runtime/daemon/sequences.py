@@ -38,7 +38,6 @@ class Sequence:
     error: str = ""
     code: str = ""
     closed: bool = False
-    cached: int = 0  # the positions of the cached prefix it began with (shared blocks, never written)
 
     @property
     def kv_bytes(self) -> int:

@@ -41,10 +41,12 @@ def test_fine_stages_cut_each_layout_at_every_cut_of_both():
 
 
 def run_seesaw(pipe, path: str, layouts: dict, pool: int, prompts, news, send_kv: bool = False,
-               checked: bool = False, **kw):
+               checked: bool = False, prefix_cache: float | None = None, sent: set[int] | None = None,
+               **kw):
     """``prompts`` under :class:`SeesawPhases` (``kw``) switching ``pipe`` between ``layouts``
     (started on prefill), pools of ``pool`` bytes, the KV of every moved stage sent at a switch
-    (``send_kv``) or rebuilt by replays: (the requests, the policy, the engine). ``checked``: every
+    (``send_kv``; of the fine stages ``sent`` only, if given) or rebuilt by replays, with a ``prefix_cache`` of that share of the pools (None:
+    none): (the requests, the policy, the engine). ``checked``: every
     micro-batch the policy forms names running requests only, none parked after it was planned (a request
     swapped out after its entry was laid out would be computed without its KV on a daemon that
     ran the swap before the entry)."""
@@ -53,7 +55,8 @@ def run_seesaw(pipe, path: str, layouts: dict, pool: int, prompts, news, send_kv
         return pipe.session(resume_from=old)
 
     def send(phase, old, ids=None):
-        return send_moved_kv(pipe, old, layouts[phase], set(range(len(layouts[phase]))), ids)
+        return send_moved_kv(pipe, old, layouts[phase], set(range(len(layouts[phase]))) if sent is None else sent,
+                             ids)
 
     pipe.load(path, layouts["prefill"], torch.float32, kv_pool_bytes=pool, adjacent=True)
     phases = SeesawPhases(deploy, send_kv=send if send_kv else None, **kw)
@@ -67,7 +70,7 @@ def run_seesaw(pipe, path: str, layouts: dict, pool: int, prompts, news, send_kv
         phases.form = checked_form
     session = pipe.session()
     try:
-        engine = Engine(session, phases, depth=len(pipe.stages))
+        engine = Engine(session, phases, depth=len(pipe.stages), prefix_cache=prefix_cache)
         requests = [engine.add(Request(p, m, slicer=chunks)) for p, m in zip(prompts, news)]
         engine.run()
     finally:
@@ -102,6 +105,39 @@ def test_switching_layouts_loses_no_token(tiny, low_water):
     if low_water:  # some requests were decoding when decode gave way
         assert any(s["to"] == "prefill" and s["resumed"] for s in phases.switches)
     assert engine.preemptions == 0  # the prefill phase admits only what the pools hold to the end
+    assert pools_empty(pipe)
+
+
+def test_a_moved_first_stage_rebuilds_a_cached_prefix_from_the_token_ids(tiny):
+    """Requests that begin with a cached prefix (shared blocks on every stage, no replay log before
+    them), and a switch that moves the first stage to a daemon that held other stages of them
+    (the KV of the other moved stages sent, the first stage's recomputed, as a plan may choose):
+    the replay from the token ids rebuilds the new owner's first stage from position 0, which
+    holds none of the shared blocks there (the shared prefix is a stage's, not a sequence's), and
+    every request decodes on with its own tokens, none computed again. Before the fix the replay
+    was refused on the new owner ("inside the cached positions it began with"), its failure went
+    nowhere (a replay has no result), and the next decode entry failed: "an entry starts at
+    position P; the sequence continues at 0" (a lost answer, as `hpipe run --policy seesaw` lost 3
+    of 4 on an AVX2 EPYC, whenever its documents hit the prefix cache before the switch)."""
+    pipe, source, path = tiny
+    cfg = source.config
+    n = cfg.num_units
+    names = [d.name for d in pipe.cluster.daemons]
+    layouts = fine_stages({"prefill": cut_stages(pipe.cluster, [3, 5], n),
+                           "decode": cut_stages(pipe.cluster, [2, 6], n, daemons=[names[1], names[2], names[0]])})
+    prompts, news = workload(8, cfg.vocab_size)
+    shared = torch.randint(1, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompts = [shared + p for p in prompts]
+    news = [m + 4 for m in news]
+    requests, phases, engine = run_seesaw(pipe, path, layouts, 48 * BLOCK, prompts, news, prefix_cache=0.5,
+                                          send_kv=True, sent=set(range(1, len(layouts["decode"]))), low_water=0.0)
+    assert all(r.stop_reason == "length" and not r.error for r in requests), [r.error for r in requests]
+    assert [r.tokens for r in requests] == alone(source, prompts, news)
+    assert engine.cache.hits > 0 and any(r.cached_tokens for r in requests)
+    to_decode = [s for s in phases.switches if s["to"] == "decode"]
+    assert to_decode and sum(s["replayed_positions"] for s in to_decode) > 0
+    # rebuilt where they stood: none started again at the switch, none refused and computed again after
+    assert sum(s["restarted"] for s in phases.switches) == 0 and engine.recomputed == 0
     assert pools_empty(pipe)
 
 
