@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.cluster_helpers import RunningCluster, write_cluster
-from tests.helpers import FAMILIES, make_tiny_model
+from tests.helpers import FAMILIES, make_tiny_model, need_cpu_kernels
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -15,6 +15,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # CPU; tests/model/test_quant.py switches bfloat16 on where it tests it
 os.environ.setdefault("HPIPE_PREFILL_GEMM", "float32")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """hpipe's CPU kernels, for the tests of them and of quantized models (a skip without them, a
+    failure under CI: :func:`tests.helpers.need_cpu_kernels`)."""
+    need_cpu_kernels()
 
 
 @pytest.fixture(scope="session")

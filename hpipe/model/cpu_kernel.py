@@ -29,6 +29,8 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -102,7 +104,7 @@ def available() -> bool:
         log.warning("building hpipe's CPU kernels into %s (once, about a minute)", build_dir())
         try:
             build()
-        except (OSError, RuntimeError, ImportError) as err:
+        except (OSError, RuntimeError, ImportError, subprocess.SubprocessError) as err:
             lines = str(err).strip().splitlines() or [type(err).__name__]
             _build_error = next((line.strip() for line in lines if "error" in line.lower()), lines[-1])
             log.error("hpipe's CPU kernels could not be built (%s): float32 stages decode eagerly, several times "
@@ -116,6 +118,16 @@ def available() -> bool:
         log.warning("the CPU kernels at %s do not load (%s); decode runs eagerly", library, err)
         return False
     return True
+
+
+def build_error() -> str:
+    """Why the kernels could not be built or loaded in this process ("" if they were, or nobody asked)."""
+    return _build_error
+
+
+def compiler() -> str | None:
+    """The C++ compiler PyTorch would build the kernels with (``$CXX``, else ``c++``), if there is one."""
+    return shutil.which(os.environ.get("CXX", "c++"))
 
 
 def require(what: str) -> None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpipe.model import cpu_kernel
+from tests.helpers import need_cpu_kernels
 from tests.model.test_quant import _cpu_has
 
 pytestmark = pytest.mark.skipif(not _cpu_has("avx512_bf16"), reason="this CPU has no AVX512-BF16")
@@ -15,8 +15,7 @@ HEADS, KV_HEADS = 6, 2
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    if not cpu_kernel.available():
-        pytest.skip("the CPU kernels could not be built here")
+    need_cpu_kernels()
 
 
 def reference(q, k, v, start, scale, window):

@@ -11,17 +11,12 @@ from hpipe.core.units import UnitRange, ranges_from_cuts
 from hpipe.model import StageModel, cpu_kernel
 from hpipe.model.kvpool import Entry, KVPool
 from hpipe.model.sources import model_shape, resolve_model
-from tests.helpers import FAMILIES, max_rel_diff
+from tests.helpers import FAMILIES, max_rel_diff, need_cpu_kernels
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not cpu_kernel.available():  # setup.sh builds it; without that, build it here if this machine can
-        try:
-            cpu_kernel.build()
-        except (OSError, RuntimeError) as err:
-            pytest.skip(f"the CPU decode kernel cannot be built here: {err}")
-    assert cpu_kernel.available()
+    need_cpu_kernels()  # setup.sh builds it; without that, it is built here if this machine can
     yield
     cpu_kernel.enable(True)
     cpu_kernel.vector_attention(True)

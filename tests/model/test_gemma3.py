@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from hpipe.app.cli import main
-from hpipe.model import cpu_kernel
 from hpipe.model.generate import LocalModel, encode_prompt, generate
 from hpipe.model.quant import QuantLinear
 from hpipe.model.sampling import SamplingParams
@@ -50,7 +49,7 @@ def test_float32_equals_hf_logits_and_greedy_tokens(gemma3, hf_greedy):
         assert out.token_ids == hf_greedy[p].tolist(), p
 
 
-@pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernels are not built")
+@pytest.mark.usefixtures("cpu_kernels")
 def test_quantized_blocks_give_the_dequantized_tokens(gemma3, hf_greedy):
     """Its blocks computed as stored (activations float32): the float32 copy's greedy tokens, which
     are transformers', whole and cut, prefill sliced; through ``hpipe generate`` too."""

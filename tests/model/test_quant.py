@@ -14,14 +14,14 @@ import torch
 
 from hpipe.core.errors import ModelSourceError
 from hpipe.core.units import UnitRange, ranges_from_cuts
-from hpipe.model import StageModel, cpu_kernel
+from hpipe.model import StageModel
 from hpipe.model.generate import LocalModel, encode_prompt, generate
 from hpipe.model.gguf_weights import INDEX, GGUFWeights, head_order
 from hpipe.model.layers import checkpoint_tensors
 from hpipe.model.quant import TYPES, QuantEmbedding, QuantizedWeight, QuantLinear, set_prefill_gemm
 from tests.helpers import max_rel_diff
 
-pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernels are not built")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # a failure under CI without them
 
 #: real text no other test reads (the Apache License 2.0, verbatim: 2,224 SmolLM2 tokens)
 TEXT = Path(__file__).parents[1] / "data" / "apache-2.0.txt"

@@ -7,14 +7,13 @@ import pytest
 import torch
 
 from hpipe.core.errors import InputError, ModelSourceError
-from hpipe.model import cpu_kernel
 from hpipe.model.generate import LocalModel
 from hpipe.model.quant import QuantizedWeight
 from hpipe.model.quantize import KINDS, Q5_0, quantize_matrix, quantized_dir
 from hpipe.model.sources import ModelSource, quantized_model, resolve_model
 
 RNG = np.random.default_rng(7)
-pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernels are not built")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # a failure under CI without them
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -13,6 +13,7 @@ from profiler.grid import grid_axes, grids_from_reply
 from profiler.links import fit_host_cpu, fit_link, fit_probes
 from profiler.measure import profile_cluster
 from tests.cluster_helpers import free_ports
+from tests.helpers import need_cpu_kernels
 
 
 def test_profile_live_cluster_and_cache(cluster3, smollm2, tmp_path, capsys):
@@ -385,12 +386,11 @@ def test_quantized_prefill_is_timed_in_the_precision_runs_ask_for(monkeypatch):
     import grpc
 
     from hpipe.core.shapes import random_config
-    from hpipe.model import cpu_kernel, quant
+    from hpipe.model import quant
     from profiler.measure import grid_request
     from tests.cluster_helpers import Served
 
-    if not cpu_kernel.available():
-        pytest.skip("hpipe's CPU kernels could not be built here")
+    need_cpu_kernels()
     cfg = random_config("random:tiny")
     shape = {**cfg.to_dict(), "quantization_config": {"quant_method": "gguf", "ggml_type": 8}}
     keys = {}
