@@ -75,12 +75,23 @@ def _starts_daemons(item) -> bool:
     return False
 
 
+#: the tests that run a second time with the instruction set capped at AVX2 (``-m avx2_pass``,
+#: scripts/test.sh, on a CPU with AVX-512): the kernels, the quantized and float32 models on them,
+#: batched and pipelined execution over daemons, and the Seesaw switch; not the planner, the
+#: files, the server or the cluster tools, whose code is the same on any CPU
+AVX2_PASS = ("tests/model/", "tests/runtime/test_engine.py", "tests/runtime/test_seesaw_runtime.py",
+             "tests/runtime/test_wire_logits.py", "tests/runtime/test_jobs.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """``slow``: every test that starts daemons or a cluster (``-m "not slow"`` is the quick loop);
-    ``gpu`` tests skip without a GPU."""
+    ``avx2_pass``: the tests of :data:`AVX2_PASS`; ``gpu`` tests skip without a GPU."""
+    root = str(config.rootpath)
     for item in items:
         if "slow" not in item.keywords and _starts_daemons(item):
             item.add_marker(pytest.mark.slow)
+        if str(item.path).removeprefix(root + "/").startswith(AVX2_PASS):
+            item.add_marker(pytest.mark.avx2_pass)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

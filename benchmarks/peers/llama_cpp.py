@@ -58,8 +58,8 @@ def cpu_model() -> str:
 
 #: what ``--isa avx2`` leaves of the CPU, and the environment that caps each library at it
 AVX2 = {"avx", "avx2", "fma", "f16c"}
-AVX2_ENV = {"HPIPE_CPU_ISA": "avx2", "HPIPE_PREFILL_GEMM": "float32", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-            "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+AVX2_ENV = dict(kv.split("=", 1) for line in (Path(__file__).parents[2] / "scripts" / "avx2.env").read_text().splitlines()
+                if line.startswith("export ") for kv in line.split()[1:])  # the one list, scripts/avx2.env
 
 
 def build(cap: set[str] | None = None) -> Path:
