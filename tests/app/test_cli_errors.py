@@ -73,3 +73,19 @@ def test_daemon_prints_a_systemd_unit_that_restarts_it(capsys):
     assert "Restart=on-failure" in unit and "StartLimitBurst=5" in unit
     exec_line = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
     assert exec_line.endswith("-m hpipe daemon --name box --port 50199 --model-dirs /srv/models")
+
+
+def test_the_process_exits_with_the_commands_code_and_all_its_output(tiny_chat_model):
+    """``hpipe`` as a process ends without the interpreter's teardown (which can abort in gRPC's or
+    torch's C++ threads): its exit code is the command's, and its output is whole."""
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", "hpipe", "generate", "--model", str(tiny_chat_model), "--prompt",
+                         "Hello there", "--max-new-tokens", "3", "--json"], capture_output=True,
+                        text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert 1 <= len(json.loads(ok.stdout)["token_ids"]) <= 3
+    bad = subprocess.run([sys.executable, "-m", "hpipe", "generate", "--model", "no-such-model", "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "unknown model" in bad.stderr
