@@ -66,8 +66,10 @@ def cpu_counts() -> tuple[int, int]:
     return usable, psutil.cpu_count() or 0
 
 
-#: the environment that caps the instruction set a CPU daemon computes with (scripts/avx2.env)
-ISA_CAPS = ("HPIPE_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+#: the environment that changes the kernels a CPU daemon computes with: instruction-set caps
+#: (scripts/avx2.env) and the decode rows' arithmetic (docs/decisions/int8-decode.md)
+KERNEL_ENV = ("HPIPE_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
+              "HPIPE_DECODE_DOT")
 
 
 def fingerprint(device: torch.device) -> str:
@@ -92,9 +94,9 @@ def fingerprint(device: torch.device) -> str:
     packs = device.type == "cpu" and packed.pays()
     sw = (f"torch={torch.__version__}/threads={torch.get_num_threads()}/mkl_packed={int(packs)}"
           f"/prefill={asked_prefill_gemm() if device.type == 'cpu' else ''}")
-    if device.type == "cpu":  # an instruction set capped for the kernels, MKL, oneDNN or ATen (scripts/avx2.env)
-        caps = [f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k)]
-        sw += f"/isa={','.join(caps)}" if caps else ""
+    if device.type == "cpu":  # an instruction set capped (scripts/avx2.env), integer decode rows
+        env = [f"{k}={os.environ[k]}" for k in KERNEL_ENV if os.environ.get(k)]
+        sw += f"/env={','.join(env)}" if env else ""
     return hashlib.sha256(f"{hw}|{sw}".encode()).hexdigest()[:16] + f" {hw}"
 
 

@@ -41,7 +41,7 @@ std::optional<Tensor> maybe(const Tensor& t) {
 // x @ w.T + b, with w packed for MKL (shape: the original weight's zero-byte stand-in), plain
 // (shape empty) or GGUF's quantized blocks (uint8; shape: their parts, quant.h)
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& shape, const Tensor& bias) {
-  if (w.scalar_type() == at::kByte) return hpipe::qlinear(x, w, shape, bias);
+  if (w.scalar_type() == at::kByte) return hpipe::qlinear_decode(x, w, shape, bias);  // every row a decode row
   if (shape.numel() == 0) return at::linear(x, w, maybe(bias));
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkl::_mkl_linear", "")

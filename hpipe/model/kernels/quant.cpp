@@ -300,19 +300,28 @@ T* panel_room(int64_t values) {
 }
 
 // x [m, k] @ the parts' rows .T, float32 out [m, n_out]: in bfloat16 with float32 sums (`bf16`),
-// else in float32 (each weight row dequantized in registers or L1 for a few rows, panels and MKL's
-// GEMM from kGemmRows)
-Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& parts, int64_t n_out, bool bf16) {
+// as decode rows (`int8`: K-quant parts in integers, q8_dot.cpp, whatever m), else in float32
+// (each weight row dequantized in registers or L1 for a few rows, panels and MKL's GEMM from
+// kGemmRows)
+Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& parts, int64_t n_out, bool bf16,
+               bool int8 = false) {
   const int64_t m = x.size(0), k = x.size(1);
   if (bf16 && m == 1 && !own_bf16())  // MKL takes another path for one row (1e-6 apart): two rows sum as any number do
     return product(at::cat({x, x}), base, parts, n_out, true).narrow(0, 0, 1).contiguous();
   Tensor out = at::empty({m, n_out}, x.options());
   const Variant& v = variant();
   Tensor xb;  // x in bfloat16, made once for every part
+  std::optional<hpipe::Q8Rows> q8;  // x rounded to 8 bits, made once for every K-quant part
   int64_t col = 0;
   for (const Part& p : parts) {
     const uint8_t* b = base + p.offset;
-    if (bf16 && m > 0 && own_bf16()) {
+    if (int8 && !bf16 && m > 0 && hpipe::int8_decode_type(p.type)) {
+      if (!q8) q8 = hpipe::quantize_q8k(x.data_ptr<float>(), m, k);
+      float* o = out.data_ptr<float>() + col;
+      at::parallel_for(0, p.rows, 16, [&](int64_t a, int64_t z) {
+        hpipe::int8_rows_times_x(p.type, b, p.row_bytes, a, z, *q8, m, k, o, n_out);
+      });
+    } else if (bf16 && m > 0 && own_bf16()) {
       // the same with hpipe's kernel: each weight row rounded to bfloat16 in L1, then packed
       if (!xb.defined()) xb = x.to(at::kBFloat16);
       const int64_t panel_rows = std::max<int64_t>(32, kBf16PanelValues / k / 32 * 32);
@@ -409,18 +418,23 @@ Tensor qlinear_rows(const Tensor& x_in, const Tensor& blocks, const Tensor& part
   shape.back() = n_out;
   const uint8_t* base = blocks.data_ptr<uint8_t>();
   Tensor out;
-  const int64_t n_low = low.has_value() && bf16_prefill().load() ? [&] {
+  // a marked projection's rows: prefill rows (`low`) in the prefill GEMM's precision, the others
+  // as decode rows; an unmarked one's (the head's) all in float32
+  const bool bf16 = low.has_value() && bf16_prefill().load(), int8 = low.has_value() && int8_decode().load();
+  const int64_t n_low = bf16 || int8 ? [&] {
     TORCH_CHECK(low->scalar_type() == at::kBool && low->dim() == 1 && low->size(0) == m,
-                "low is bool [", m, "]: the rows that compute in bfloat16");
+                "low is bool [", m, "]: the rows of prefill slices");
     return low->sum().item<int64_t>();
   }() : 0;
-  if (n_low == 0 || n_low == m) {
-    out = product(x, base, parts, n_out, n_low == m && m > 0);
+  if (n_low == m && m > 0) {
+    out = product(x, base, parts, n_out, bf16);
+  } else if (n_low == 0) {
+    out = product(x, base, parts, n_out, false, int8);
   } else {  // each row in its own precision, whatever rows share its micro-batch
-    const Tensor rows_low = low->nonzero().squeeze(1), rows_f32 = low->logical_not().nonzero().squeeze(1);
+    const Tensor rows_low = low->nonzero().squeeze(1), rows_dec = low->logical_not().nonzero().squeeze(1);
     out = at::empty({m, n_out}, x.options());
-    out.index_copy_(0, rows_low, product(x.index_select(0, rows_low), base, parts, n_out, true));
-    out.index_copy_(0, rows_f32, product(x.index_select(0, rows_f32), base, parts, n_out, false));
+    out.index_copy_(0, rows_low, product(x.index_select(0, rows_low), base, parts, n_out, bf16));
+    out.index_copy_(0, rows_dec, product(x.index_select(0, rows_dec), base, parts, n_out, false, int8));
   }
   if (bias.numel()) out.add_(bias);
   return out.view(shape);
@@ -428,6 +442,10 @@ Tensor qlinear_rows(const Tensor& x_in, const Tensor& blocks, const Tensor& part
 
 Tensor qlinear(const Tensor& x, const Tensor& blocks, const Tensor& parts, const Tensor& bias) {
   return qlinear_rows(x, blocks, parts, bias, std::nullopt);
+}
+
+Tensor qlinear_decode(const Tensor& x, const Tensor& blocks, const Tensor& parts, const Tensor& bias) {
+  return qlinear_rows(x, blocks, parts, bias, at::zeros({x.numel() / std::max<int64_t>(1, x.size(-1))}, at::kBool));
 }
 
 }  // namespace hpipe
@@ -478,6 +496,15 @@ Tensor dequantize(const Tensor& blocks, const Tensor& parts_t, int64_t k) {
 
 std::string quant_variant() { return variant().name; }
 
+// how decode rows of K-quant parts multiply, "int8" or "float32", after setting it to `mode` unless
+// that is empty
+std::string decode_dot(const std::string& mode) {
+  TORCH_CHECK(mode.empty() || mode == "int8" || mode == "float32", "decode rows multiply in int8 or float32, not ",
+              mode);
+  if (!mode.empty()) hpipe::int8_decode().store(mode == "int8");
+  return hpipe::int8_decode().load() ? "int8" : "float32";
+}
+
 // the prefill GEMM's precision, "bfloat16" or "float32", after setting it to `mode` unless that is
 // empty ("default": the process's own choice again); "bfloat16" where the CPU or torch lacks it is
 // an error
@@ -502,5 +529,6 @@ TORCH_LIBRARY_FRAGMENT(hpipe, m) {
   m.def("dequantize(Tensor blocks, Tensor parts, int k) -> Tensor", &dequantize);
   m.def("quant_variant() -> str", &quant_variant);
   m.def("prefill_gemm(str mode) -> str", &prefill_gemm);
+  m.def("decode_dot(str mode) -> str", &decode_dot);
   m.def("bf16_gemm_kernel() -> str", &bf16_gemm_kernel);
 }

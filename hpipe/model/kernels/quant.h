@@ -3,7 +3,9 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <optional>
+#include <vector>
 
 namespace hpipe {
 
@@ -18,6 +20,29 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blocks, const at::Tens
 // float32. A row's precision is its own: it does not change with the rows beside it.
 at::Tensor qlinear_rows(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, const at::Tensor& bias,
                         const std::optional<at::Tensor>& low);
+
+// Decode rows: rows of a projection that are not prefill's (`low` false, or all rows here). With
+// HPIPE_DECODE_DOT=int8 (an experiment, off by default), where a part is Q4_K, Q5_K or Q6_K they
+// multiply as ggml's do, x rounded to 8 bits per 256 values and integer dot products (q8_dot.cpp);
+// a row's bits then depend on no other row and on no instruction set. Else as qlinear.
+at::Tensor qlinear_decode(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts,
+                          const at::Tensor& bias);
+
+// q8_dot.cpp: whether decode rows of K-quant parts multiply in integers (settable: quant.cpp's
+// decode_dot op), which block types do, rows of x rounded to 8 bits per 256 values (ggml's Q8_K:
+// int8 values, a scale per 256, the sum of every 16), and output columns [n0, n1) of one part for
+// them (out[row, n], row stride ldo)
+std::atomic<bool>& int8_decode();
+bool int8_decode_type(int64_t type);
+struct Q8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> bsums;  // at most 16 x 127 each
+  int64_t blocks;  // per row
+};
+Q8Rows quantize_q8k(const float* x, int64_t m, int64_t k);
+void int8_rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1,
+                       const Q8Rows& q, int64_t m, int64_t k, float* out, int64_t ldo);
 
 // n floats rounded to bfloat16 (to nearest, ties to even, as torch rounds); AVX512-BF16's
 // conversion where the CPU has it (quant.cpp)

@@ -1,0 +1,73 @@
+"""Decode rows of quantized weights: GB/s of blocks read, float32 activations against ggml's
+integer products (``HPIPE_DECODE_DOT=int8``, docs/decisions/int8-decode.md), beside the memory's.
+
+    python benchmarks/kquant_rows.py [--rows 8192] [--k 3072] [--m 1,16] [--rounds 3] [--threads 2]
+    . scripts/avx2.env; python benchmarks/kquant_rows.py     # the AVX2 paths on an AVX-512 CPU
+
+For each block type, ``m`` decode rows of x times a ``rows`` x ``k`` matrix of random blocks
+(``torch.ops.hpipe.qlinear`` with every row marked a decode row), each way in turn, in
+interleaved rounds; the median time of each. The floor: a sum over 256 MiB on the same threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+
+import torch
+
+from hpipe.model import cpu_kernel
+from hpipe.model.quant import TYPES, random_weight
+
+
+def timed(fn, n: int = 20) -> float:
+    fn()
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=8192)
+    ap.add_argument("--k", type=int, default=3072)
+    ap.add_argument("--m", default="1,16")
+    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q5_0,Q8_0")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    cpu_kernel.require("this benchmark")
+    torch.set_num_threads(args.threads)
+    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True)
+                .stdout.splitlines() if line.startswith("Model name")), "?")
+    big = torch.ones(64 << 20)
+    floor = big.nbytes / min(timed(big.sum, 5) for _ in range(args.rounds))
+    print(f"{cpu}, {args.threads} threads, kernels: {torch.ops.hpipe.quant_variant()}; memory: {floor / 1e9:.1f} GB/s")
+    ids = {name: t for t, (name, _, _) in TYPES.items()}
+    g = torch.Generator().manual_seed(0)
+    before = torch.ops.hpipe.decode_dot("")
+    print(f"{'type':6} {'m':>3} {'float32 GB/s':>13} {'int8 GB/s':>10} {'int8/float32':>13}")
+    try:
+        for name in args.types.split(","):
+            w = random_weight(ids[name], args.rows, args.k, g)
+            for m in map(int, args.m.split(",")):
+                x, low = torch.randn(m, args.k, generator=g), torch.zeros(m, dtype=torch.bool)
+                times: dict[str, list[float]] = {"float32": [], "int8": []}
+                for _ in range(args.rounds):
+                    for mode in times:
+                        torch.ops.hpipe.decode_dot(mode)
+                        times[mode].append(timed(lambda: torch.ops.hpipe.qlinear(x, w.data, w.parts, torch.empty(0),
+                                                                                 low)))
+                f, i = statistics.median(times["float32"]), statistics.median(times["int8"])
+                print(f"{name:6} {m:>3} {w.data.numel() / f / 1e9:>13.1f} {w.data.numel() / i / 1e9:>10.1f} "
+                      f"{f / i:>13.2f}")
+    finally:
+        torch.ops.hpipe.decode_dot(before)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+// Decode rows of K-quant weights (Q4_K, Q5_K, Q6_K) as integer dot products, as ggml computes them:
+// an experiment, off unless HPIPE_DECODE_DOT=int8 (docs/decisions/int8-decode.md says why: Gemma 3
+// 270M's greedy tokens agree with float32 decode's at 96%, under the 99% the fidelity rule asks).
+//
+// A decode row of x is rounded to 8 bits per 256 values (ggml's Q8_K: one float scale per 256,
+// int8 values, and the sum of every 16 of them), once per call. Each weight block then meets it as
+// integers: u8 x i8 pairs summed to 16 bits (AVX2's vpmaddubsw), those times the sub-blocks' 6- or
+// 8-bit scales summed to 32 bits (vpmaddwd): exact integer sums. The block's float factors (d,
+// dmin, the row's scale) are applied once per 256 values, in plain scalar code shared by every
+// instruction set, in a fixed order. So a row's result is the same bits whatever rows share its
+// call, whatever instruction set computes it (AVX-512 CPUs run the AVX2 loop; another CPU the
+// scalar one), and float32's convert-and-multiply of every weight (held at a third of the memory's
+// speed on AVX2: 10-11 GB/s of Q4_K blocks against 34 of bandwidth, 2 threads) is gone: one row
+// times 8192 x 3072 of Q4_K, Q5_K, Q6_K 1.2-1.5x, 1.2-1.5x, 1.6-1.9x float32's capped at AVX2 (Zen
+// 4, 2 threads; benchmarks/kquant_rows.py), about even at 16 rows.
+#include "quant.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+namespace hpipe {
+namespace {
+
+constexpr int64_t QK = 256;
+constexpr int64_t Q4_K = 12, Q5_K = 13, Q6_K = 14;
+
+float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::Half(h, c10::Half::from_bits()).operator float();
+}
+
+// The scales and minimums of a Q4_K / Q5_K block's 8 sub-blocks, as bytes 0-7 and 8-15 of `out`
+// (ggml's unpacking of its 12 bytes of 6-bit values)
+inline void scales_mins(const uint8_t* packed, uint8_t out[16]) {
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  const uint32_t mins_lo = u[1] & k1;
+  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  u[2] = mins_lo;
+  u[0] &= k1;
+  std::memcpy(out, u, 16);
+}
+
+// ---- one weight row against R rows of x, in 8 lanes of sums per row -------------------------------
+// Lane L of a row gathers, in every 32 consecutive values of a block, the products of values 4L to
+// 4L + 3 (each times its sub-block's scale): exact integers. Per block, lane L of the offsets
+// gathers (each 16 values' factor) x (their sum of x) for the 16-value groups 2L and 2L + 1.
+// Each lane then goes to a float sum of its own, (d x row scale) x integer, multiplied and added
+// in that order, and the 8 float sums are added in one fixed order at the end. The AVX2 loop keeps
+// the lanes in a register; the scalar loop keeps them in arrays and must give the same bits.
+
+constexpr int kLanes = 8;
+
+// the block's float factors and its offsets' factors for each 16 values (Q6_K: 32 x its scale;
+// Q4_K / Q5_K: the sub-block's minimum), and whether the offsets subtract from the integers (Q6_K)
+// or go to a float sum of their own (times dmin)
+struct Header {
+  float d, dmin;
+  int16_t per16[16];
+  uint8_t sm[16];  // Q4_K / Q5_K: scales 0-7, minimums 8-15
+};
+
+inline void header(int64_t type, const uint8_t* b, Header& h) {
+  if (type == Q6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int s = 0; s < 16; ++s) h.per16[s] = static_cast<int16_t>(32 * sc[s]);
+    h.d = f16_at(b + 208);
+    h.dmin = 0.0f;
+  } else {
+    scales_mins(b + 4, h.sm);
+    for (int j = 0; j < 8; ++j) h.per16[2 * j] = h.per16[2 * j + 1] = h.sm[8 + j];
+    h.d = f16_at(b);
+    h.dmin = f16_at(b + 2);
+  }
+}
+
+inline float sum_lanes(const float* v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+// the scalar form: what every CPU can compute, and what the AVX2 form must equal bit for bit
+void row_dots_portable(int64_t type, const uint8_t* row, int64_t nb, const Q8Rows& q, int64_t k, int64_t m,
+                       float* res) {
+  const int64_t bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
+  std::vector<float> acc(m * kLanes, 0.0f), accm(m * kLanes, 0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    Header h;
+    header(type, blk, h);
+    // each value of the block unpacked (unsigned) with its scale
+    int32_t v[256], sc[256];
+    if (type == Q6_K) {
+      const uint8_t *ql = blk, *qh = blk + 128;
+      const int8_t* s8 = reinterpret_cast<const int8_t*>(blk + 192);
+      for (int half = 0; half < 2; ++half, ql += 64, qh += 32, s8 += 8)
+        for (int l = 0; l < 32; ++l) {
+          const int at = 128 * half + l, g = l / 16;
+          v[at] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+          v[at + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+          v[at + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+          v[at + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+          sc[at] = s8[g], sc[at + 32] = s8[2 + g], sc[at + 64] = s8[4 + g], sc[at + 96] = s8[6 + g];
+        }
+    } else {
+      const bool five = type == Q5_K;
+      const uint8_t* qh = blk + 16;
+      const uint8_t* qs = blk + (five ? 48 : 16);
+      for (int j = 0; j < 4; ++j, qs += 32)
+        for (int l = 0; l < 32; ++l) {
+          v[64 * j + l] = (qs[l] & 0xF) + (five ? (qh[l] >> (2 * j) & 1) << 4 : 0);
+          v[64 * j + 32 + l] = (qs[l] >> 4) + (five ? (qh[l] >> (2 * j + 1) & 1) << 4 : 0);
+          sc[64 * j + l] = h.sm[2 * j];
+          sc[64 * j + 32 + l] = h.sm[2 * j + 1];
+        }
+    }
+    for (int64_t r = 0; r < m; ++r) {
+      const int8_t* y = q.q.data() + r * k + b * QK;
+      const int16_t* bs = q.bsums.data() + (r * nb + b) * 16;
+      const float d8 = q.d[r * nb + b];
+      int32_t lane[kLanes] = {}, off[kLanes];
+      for (int i = 0; i < 256; ++i) lane[(i % 32) / 4] += sc[i] * (v[i] * y[i]);
+      for (int L = 0; L < kLanes; ++L) off[L] = h.per16[2 * L] * bs[2 * L] + h.per16[2 * L + 1] * bs[2 * L + 1];
+      float* a = acc.data() + r * kLanes;
+      float* am = accm.data() + r * kLanes;
+      for (int L = 0; L < kLanes; ++L) {
+        if (type == Q6_K) {
+          a[L] = a[L] + (h.d * d8) * static_cast<float>(lane[L] - off[L]);
+        } else {
+          a[L] = a[L] + (h.d * d8) * static_cast<float>(lane[L]);
+          am[L] = am[L] + (h.dmin * d8) * static_cast<float>(off[L]);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) res[r] = sum_lanes(acc.data() + r * kLanes) - sum_lanes(accm.data() + r * kLanes);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) inline __m256i load(const void* p) {
+  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+}
+
+// the same with AVX2: 32 weights a vpmaddubsw, the unpacked weights serving every row (no FMA:
+// a multiply, then an add, as the scalar form rounds)
+__attribute__((target("avx2"))) void row_dots_avx2(int64_t type, const uint8_t* row, int64_t nb, const Q8Rows& q,
+                                                   int64_t k, int64_t m, float* res) {
+  constexpr int kMax = 4;  // rows of x at a time: their float sums stay in registers
+  const int64_t bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+  for (int64_t r0 = 0; r0 < m; r0 += kMax) {
+    const int n = static_cast<int>(std::min<int64_t>(kMax, m - r0));
+    __m256 acc[kMax], accm[kMax];
+    for (int r = 0; r < n; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * bytes;
+      Header h;
+      header(type, blk, h);
+      const __m256i per16 = load(h.per16);
+      __m256i lane[kMax];
+      for (int r = 0; r < n; ++r) lane[r] = _mm256_setzero_si256();
+      if (type == Q6_K) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t* s8 = reinterpret_cast<const int8_t*>(blk + 192);
+        for (int half = 0; half < 2; ++half, ql += 64, qh += 32, s8 += 8) {
+          const __m256i A = load(ql), C = load(ql + 32), H = load(qh);
+          const __m256i v[4] = {
+              _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4)),
+              _mm256_or_si256(_mm256_and_si256(C, m4),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), m3), 4)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), m3), 4)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), m4),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4))};
+          for (int i = 0; i < 4; ++i) {
+            const __m256i s = _mm256_set_m128i(_mm_set1_epi16(s8[2 * i + 1]), _mm_set1_epi16(s8[2 * i]));
+            for (int r = 0; r < n; ++r) {
+              const int8_t* y = q.q.data() + (r0 + r) * k + b * QK + 128 * half + 32 * i;
+              lane[r] = _mm256_add_epi32(lane[r], _mm256_madd_epi16(_mm256_maddubs_epi16(v[i], load(y)), s));
+            }
+          }
+        }
+      } else {
+        const bool five = type == Q5_K;
+        const __m256i bits = load(blk + 16);  // Q5_K's fifth bits
+        const uint8_t* qs = blk + (five ? 48 : 16);
+        for (int j = 0; j < 4; ++j, qs += 32) {
+          const __m256i qv = load(qs);
+          __m256i lo = _mm256_and_si256(qv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);
+          if (five) {
+            const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * j)));
+            const __m256i b1 = _mm256_set1_epi8(static_cast<char>(2 << (2 * j)));
+            const __m256i sixteen = _mm256_set1_epi8(16);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, b0), b0), sixteen));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, b1), b1), sixteen));
+          }
+          const __m256i s0 = _mm256_set1_epi16(h.sm[2 * j]), s1 = _mm256_set1_epi16(h.sm[2 * j + 1]);
+          for (int r = 0; r < n; ++r) {
+            const int8_t* y = q.q.data() + (r0 + r) * k + b * QK + 64 * j;
+            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(y)), s0);
+            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(y + 32)), s1);
+            lane[r] = _mm256_add_epi32(lane[r], _mm256_add_epi32(p0, p1));
+          }
+        }
+      }
+      for (int r = 0; r < n; ++r) {
+        const int64_t at = (r0 + r) * nb + b;
+        const float d8 = q.d[at];
+        const __m256i off = _mm256_madd_epi16(per16, load(q.bsums.data() + at * 16));
+        if (type == Q6_K) {
+          acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(h.d * d8),
+                                                       _mm256_cvtepi32_ps(_mm256_sub_epi32(lane[r], off))));
+        } else {
+          acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(h.d * d8), _mm256_cvtepi32_ps(lane[r])));
+          accm[r] = _mm256_add_ps(accm[r], _mm256_mul_ps(_mm256_set1_ps(h.dmin * d8), _mm256_cvtepi32_ps(off)));
+        }
+      }
+    }
+    for (int r = 0; r < n; ++r) {
+      float a[kLanes], am[kLanes];
+      _mm256_storeu_ps(a, acc[r]);
+      _mm256_storeu_ps(am, accm[r]);
+      res[r0 + r] = sum_lanes(a) - sum_lanes(am);
+    }
+  }
+}
+#endif
+
+using RowDots = void (*)(int64_t, const uint8_t*, int64_t, const Q8Rows&, int64_t, int64_t, float*);
+
+RowDots row_dots() {
+  static const RowDots chosen = [] {
+    const char* cap = std::getenv("HPIPE_CPU_ISA");
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (!(cap && std::string(cap) == "portable") && __builtin_cpu_supports("avx2")) return &row_dots_avx2;
+#endif
+    (void)cap;
+    return &row_dots_portable;
+  }();
+  return chosen;
+}
+
+}  // namespace
+
+bool int8_decode_type(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
+std::atomic<bool>& int8_decode() {  // off unless HPIPE_DECODE_DOT=int8 (docs/decisions/int8-decode.md)
+  static std::atomic<bool> on{[] {
+    const char* env = std::getenv("HPIPE_DECODE_DOT");
+    return env != nullptr && std::string(env) == "int8";
+  }()};
+  return on;
+}
+
+Q8Rows quantize_q8k(const float* x, int64_t m, int64_t k) {
+  TORCH_CHECK(k % QK == 0, "a row of ", k, " values is not whole blocks of ", QK);
+  const int64_t nb = k / QK;
+  Q8Rows q{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<int16_t>(m * k / 16), nb};
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * k + b * QK;
+      int8_t* qb = q.q.data() + r * k + b * QK;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float iscale = amax > 0.0f ? 127.0f / amax : 0.0f;
+      for (int64_t i = 0; i < QK; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * iscale));
+      q.d[r * nb + b] = amax > 0.0f ? 1.0f / iscale : 0.0f;
+      for (int64_t s = 0; s < QK / 16; ++s) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < 16; ++i) sum += qb[16 * s + i];
+        q.bsums[(r * nb + b) * (QK / 16) + s] = static_cast<int16_t>(sum);
+      }
+    }
+  }
+  return q;
+}
+
+void int8_rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1,
+                       const Q8Rows& q, int64_t m, int64_t k, float* out, int64_t ldo) {
+  const RowDots dots = row_dots();
+  std::vector<float> res(m);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = blocks + n * row_bytes;
+    if (n + 4 < n1)
+      for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(row + 4 * row_bytes + c);
+    dots(type, row, q.blocks, q, k, m, res.data());
+    for (int64_t r = 0; r < m; ++r) out[r * ldo + n] = res[r];
+  }
+}
+
+}  // namespace hpipe
