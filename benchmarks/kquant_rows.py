@@ -14,21 +14,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
-import time
 
 import torch
+from decode_step import timed
 
 from hpipe.model import cpu_kernel
 from hpipe.model.quant import TYPES, random_weight
-
-
-def timed(fn, n: int = 20) -> float:
-    fn()
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n
 
 
 def main() -> None:
@@ -61,7 +52,7 @@ def main() -> None:
                     for mode in times:
                         torch.ops.hpipe.decode_dot(mode)
                         times[mode].append(timed(lambda: torch.ops.hpipe.qlinear(x, w.data, w.parts, torch.empty(0),
-                                                                                 low)))
+                                                                                 low), 20))
                 f, i = statistics.median(times["float32"]), statistics.median(times["int8"])
                 print(f"{name:6} {m:>3} {w.data.numel() / f / 1e9:>13.1f} {w.data.numel() / i / 1e9:>10.1f} "
                       f"{f / i:>13.2f}")
