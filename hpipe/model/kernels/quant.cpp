@@ -445,6 +445,7 @@ Tensor qlinear(const Tensor& x, const Tensor& blocks, const Tensor& parts, const
 }
 
 Tensor qlinear_decode(const Tensor& x, const Tensor& blocks, const Tensor& parts, const Tensor& bias) {
+  if (!int8_decode().load()) return qlinear(x, blocks, parts, bias);  // the decode kernel's hot path: no mask
   return qlinear_rows(x, blocks, parts, bias, at::zeros({x.numel() / std::max<int64_t>(1, x.size(-1))}, at::kBool));
 }
 
