@@ -14,6 +14,7 @@ step runs eagerly: that is how the CPU tests check it against :meth:`StageModel.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -23,6 +24,28 @@ from hpipe.model.stage import StageModel, logit_rows
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT_BUCKET = 256
+
+#: Held while a CUDA graph is captured or destroyed. Both register the graph with the device's
+#: default generator, in a set PyTorch does not lock; daemons sharing a process (and a card) each
+#: capture on their own worker thread, and a layout switch drops one's stages, graphs and all,
+#: while another captures: unguarded, the set broke and a graph's destructor aborted the process
+#: ("The graph should be registered to the state"). Reentrant: a collection may run a destructor
+#: on the capturing thread.
+_GRAPH_LOCK = threading.RLock()
+
+
+class _Graph:
+    """A captured CUDA graph, destroyed under :data:`_GRAPH_LOCK` when the last reference goes."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph):
+        self.graph = graph
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def __del__(self):
+        with _GRAPH_LOCK:
+            self.graph = None  # the only reference: the C++ destructor runs here, under the lock
 
 
 class _Static:
@@ -40,7 +63,7 @@ class _Static:
         self.mask = torch.zeros(rows, context, dtype=torch.bool, device=dev)
         self.windowed = {w: torch.zeros(rows, context, dtype=torch.bool, device=dev) for w in windows}
         self.out: torch.Tensor | None = None
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: _Graph | None = None
         self.runs = 0
 
 
@@ -138,8 +161,13 @@ class DecodeGraphs:
         with torch.cuda.stream(side):
             self._body(step)
         torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the daemon's connection threads keep uploading micro-batches meanwhile
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            step.out = self._body(step)
-        step.graph = graph
+        with _GRAPH_LOCK:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                # thread_local: the daemon's connection threads keep uploading micro-batches meanwhile
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    step.out = self._body(step)
+            except BaseException:
+                graph = None  # a failed capture's graph goes here, under the lock
+                raise
+            step.graph = _Graph(graph)
