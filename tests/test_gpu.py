@@ -119,47 +119,6 @@ def test_cuda_graph_decode_equals_eager_decode(tiny_dirs):
     assert a == b
 
 
-def test_graphs_captured_and_dropped_on_several_threads_at_once(tiny_dirs):
-    """Daemons sharing a process capture decode graphs on their own worker threads while a layout
-    switch drops another's (graphs and all). Each registers with the device's generator in a set
-    PyTorch does not lock; unguarded, a destructor found it broken and aborted the process.
-    Several threads capture, replay and drop here at once; each replay still gives its step."""
-    import threading
-
-    from hpipe.model.graphs import DecodeGraphs
-    from hpipe.model.kvpool import Entry
-
-    source = resolve_model(str(tiny_dirs["llama"]))
-    cfg, store = source.config, source.weights()
-    units = ranges_from_cuts([], cfg.num_layers)[0]
-    errors: list[BaseException] = []
-
-    def work(seed: int) -> None:
-        try:
-            for i in range(12):
-                stage = StageModel.from_checkpoint(store, cfg, units, device="cuda")
-                pool = stage.new_pool(8)
-                kv = pool.sequence(16)
-                prompt = torch.randint(0, cfg.vocab_size, (5,), generator=torch.Generator().manual_seed(seed + i))
-                kv.grow(5)
-                x = stage.forward_batch(prompt.cuda(), [Entry(0, 5, kv, "last")], pool).argmax(-1)
-                steps = DecodeGraphs(stage, pool, graph=True)
-                for pos in range(5, 8):  # the second step captures, the third replays
-                    kv.grow(pos + 1)
-                    x = steps(x, [Entry(pos, 1, kv, "last")]).argmax(-1)
-                assert steps.captured == 1
-                del steps, stage, pool, kv  # the graph's destructor, on this thread
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(100 * t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads) and not errors, errors[:1]
-
-
 def test_redeployment_does_not_hold_the_old_model():
     """Peak memory after a redeployment is that of the new stage, not old + new (a 7B-shaped model).
     The rest of the pipeline is on a CPU daemon: the CUDA peak is the process's, and a second GPU
