@@ -303,6 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default 10)")
     sv.set_defaults(func=commands.serve)
 
+    md = sub.add_parser("model", help="model files: make a random-weight GGUF of a named shape")
+    md.add_argument("action", choices=["make"])
+    md.add_argument("spec", help="random:SHAPE@TYPE, e.g. random:llama3-8b@q4_k_m (types: f16, q8_0, q4_k_m, q4_k, "
+                                 "q6_k)")
+    md.add_argument("-o", "--output", help="where to write it (default: hpipe's cache; made once, then reused)")
+    md.add_argument("--seed", type=int, default=0)
+    md.set_defaults(func=commands.model)
+
     d = sub.add_parser("demo", help="the main job on built-in defaults: local cluster, SmolLM2, sample report")
     d.add_argument("--cluster", help="default: clusters/emulated-hetero.yaml as root, else clusters/local-3.yaml")
     d.add_argument("--instruction", default=INSTRUCTION)

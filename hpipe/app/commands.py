@@ -349,6 +349,15 @@ def serve(args: argparse.Namespace) -> int:
     leave(code)
 
 
+def model(args: argparse.Namespace) -> int:
+    """``hpipe model make``: a random-weight GGUF file of a named shape (:mod:`hpipe.model.random_gguf`)."""
+    from hpipe.model.random_gguf import Spec, make
+
+    path = make(Spec.parse(args.spec, args.seed), Path(args.output) if args.output else None)
+    print(path)
+    return 0
+
+
 def demo(args: argparse.Namespace) -> int:
     """The main job on built-in defaults (see :mod:`hpipe.app.demo`)."""
     from hpipe.app.demo import run_demo

@@ -7,12 +7,16 @@ Built-in shapes (Llama-family configs; the planner needs only the dimensions):
 | llama-7b   | 32     | 4096   | 11008        | 32    | 32       | 32000  | 4096    |
 | llama-13b  | 40     | 5120   | 13824        | 40    | 40       | 32000  | 4096    |
 | llama3-8b  | 32     | 4096   | 14336        | 32    | 8        | 128256 | 8192    |
+| llama3.2-1b| 16     | 2048   | 8192         | 32    | 8        | 128256 | 131072  |
+| llama3.2-3b| 28     | 3072   | 8192         | 24    | 8        | 128256 | 131072  |
 | gpt3-2b    | 32     | 2560   | 6827         | 32    | 32       | 50257  | 2048    |
 | llama3.1-8b| 32     | 4096   | 14336        | 32    | 8        | 128256 | 131072  |
 | tiny       | 4      | 64     | 128          | 4     | 2        | 512    | 4096    |
 
 ``llama3.1-8b`` carries Llama 3.1's rope scaling (factor 8 over an original 8192 positions), for
-long-input runs. ``tiny`` exists for tests. A shape may also be given as ``random:PATH`` to a
+long-input runs. ``tiny`` exists for tests. The Llama 3.2 shapes tie the
+embedding and the LM head and, unlike the real models, have no rope scaling (plain RoPE at
+θ = 500,000): the same cost per position. A shape may also be given as ``random:PATH`` to a
 Hugging Face ``config.json``.
 
 Daemons *run* ``random:`` models: each creates the weights of its own units from a seed and the
@@ -42,6 +46,12 @@ SHAPES = {
     "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
                        rope_theta=500000.0),
+    "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                        rope_theta=500000.0, tie_word_embeddings=True),
+    "llama3.2-3b": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                        num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072,
+                        rope_theta=500000.0, tie_word_embeddings=True),
     "gpt3-2b": dict(vocab_size=50257, hidden_size=2560, intermediate_size=6827, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048),
     "llama3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
