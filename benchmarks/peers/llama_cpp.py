@@ -1,6 +1,6 @@
 """hpipe against llama.cpp on the same GGUF file, side by side in interleaved rounds.
 
-    python benchmarks/peers/llama_cpp.py [--model smollm2-135m] [--also Q8_0,Q4_K_M]
+    python benchmarks/peers/llama_cpp.py [--model smollm2-135m] [--also Q8_0,Q4_K_M] [--shapes decode_1,...]
                                          [--rounds 3] [--threads 2] [--isa avx2] [--json]
 
 llama.cpp is built once from the ``llama-cpp-python==0.3.36`` sdist on the package index (its
@@ -12,7 +12,9 @@ with SIGILL in its AMX kernels. ``--also`` makes more files from the model with
 
 Each round runs, for every file, ``llama-batched-bench`` (a 512-token prompt, 64 new tokens; one
 sequence and 16) and a 2,048-token prefill, then hpipe's :func:`hpipe_side.measure` of the same
-shapes on the same threads. ``--isa avx2`` caps both sides at AVX2 with FMA and F16C, as on an
+shapes on the same threads (``--shapes`` picks some: a billion-parameter file's 16-sequence
+prefill alone takes many minutes on two cores). Each side's peak resident memory is reported
+beside (llama.cpp's per run; hpipe's this process's, so one file a run where it matters). ``--isa avx2`` caps both sides at AVX2 with FMA and F16C, as on an
 AVX2-only CPU (an AMD EPYC of this project's VMs): llama.cpp built without AVX-512, hpipe's
 kernels, MKL, oneDNN and ATen capped by their environment variables (set, then the script runs
 itself again), and no bfloat16 prefill. The table gives each figure's median over the rounds, hpipe's ratio
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -108,15 +111,27 @@ ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*\d+\s*\|\s*[\d.]
                  r"\s*([\d.]+)\s*\|")
 
 
-def llama_round(bin_dir: Path, gguf: Path, threads: int) -> dict[str, float]:
-    """llama-batched-bench's prefill and decode tokens/s for SHAPES."""
-    out = {}
-    runs = [(["-npp", "512", "-ntg", "64", "-npl", "1,16", "-c", "9216"], {(512, 64, 1): ("decode_1", "prefill_512"),
-                                                                            (512, 64, 16): ("decode_16", None)}),
+def llama_round(bin_dir: Path, gguf: Path, threads: int, shapes: set[str]) -> dict[str, float]:
+    """llama-batched-bench's prefill and decode tokens/s for ``shapes`` (of SHAPES), and its peak
+    resident memory in bytes (``peak_rss``)."""
+    out = {"peak_rss": 0.0}
+    npl = ",".join(n for n, s in (("1", {"decode_1", "prefill_512"}), ("16", {"decode_16"})) if s & shapes)
+    runs = [(["-npp", "512", "-ntg", "64", "-npl", npl, "-c", "9216" if "16" in npl else "576"],
+             {(512, 64, 1): ("decode_1", "prefill_512"), (512, 64, 16): ("decode_16", None)}),
             (["-npp", "2048", "-ntg", "1", "-npl", "1", "-c", "2560"], {(2048, 1, 1): (None, "prefill_2048")})]
+    if not npl:
+        runs.pop(0)
+    if "prefill_2048" not in shapes:
+        runs.pop()
     for args, wanted in runs:
-        text = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-b", "2048",
-                               "-ub", "512", *args], capture_output=True, text=True, check=True).stdout
+        child = subprocess.Popen([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-b",
+                                  "2048", "-ub", "512", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 text=True)
+        text = child.stdout.read()
+        _, status, usage = os.wait4(child.pid, 0)
+        if status:
+            raise SystemExit(f"llama-batched-bench failed on {gguf} (status {status})")
+        out["peak_rss"] = max(out["peak_rss"], usage.ru_maxrss * 1024.0)
         for line in text.splitlines():
             m = ROW.match(line)
             if m and (int(m[1]), int(m[2]), int(m[3])) in wanted:
@@ -128,11 +143,13 @@ def llama_round(bin_dir: Path, gguf: Path, threads: int) -> dict[str, float]:
     return out
 
 
-def hpipe_round(stage, seed: int) -> dict[str, float]:
+def hpipe_round(stage, seed: int, shapes: set[str]) -> dict[str, float]:
     out = {}
     for name, npp, ntg, npl in SHAPES:
-        r = measure(stage, npp, ntg, npl, seed=seed)
-        out[name] = r["prefill_tok_s"] if name.startswith("prefill") else r["decode_tok_s"]
+        if name in shapes:
+            r = measure(stage, npp, ntg, npl, seed=seed)
+            out[name] = r["prefill_tok_s"] if name.startswith("prefill") else r["decode_tok_s"]
+    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # this process: one file's
     return out
 
 
@@ -147,8 +164,13 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512, help="--perplexity's chunk length (llama-perplexity's -c)")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
                     help="avx2: both sides capped at AVX2 (an AVX2-only CPU's code paths)")
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
+                    help="which of decode_1, decode_16, prefill_512, prefill_2048 (billion-parameter files: fewer)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    shapes = set(args.shapes.split(","))
+    if not shapes <= {s[0] for s in SHAPES}:
+        raise SystemExit(f"--shapes: choose among {', '.join(s[0] for s in SHAPES)}")
     if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
         # the caps must be in the environment before torch, MKL and oneDNN start
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
@@ -165,8 +187,8 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {name: [] for name in files}
     for r in range(args.rounds):
         for name, path in files.items():
-            theirs = llama_round(bin_dir, path, args.threads)
-            ours = hpipe_round(stages[name], seed=r)
+            theirs = llama_round(bin_dir, path, args.threads, shapes)
+            ours = hpipe_round(stages[name], seed=r, shapes=shapes)
             rounds[name].append({"llama.cpp": theirs, "hpipe": ours})
             print(f"round {r + 1} {name}: " + ", ".join(f"{k} {ours[k]:.0f}/{theirs.get(k, 0):.0f}" for k in ours),
                   file=sys.stderr)
@@ -175,7 +197,7 @@ def main() -> None:
               "prefill_gemm": "bfloat16" if prefill_in_bfloat16() else "float32", "files": {}}
     for name, rs in rounds.items():
         rows = {}
-        for shape, *_ in SHAPES:
+        for shape in [s[0] for s in SHAPES if s[0] in shapes] + ["peak_rss"]:
             ratios = [x["hpipe"][shape] / x["llama.cpp"][shape] for x in rs if x["llama.cpp"].get(shape)]
             rows[shape] = {"hpipe": statistics.median(x["hpipe"][shape] for x in rs),
                            "llama.cpp": statistics.median(x["llama.cpp"].get(shape, 0.0) for x in rs),
@@ -194,7 +216,9 @@ def main() -> None:
         print(f"\n{name}\n  {'':14}{'hpipe':>9}{'llama.cpp':>11}{'ratio':>8}  range")
         for shape, row in rows.items():
             lo, hi = row["ratio_range"] or (0, 0)
-            print(f"  {shape:14}{row['hpipe']:9.1f}{row['llama.cpp']:11.1f}{row['ratio'] or 0:8.2f}  {lo:.2f}-{hi:.2f}")
+            scale, unit = (1e9, " GB") if shape == "peak_rss" else (1, "")
+            print(f"  {shape:14}{row['hpipe'] / scale:9.2f}{row['llama.cpp'] / scale:11.2f}{row['ratio'] or 0:8.2f}  "
+                  f"{lo:.2f}-{hi:.2f}{unit}")
     if args.perplexity:
         print(f"\nperplexity on {args.perplexity}, chunks of {args.ctx} (hpipe's prefill GEMM: {report['prefill_gemm']})")
         for name, row in report["perplexity"].items():

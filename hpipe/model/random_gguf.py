@@ -13,8 +13,8 @@ random per-block scales chosen so every weight is about N(0, 0.02)-sized and cen
 minimum cancels its mean), at the speed of writing bytes (an 8B file in under a minute) where
 rounding 8 billion floats would take many. The file is a model of its own; its F16 and Q4_K_M
 files are two different random models. Types: ``f16``, ``q8_0``, ``q4_k_m`` (llama.cpp's mix:
-Q6_K for the output matrix and, in the layers its ``use_more_bits`` picks, for ``attn_v`` and
-``ffn_down``; Q4_K elsewhere) and ``q4_k`` / ``q6_k`` (every matrix of that type); a row that is
+Q6_K for the output matrix (the embedding where they are tied) and, in the layers its
+``use_more_bits`` picks, for ``attn_v`` and ``ffn_down``; Q4_K elsewhere) and ``q4_k`` / ``q6_k`` (every matrix of that type); a row that is
 not whole blocks of 256 falls back as in ``llama-quantize`` (Q4_K to Q5_0, Q6_K to Q8_0). Norms are ones
 (float32). Rope scaling is not written: llama3.x shapes get plain RoPE at their base frequency.
 
@@ -98,7 +98,9 @@ def tensors(cfg: ModelConfig, quant: str, vocab: int) -> list[tuple[str, tuple[i
     """(name, shape as rows x width, ggml type) of every tensor of the file, in file order."""
     h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     layers = cfg.num_layers
-    out = [("token_embd.weight", (vocab, h), tensor_type(quant, "token_embd.weight", None, layers, h))]
+    # a tied embedding is also the output matrix, and is written as llama-quantize writes that
+    embed = "output.weight" if cfg.tie_word_embeddings else "token_embd.weight"
+    out = [("token_embd.weight", (vocab, h), tensor_type(quant, embed, None, layers, h))]
     for i in range(layers):
         for name, shape in ((f"blk.{i}.attn_norm.weight", (h,)),
                             (f"blk.{i}.attn_q.weight", (cfg.num_heads * cfg.head_dim, h)),

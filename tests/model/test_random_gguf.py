@@ -67,7 +67,9 @@ def test_random_blocks_are_centred_weights_of_about_the_random_models_size(ggml_
 
 def test_q4_k_m_keeps_llama_quantizes_layers_at_six_bits():
     """llama.cpp's mix: the output matrix, and attn_v and ffn_down in the first and last eighth and
-    every third layer between, at Q6_K; the rest Q4_K; norms float32."""
+    every third layer between, at Q6_K; the rest Q4_K; norms float32. (Checked once against
+    llama-quantize's Q4_K_M of an F16 file of random:llama3.2-1b: every one of the 146 tensors'
+    types the same.)"""
     cfg = random_config("random:llama3-8b")
     types = {name: t for name, _, t in tensors(cfg, "q4_k_m", 49152)}
     more = [i for i in range(32) if use_more_bits(i, 32)]
@@ -77,8 +79,8 @@ def test_q4_k_m_keeps_llama_quantizes_layers_at_six_bits():
     assert all(types[f"blk.{i}.ffn_down.weight"] == (Q6_K if i in more else Q4_K) for i in range(32))
     assert all(types[f"blk.{i}.attn_q.weight"] == Q4_K and types[f"blk.{i}.ffn_norm.weight"] == F32
                for i in range(32))
-    tied = {name for name, _, _ in tensors(random_config("random:llama3.2-1b"), "q4_k_m", 49152)}
-    assert "output.weight" not in tied  # the tied shapes' head is the embedding
+    tied = {name: t for name, _, t in tensors(random_config("random:llama3.2-1b"), "q4_k_m", 49152)}
+    assert "output.weight" not in tied and tied["token_embd.weight"] == Q6_K  # the head is the embedding
 
 
 @pytest.fixture(scope="module")
