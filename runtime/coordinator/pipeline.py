@@ -12,7 +12,7 @@ waiting, so the slices pipeline through the stages; each decode step waits for i
 from __future__ import annotations
 
 import logging
-import random
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Sequence as Seq
@@ -197,7 +197,7 @@ class RemoteSequence:
 
     def __init__(self, session: Session, max_len: int, batch: int = 1, owns_session: bool = False):
         self.session, self.batch, self.max_len, self._owns = session, batch, max_len, owns_session
-        self.ids = [random.getrandbits(63) for _ in range(batch)]
+        self.ids = [secrets.randbits(63) for _ in range(batch)]
         self.position = 0
         self._pending: list[int] = []
 

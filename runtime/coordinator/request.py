@@ -9,7 +9,7 @@ A sequence that begins with cached blocks (:mod:`runtime.coordinator.prefix_cach
 
 from __future__ import annotations
 
-import random
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,8 +34,8 @@ class Request:
     arrival_s: float = field(default_factory=time.monotonic)
     admitted_s: float | None = None            # when it started running (the last time, after a preemption)
     # state
-    id: int = field(default_factory=lambda: random.getrandbits(63))  # the request's, for its whole life
-    seq_id: int = field(default_factory=lambda: random.getrandbits(63))  # its sequence on the daemons now
+    id: int = field(default_factory=lambda: secrets.randbits(63))  # the request's, for its whole life
+    seq_id: int = field(default_factory=lambda: secrets.randbits(63))  # its sequence on the daemons now
     prefix: list[int] = field(default_factory=list)   # what is prefilled: the prompt, and after a
     slices: list[int] = field(default_factory=list)   # preemption the tokens generated too
     laid_out: int = 0                          # positions sent into the pipeline
@@ -84,7 +84,7 @@ class Request:
 
     def new_sequence(self) -> None:
         """Go on in a new sequence on the daemons (its old one was closed or lost)."""
-        self.seq_id = random.getrandbits(63)
+        self.seq_id = secrets.randbits(63)
 
     @property
     def max_len(self) -> int:

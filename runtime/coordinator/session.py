@@ -22,7 +22,6 @@ its control calls name it, and a daemon refuses anyone who names the session wit
 from __future__ import annotations
 
 import logging
-import random
 import secrets
 import threading
 import time
@@ -66,7 +65,7 @@ class Session:
     def __init__(self, pipe, result_timeout_s: float = 600.0, resume_from: "Session | None" = None):
         if not pipe.stages:
             raise HpipeError("no model is deployed")
-        self.pipe, self.id = pipe, random.getrandbits(63) or 1
+        self.pipe, self.id = pipe, secrets.randbits(63) or 1
         self.key = secrets.token_bytes(16)
         self.result_timeout_s = result_timeout_s
         self.vocab_size = pipe.vocab_size

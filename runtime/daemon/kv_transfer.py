@@ -15,7 +15,9 @@ two and says which it chose for each run of moved units (:mod:`planner.seesaw`).
 Reading a pool and writing one run on the daemon's worker (``run_on_device``), one sequence at a
 time, so a sequence's KV is in host memory once on each side at most. A sequence the new owner's
 pool has no room for keeps an empty cache there (replays rebuild it). The key of the session
-travels with the KV: the receiver lets only the session's owner adopt what came (``Resume``).
+travels with the KV, and the receiver takes it only for a session whose own data connection (its
+Hello) gave this daemon that key: KV cannot arrive ahead of a session and claim it, and only the
+session's owner adopts what came (``Resume``).
 """
 
 from __future__ import annotations
@@ -148,15 +150,16 @@ class IncomingKV:
         self.nbytes = 0
         self._lock = threading.Lock()
         self._arriving: dict[int, _Arriving] = {}
-        self._keys: OrderedDict[int, bytes] = OrderedDict()  # session -> its key, as the sender had it
+        self._keys: OrderedDict[int, bytes] = OrderedDict()  # session -> its key (its own, checked at arrival)
 
-    def receive(self, stream: Iterable[pb.KvPart], known: Callable[[int, bytes], bool | None]) -> dict:
-        """Keep a ReceiveKv stream's parts; ``known(session, key)``: whether the key is the session's
-        here (None: this daemon does not know the session). What arrived."""
+    def receive(self, stream: Iterable[pb.KvPart], owns: Callable[[int, bytes], bool]) -> dict:
+        """Keep a ReceiveKv stream's parts; ``owns(session, key)``: whether the key is the session's
+        here (False too for a session with no data connection here: only a session itself records
+        its key on a daemon, by its Hello, so KV sent ahead of it cannot claim it). What arrived."""
         t0, got, seqs = time.perf_counter(), 0, set()
         for part in stream:
             t = _tensor(part) if part.count else None
-            self._check_key(part, known)
+            self._check_key(part, owns)
             with self._lock:
                 a = self._arriving.setdefault(part.sequence_id, _Arriving(part.session, part.max_len))
                 if a.session != part.session or part.positions <= 0:
@@ -184,12 +187,13 @@ class IncomingKV:
             seqs.add(part.sequence_id)
         return {"bytes": got, "sequences": len(seqs), "seconds": time.perf_counter() - t0}
 
-    def _check_key(self, part: pb.KvPart, known: Callable[[int, bytes], bool | None]) -> None:
+    def _check_key(self, part: pb.KvPart, owns: Callable[[int, bytes], bool]) -> None:
         with self._lock:
             held = self._keys.get(part.session)
             if held is None:
-                if known(part.session, part.key) is False:
-                    raise StatusError("PERMISSION_DENIED", f"KV of session {part.session} without its key")
+                if not owns(part.session, part.key):
+                    raise StatusError("PERMISSION_DENIED", f"KV of session {part.session} without its key (or for "
+                                      "a session with no connection here)")
                 self._keys[part.session] = part.key
                 while len(self._keys) > KEPT_SESSIONS:  # its KV, if any is still here, goes with it
                     self._drop(next(iter(self._keys)))

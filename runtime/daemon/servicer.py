@@ -128,13 +128,15 @@ class StageServicer(pb_grpc.StageServiceServicer):
         if not request.from_session or not request.to_session:
             raise StatusError("INVALID_ARGUMENT", "Resume needs the old and the new session")
         self._owned(request.to_session, request.to_key, "Resume", context)
-        sent_here = self.server.kv_in.owns(request.from_session, request.from_key)  # None: no KV of it came
-        if sent_here is None and not self.server.owners.known(request.from_session):
-            return pb.ResumeReply()  # the old session holds nothing here (a restarted daemon's case)
-        if sent_here is None:
+        if self.server.owners.known(request.from_session):  # its own key first, whatever came with KV
             self._owned(request.from_session, request.from_key, "Resume", context)
-        elif not sent_here:
-            raise StatusError("PERMISSION_DENIED", f"Resume names session {request.from_session} without its key")
+        else:
+            # its connections are gone; KV of it came only while they were here, checked by its key
+            sent_here = self.server.kv_in.owns(request.from_session, request.from_key)  # None: no KV came
+            if sent_here is None:
+                return pb.ResumeReply()  # the old session holds nothing here (a restarted daemon's case)
+            if not sent_here:
+                raise StatusError("PERMISSION_DENIED", f"Resume names session {request.from_session} without its key")
         progress = self.server.resume(request.from_session, request.to_session)
         self.server.kv_in.forget(request.from_session)
         return pb.ResumeReply(progress=[pb.Progress(sequence_id=i, stage=st, computed=c, logged=g)
@@ -173,7 +175,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
     @handled
     def ReceiveKv(self, request_iterator, context):
         owners = self.server.owners
-        got = self.server.kv_in.receive(request_iterator, lambda s, k: owners.owns(s, k) if owners.known(s) else None)
+        got = self.server.kv_in.receive(request_iterator, owners.owns)
         return pb.KvReply(**got)
 
     def _owned(self, session: int, key: bytes, what: str, context) -> None:

@@ -317,9 +317,8 @@ def _attack(d: Served, session: int, seq_ids: list[int], caplog) -> None:
 
 
 def test_a_switchs_kv_moves_only_for_its_sessions_owner(daemon, tiny_dirs):
-    """SendKv sends a session's KV only for the caller with its key; KV sent here for a session
-    this daemon knows must carry its key, and KV of a session it does not know is adopted (Resume)
-    only with the key it came with (runtime.daemon.kv_transfer)."""
+    """SendKv sends a session's KV only for the caller with its key; KV sent here must carry the
+    key of a session connected here (runtime.daemon.kv_transfer)."""
     c = daemon.client(Security(token=TOKEN))
     load(c, tiny_dirs["llama"], 3, 8)
     old = Coordinator(daemon, session=7, token=TOKEN)
@@ -334,15 +333,36 @@ def test_a_switchs_kv_moves_only_for_its_sessions_owner(daemon, tiny_dirs):
                          start=0, count=1, dtype=pb.FLOAT32, kv_heads=2, head_dim=4, data=data, **kw)
     code, _ = code_of(lambda: c.call("ReceiveKv", iter([part(7, os.urandom(16))])))
     assert code == grpc.StatusCode.PERMISSION_DENIED  # a session it knows, without its key
-    code, message = code_of(lambda: c.call("ReceiveKv", iter([part(555, os.urandom(16), data=bytes(31))])))
+    code, message = code_of(lambda: c.call("ReceiveKv", iter([part(7, old.key, data=bytes(31))])))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "needs 32" in message
-    came_with = os.urandom(16)
-    assert c.call("ReceiveKv", iter([part(555, came_with)])).bytes == 32
-    code, _ = code_of(lambda: c.call("ReceiveKv", iter([part(555, os.urandom(16))])))
-    assert code == grpc.StatusCode.PERMISSION_DENIED  # another key for the session the KV came with
-    new = Coordinator(daemon, session=9, token=TOKEN)
-    code, message = code_of(lambda: c.call("Resume", pb.ResumeRequest(from_session=555, from_key=os.urandom(16),
-                                                                      to_session=9, to_key=new.key)))
-    assert code == grpc.StatusCode.PERMISSION_DENIED and "without its key" in message
-    for co in (old, new):
+    assert c.call("ReceiveKv", iter([part(7, old.key)])).bytes == 32  # its own key: taken
+    code, message = code_of(lambda: c.call("ReceiveKv", iter([part(555, os.urandom(16))])))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "no connection here" in message
+    old.close()
+
+
+def test_kv_sent_ahead_of_a_session_cannot_claim_it(daemon, tiny_dirs):
+    """The attack of issue 64: a token holder sends KV for a session the daemon does not know yet,
+    with a key of its own; once the session connects and computes, the holder's Resume would adopt
+    its sequences (the daemon trusted the key the KV came with before the session's own), and the
+    session's own transfers would be refused. KV now needs the key of a session connected here."""
+    c = daemon.client(Security(token=TOKEN))
+    load(c, tiny_dirs["llama"], 3, 8)
+    attacker_key = os.urandom(16)
+    part = pb.KvPart(session=555, key=attacker_key, sequence_id=5, max_len=16, stage=1, positions=1, layer=0,
+                     start=0, count=1, dtype=pb.FLOAT32, kv_heads=2, head_dim=4, data=bytes(32))
+    code, _ = code_of(lambda: c.call("ReceiveKv", iter([part])))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    victim = Coordinator(daemon, session=555, token=TOKEN)
+    victim.send([entry(1, 0, 4, max_len=16)], residuals(4, 1), stage=1)
+    assert not victim.result(VOCAB)[2]
+    thief = Coordinator(daemon, session=9, token=TOKEN)
+    code, _ = code_of(lambda: c.call("Resume", pb.ResumeRequest(from_session=555, from_key=attacker_key,
+                                                                to_session=9, to_key=thief.key)))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    part.key = victim.key
+    assert c.call("ReceiveKv", iter([part])).bytes == 32  # the session's own transfer still goes
+    victim.send([entry(1, 4, 1)], residuals(1, 2), stage=1)  # its sequence is still its own
+    assert not victim.result(VOCAB)[2]
+    for co in (victim, thief):
         co.close()
