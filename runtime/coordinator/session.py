@@ -223,8 +223,8 @@ class Session:
         replies, dead = {}, None
         for d, client in enumerate(self.pipe.clients):
             try:
-                replies[d] = client.call("Status", pb.StatusRequest(sequence_ids=list(watch)),
-                                         timeout=STATUS_TIMEOUT_S)
+                request = pb.StatusRequest(sequence_ids=list(watch), session=self.id, key=self.key)
+                replies[d] = client.call("Status", request, timeout=STATUS_TIMEOUT_S)
             except grpc.RpcError as e:
                 dead = dead or (d, e)
         if dead:

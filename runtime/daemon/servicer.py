@@ -94,7 +94,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
     @handled
     def Status(self, request, context):
-        info = self.server.status(list(request.sequence_ids))
+        owned = request.sequence_ids and self.server.owners.owns(request.session, request.key)
+        info = self.server.status(list(request.sequence_ids), request.session if owned else None)
         seqs = [pb.SequenceState(**s) for s in info.pop("sequences")]
         pools = [pb.Pool(**p) for p in info.pop("pools")]
         dep = self.server.deployment

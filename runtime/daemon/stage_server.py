@@ -359,11 +359,14 @@ class StageServer:
         self.kv_in.forget(session)  # KV sent here for it that no Load took
         return self.stats.pop(session)
 
-    def status(self, seq_ids: list[int]) -> dict:
-        self.sequences.touch(seq_ids)
+    def status(self, seq_ids: list[int], session: int | None = None) -> dict:
+        """What Status reports: ``seq_ids`` only where they are ``session``'s (None: no session's,
+        so none reads as open and none is kept alive); the rest is the daemon's."""
+        mine = [i for i in seq_ids if session is not None and (s := self.sequences.find(i)) and s.session == session]
+        self.sequences.touch(mine)
         states = []
         for i in seq_ids:
-            seq = self.sequences.find(i)
+            seq = self.sequences.find(i) if i in mine else None
             states.append({"sequence_id": i, "open": seq is not None,
                            "length": min(seq.planned.values(), default=0) if seq else 0,
                            "error": seq.error if seq else ""})

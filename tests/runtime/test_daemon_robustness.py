@@ -223,7 +223,8 @@ def test_bad_micro_batches_fail_alone_and_the_daemon_keeps_serving(daemon, tiny_
         co.send(entries, payload, stage, nbytes)
         act, logits, failed = co.result(384)
         assert failed.get(2, ("", ""))[0] == code and message in failed[2][1], (name, failed)
-        assert c.call("Status", pb.StatusRequest(sequence_ids=[2])).sequences[0].error in ("", failed[2][1]), name
+        mine = pb.StatusRequest(sequence_ids=[2], session=co.session, key=co.key)
+        assert c.call("Status", mine).sequences[0].error in ("", failed[2][1]), name
         co.conn.send(pb.Frame(close=pb.CloseSequences(sequence_ids=[2])))
     # sequence 1 was untouched by all of that, and continues where it was: not past it, but an
     # entry may rewind it (how a recovering coordinator resumes)
@@ -232,7 +233,10 @@ def test_bad_micro_batches_fail_alone_and_the_daemon_keeps_serving(daemon, tiny_
     assert failed[1][0] == "FAILED_PRECONDITION" and "continues at 4" in failed[1][1]
     co.send([entry(1, 3, 1)], torch.randn(1, 64), stage=1)
     assert not co.result(384)[2]
-    assert c.call("Status", pb.StatusRequest(sequence_ids=[1])).sequences[0].length == 4
+    assert c.call("Status", pb.StatusRequest(sequence_ids=[1], session=co.session, key=co.key)).sequences[0].length == 4
+    # another session (or no session) reads it as not open here, and does not keep it alive
+    assert not c.call("Status", pb.StatusRequest(sequence_ids=[1], session=99, key=co.key)).sequences[0].open
+    assert not c.call("Status", pb.StatusRequest(sequence_ids=[1])).sequences[0].open
     co2 = Coordinator(daemon, session=8)
     co2.send([entry(9, 0, 2, max_len=8)], torch.randn(2, 64), stage=1)
     assert not co2.result(384)[2]

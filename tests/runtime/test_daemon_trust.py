@@ -82,7 +82,12 @@ def test_a_token_holder_cannot_touch_another_session(daemon, tiny_dirs, caplog):
             attacker.conn.send(pb.Frame(close=pb.CloseSequences(sequence_ids=[1])))
             attacker.send([entry(60, 0, 1, max_len=4)], residuals(1, 0), stage=1)  # in order after the close
             assert not attacker.result(VOCAB)[2]
-            assert c.call("Status", pb.StatusRequest(sequence_ids=[1])).sequences[0].open
+            mine = pb.StatusRequest(sequence_ids=[1], session=victim.session, key=victim.key)
+            assert c.call("Status", mine).sequences[0].open
+            # the attacker's Status does not see it (nor keep it alive), named with its own key or none
+            for session, key in ((attacker.session, attacker.key), (victim.session, attacker.key), (0, b"")):
+                asked = pb.StatusRequest(sequence_ids=[1], session=session, key=key)
+                assert not c.call("Status", asked).sequences[0].open
             refusals.append("close")
         elif step == 2:  # Resume and EndSession naming the victim's session
             for request in (pb.ResumeRequest(from_session=victim.session, to_session=attacker.session,
@@ -114,7 +119,8 @@ def test_a_token_holder_cannot_touch_another_session(daemon, tiny_dirs, caplog):
         assert any(what in m for m in logged), (what, logged)
     # the victim's own calls still work: it ends its session and frees its sequence
     assert c.call("EndSession", pb.SessionRequest(session=victim.session, key=victim.key)) is not None
-    assert not c.call("Status", pb.StatusRequest(sequence_ids=[1])).sequences[0].open
+    assert not c.call("Status", pb.StatusRequest(sequence_ids=[1], session=victim.session,
+                                                 key=victim.key)).sequences[0].open
     for co in (victim, attacker):
         co.close()
 
