@@ -197,12 +197,13 @@ def validate(dep: Deployment, cfg: ModelConfig) -> list[UnitRange]:
 def check_source(model: str, model_dirs: tuple[str, ...]) -> None:
     """Refuse a model whose files lie outside hpipe's cache and ``model_dirs``: built-in models
     and random-weight shapes read nothing else; a path (a model directory, a GGUF file, a
-    ``random:`` config.json) must be inside one of them, after ``..`` is resolved."""
+    ``random:`` config.json) must be inside one of them, after ``..`` and symbolic links are
+    resolved (a link inside an allowed directory may point anywhere)."""
     if model in BUILTIN_MODELS or (is_random(model) and not model.endswith(".json")):
         return  # reads no path the caller names (random:NAME is a built-in shape, or an error)
     name = model[len(RANDOM_PREFIX):] if is_random(model) else model
-    path = os.path.abspath(os.path.expanduser(name))
-    roots = [os.path.abspath(d) for d in (str(cache_root()), *model_dirs) if d]
+    path = os.path.realpath(os.path.expanduser(name))
+    roots = [os.path.realpath(d) for d in (str(cache_root()), *model_dirs) if d]
     if not any(os.path.commonpath([path, root]) == root for root in roots):
         raise StatusError("PERMISSION_DENIED", f"{model!r} is not a built-in model, and {path} is outside the "
                           f"directories this daemon loads models from ({', '.join(roots)}); start it with "

@@ -177,7 +177,9 @@ def test_load_reads_model_files_only_from_allowed_directories(tiny_dirs, tmp_pat
         outside = [tiny_dirs["llama"],                                  # another directory
                    allowed / ".." / tiny_dirs["llama"].relative_to(tiny_dirs["llama"].anchor),  # '..' out of it
                    f"random:{tiny_dirs['llama'] / 'config.json'}",     # a random-weight shape from any JSON
-                   "random:/etc/hostname.json"]
+                   "random:/etc/hostname.json",
+                   allowed / "link"]                                   # a link inside, pointing out
+        (allowed / "link").symlink_to(tiny_dirs["llama"], target_is_directory=True)
         for model in outside:
             code, msg = code_of(lambda: load(c, model, 0, 8))
             assert code == grpc.StatusCode.PERMISSION_DENIED and "--model-dirs" in msg, model
