@@ -11,7 +11,7 @@ import logging
 import signal
 from pathlib import Path
 
-from hpipe.core.cluster import LOOPBACK
+from hpipe.core.cluster import is_loopback
 from hpipe.core.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def serve(plan, cluster, source, *, host: str, port: int, api_key: str | None, p
     from hpipe.app.openai_api import create_app
     from hpipe.app.serve_backend import Backend
 
-    if host not in LOOPBACK and not host.startswith("127.") and not api_key:
+    if not is_loopback(host) and not api_key:
         raise InputError(f"binding {host} serves anyone who can reach it: give an --api-key-file")
     server: uvicorn.Server | None = None
 

@@ -28,6 +28,7 @@ cluster up`` turns it back into those flags (:meth:`DaemonOptions.argv`).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -43,7 +44,19 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.I)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 in brackets or not) is this machine's loopback:
+    ``localhost``, 127.0.0.0/8 or ::1. The one test of it, for daemons, clusters and the server."""
+    host = host.strip().strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
 #: a daemon's default replay budget (runtime.daemon.replay_log)
 REPLAY_BUDGET = 512 << 20
 
@@ -177,7 +190,7 @@ class DaemonOptions:
 
     @property
     def is_local(self) -> bool:
-        return self.host in LOOPBACK or self.host.startswith("127.")
+        return is_loopback(self.host)
 
     def argv(self) -> list[str]:
         """These options as ``hpipe daemon`` flags (the ones that differ from the defaults)."""

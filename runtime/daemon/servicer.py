@@ -19,7 +19,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hpipe.core.cluster import DaemonOptions
+from hpipe.core.cluster import DaemonOptions, is_loopback
 from hpipe.core.errors import HpipeError, InputError, ModelSourceError, StatusError, UnsupportedModelError
 from hpipe.core.paths import cache_root
 from hpipe.model.stage import parse_dtype
@@ -275,7 +275,7 @@ def build_server(options: DaemonOptions, services: tuple[Service, ...] = (),
 
 
 def bind_warning(host: str) -> str | None:
-    if host in ("127.0.0.1", "localhost", "::1"):
+    if is_loopback(host):
         return None
     return (f"binding {host}: a stage daemon runs whatever requests reach it and holds model weights; keep "
             "daemons on a trusted network and give them a --token-file (and TLS on shared links)")

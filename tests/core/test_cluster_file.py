@@ -125,3 +125,16 @@ def test_daemons_that_share_a_gpu_get_a_share_of_its_memory(tmp_path):
                    "  - {name: d, address: '127.0.0.1:4', device: 'cuda:0', memory_share: 0.1}\n"
                    "  - {name: e, address: '10.0.0.2:5', device: 'cuda:0', ssh: u@10.0.0.2}\n")
     assert equal == {"a": 0.25, "b": 0.25, "c": None, "d": 0.1, "e": None}  # e: another machine's GPU
+
+
+def test_one_loopback_test_for_daemons_clusters_and_the_server():
+    """Every 127.x address, ::1 (with or without brackets) and localhost are loopback; a name or
+    an address of another interface is not (the daemons' bind warning, a cluster's token rule and
+    ``hpipe serve``'s key rule all ask :func:`is_loopback`)."""
+    from hpipe.core.cluster import is_loopback
+    from runtime.daemon.servicer import bind_warning
+
+    for host in ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost", "LOCALHOST"):
+        assert is_loopback(host) and bind_warning(host) is None, host
+    for host in ("0.0.0.0", "10.0.0.2", "::", "fe80::1", "127.example.com", "localhost.evil", ""):
+        assert not is_loopback(host) and bind_warning(host), host
