@@ -81,6 +81,8 @@ def _starts_daemons(item) -> bool:
 #: files, the server or the cluster tools, whose code is the same on any CPU
 AVX2_PASS = ("tests/model/", "tests/runtime/test_engine.py", "tests/runtime/test_seesaw_runtime.py",
              "tests/runtime/test_wire_logits.py", "tests/runtime/test_jobs.py")
+#: of those, what does not depend on the instruction set (parsing files)
+NOT_AVX2_PASS = ("tests/model/test_gguf_fuzz.py",)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -90,7 +92,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" not in item.keywords and _starts_daemons(item):
             item.add_marker(pytest.mark.slow)
-        if str(item.path).removeprefix(root + "/").startswith(AVX2_PASS):
+        where = str(item.path).removeprefix(root + "/")
+        if where.startswith(AVX2_PASS) and not where.startswith(NOT_AVX2_PASS):
             item.add_marker(pytest.mark.avx2_pass)
     if torch.cuda.is_available():
         return

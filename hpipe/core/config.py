@@ -144,6 +144,9 @@ class ModelConfig:
             raise UnsupportedModelError("one sliding window entry per layer is required")
         for rope in (self.rope, self.local_rope):
             rotated = int(self.head_dim * rope.partial_rotary_factor) if rope else 0
+            if rope and (rotated <= 0 or rotated % 2):
+                raise UnsupportedModelError(f"a rotary embedding turns pairs of dimensions: {rotated} of a head's "
+                                            f"{self.head_dim} cannot be turned")
             if rope and rope.type == "longrope" and not len(rope.short_factor) == len(rope.long_factor) == rotated // 2:
                 raise ModelSourceError(f"config.json: longrope's short_factor and long_factor need {rotated // 2} "
                                        f"entries each (half the {rotated} rotated dimensions of a head)")

@@ -68,9 +68,26 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
+def check_file(gguf: Path) -> None:
+    """Refuse, with one line naming the file (and the tensor), a file that is not a whole GGUF:
+    what the gguf package's reader raises on it, or a tensor whose bytes lie past the end."""
+    try:
+        _entries(gguf)
+    except ModelSourceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a file from anywhere: whatever the parser raises, one clear line
+        first = str(e).splitlines()[0][:200] if str(e) else "malformed"
+        raise ModelSourceError(f"{gguf}: not a GGUF file hpipe can read ({type(e).__name__}: {first})") from None
+
+
 def write_index(gguf: Path, out: Path) -> None:
     """Write ``out/tensors.json``: the architecture and, per tensor hpipe uses, its Hugging Face
     name, ggml type, shape ``[rows, in]`` (or ``[n]``), absolute offset and bytes."""
+    arch, tensors = _entries(gguf)
+    (out / INDEX).write_text(json.dumps({"architecture": arch, "tensors": tensors}))
+
+
+def _entries(gguf: Path) -> tuple[str, dict]:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf))
@@ -80,13 +97,18 @@ def write_index(gguf: Path, out: Path) -> None:
         raise ModelSourceError(f"{gguf.name}: a GGUF with LongRoPE factors (rope_factors_*) is not supported; "
                                "use the model's Hugging Face directory")
     tensors = {}
+    size = gguf.stat().st_size
     for t in reader.tensors:
         name = hf_name(t.name, arch)
         if name is None:
             continue
+        offset, nbytes = int(t.data_offset), int(t.n_bytes)
+        if nbytes <= 0 or offset + nbytes > size or t.data.nbytes != nbytes:  # a shorter slice of the map
+            raise ModelSourceError(f"{gguf}: tensor {t.name} ({nbytes} bytes at offset {offset}) does not lie "
+                                   f"inside the file's {size} bytes: the file is truncated or corrupt")
         tensors[name] = {"gguf": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in reversed(t.shape)],
-                         "offset": int(t.data_offset), "bytes": int(t.n_bytes)}
-    (out / INDEX).write_text(json.dumps({"architecture": arch, "tensors": tensors}))
+                         "offset": offset, "bytes": nbytes}
+    return arch, tensors
 
 
 class GGUFWeights:

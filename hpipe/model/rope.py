@@ -23,6 +23,7 @@ import math
 import torch
 
 from hpipe.core.config import RopeConfig
+from hpipe.core.errors import UnsupportedModelError
 
 
 def inverse_frequencies(rope: RopeConfig, dim: int, max_position_embeddings: int,
@@ -54,7 +55,8 @@ class Rotary:
                  device: torch.device | str = "cpu"):
         self.dim = int(head_dim * rope.partial_rotary_factor)
         if self.dim % 2 or self.dim <= 0:
-            raise ValueError(f"a rotary embedding over {self.dim} of {head_dim} dimensions")
+            raise UnsupportedModelError(f"a rotary embedding turns pairs of dimensions: {self.dim} of a head's "
+                                        f"{head_dim} cannot be turned")
         self.scale = rope.attention_factor
         short = rope.short_factor if rope.type == "longrope" else ()
         self.inv_freq = inverse_frequencies(rope, self.dim, max_position_embeddings, short).to(device)

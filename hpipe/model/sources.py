@@ -26,7 +26,7 @@ from functools import cached_property
 from pathlib import Path
 
 from hpipe.core.config import ModelConfig
-from hpipe.core.errors import ModelSourceError
+from hpipe.core.errors import HpipeError, ModelSourceError, UnsupportedModelError
 from hpipe.core.paths import cache_root
 from hpipe.core.shapes import is_random, random_config
 
@@ -169,17 +169,47 @@ def file_key(path: Path) -> str:
 
 def import_gguf(gguf: Path, name: str | None = None) -> ModelSource:
     """Import ``gguf``'s config, tokenizer and tensor index into the cache (once)."""
-    from hpipe.model.gguf_weights import INDEX, write_index
+    from hpipe.model.gguf_weights import INDEX, check_file, write_index
 
     gguf = gguf.resolve()
     name = name or gguf.stem
     target = cache_root() / "models" / f"{gguf.stem}-{file_key(gguf)}"
-    if not (target / "config.json").exists():
-        log.warning("importing %s's config and tokenizer into %s (once; later runs reuse it)", gguf.name, target)
-        write_once(target, lambda tmp: _write_import(gguf, tmp))
-    if not (target / INDEX).exists():
-        write_once(target / INDEX, lambda tmp: write_index(gguf, tmp), file=INDEX)
+    created = not target.exists()
+    try:
+        check_file(gguf)  # the file whole, before transformers reads its metadata (a cached import too)
+        if not (target / "config.json").exists():
+            log.warning("importing %s's config and tokenizer into %s (once; later runs reuse it)", gguf.name, target)
+            write_once(target, lambda tmp: _write_import(gguf, tmp))
+        if not (target / INDEX).exists():
+            write_once(target / INDEX, lambda tmp: write_index(gguf, tmp), file=INDEX)
+            _check_layers(gguf, target / "config.json", target / INDEX)
+    except Exception as e:  # noqa: BLE001 - a file from anywhere: whatever its parsers raise, one clear line
+        if created:  # a file that cannot be read leaves nothing in the cache
+            shutil.rmtree(target, ignore_errors=True)
+        if isinstance(e, HpipeError):  # clear already; named after the file where it is not
+            if gguf.name in str(e):
+                raise
+            kind = type(e) if type(e) in (ModelSourceError, UnsupportedModelError) else ModelSourceError
+            raise kind(f"{gguf}: {e}") from None
+        raise ModelSourceError(f"{gguf}: not a GGUF file hpipe can read ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:200] if str(e) else 'malformed'})") from None
     return ModelSource(name=name, path=target, gguf=gguf)
+
+
+def _check_layers(gguf: Path, config: Path, index: Path) -> None:
+    """The file's metadata and its tensors agree on the embedding and on how many layers there are
+    (a corrupt count would have the model build layers that have no weights, or ignore some)."""
+    cfg = json.loads(config.read_text())
+    tensors = json.loads(index.read_text())["tensors"]
+    layers = {int(n.split(".")[2]) for n in tensors if n.startswith("model.layers.")}
+    declared = cfg.get("num_hidden_layers")
+    if layers != set(range(declared or 0)):
+        raise ModelSourceError(f"{gguf}: the metadata declares {declared} layers; the tensors are of "
+                               f"{len(layers)} (numbered {min(layers, default=0)} to {max(layers, default=-1)})")
+    embed = tensors.get("model.embed_tokens.weight", {}).get("shape")
+    if embed != [cfg.get("vocab_size"), cfg.get("hidden_size")]:
+        raise ModelSourceError(f"{gguf}: tensor token_embd.weight is {embed}; the metadata makes it "
+                               f"[{cfg.get('vocab_size')}, {cfg.get('hidden_size')}]")
 
 
 def write_once(target: Path, write, file: str | None = None) -> None:

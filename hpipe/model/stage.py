@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hpipe.core.config import ModelConfig, RopeConfig
-from hpipe.core.errors import InputError
+from hpipe.core.errors import InputError, ModelSourceError
 from hpipe.core.units import UnitRange
 from hpipe.model import cpu_kernel, packed
 from hpipe.model.dequant import DequantEmbedding, DequantLinear, dequantize
@@ -67,7 +67,14 @@ class StageModel(nn.Module):
         stage = cls(cfg, units, dtype=dtype, device=device)
         for u, module in stage.blocks.items():
             names = checkpoint_names(cfg, int(u), module)
-            state = {p: store.load_stacked(list(parts)) for p, parts in names.items()}
+            label = getattr(store, "label", "the checkpoint")
+            state = {}
+            for p, parts in names.items():
+                try:
+                    state[p] = store.load_stacked(list(parts))
+                except ModelSourceError as e:  # tensors that cannot be stacked: name the file and them
+                    raise ModelSourceError(f"{label}: tensors {', '.join(parts)}: {e}") from None
+            _check_shapes(module, state, names, label)
             if cfg.norm_offset:  # Gemma's checkpoints store a norm's factor minus one
                 state.update({p: t.float() + cfg.norm_offset for p, t in state.items() if is_norm(p)})
             for p, weight in list(state.items()):
@@ -345,3 +352,14 @@ def _to(t: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> tor
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One checkpoint tensor as it is, or several stacked along dim 0 (a fused projection)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
+def _check_shapes(module: nn.Module, state: dict, names: dict[str, list[str]], label: str) -> None:
+    """Refuse, naming the tensor, a stored tensor whose shape is not the one the model's config
+    gives its parameter (a file whose metadata and tensors disagree: corrupt, or edited)."""
+    for p, weight in state.items():
+        want = tuple(module.get_parameter(p).shape)
+        have = (weight.rows, weight.in_features) if isinstance(weight, QuantizedWeight) else tuple(weight.shape)
+        if have != want:
+            raise ModelSourceError(f"{label}: tensor {', '.join(names[p])} is {list(have)}; the model's config "
+                                   f"makes it {list(want)}")
