@@ -289,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     _dequantize_argument(sv)
     _prefix_cache_arguments(sv)
     sv.add_argument("--api-key-file", help="clients must send this key as a Bearer token (required beyond loopback)")
+    sv.add_argument("--metrics-public", action="store_true",
+                    help="/metrics without the API key (every other route but /health needs it where there is one)")
     sv.add_argument("--policy", choices=["gllm", "sarathi", "fcfs", "single"], default="gllm")
     sv.add_argument("--max-queue", type=_positive, default=256,
                     help="requests waiting to start before new ones get 429 (and as many running at once)")

@@ -340,7 +340,8 @@ def serve(args: argparse.Namespace) -> int:
                           model_name=args.served_model_name,
                           default_max_tokens=args.default_max_tokens,
                           grace_s=args.grace, drain_s=args.drain, dequantize=args.dequantize,
-                          prefix_cache=args.prefix_cache_budget if args.prefix_cache else None)
+                          prefix_cache=args.prefix_cache_budget if args.prefix_cache else None,
+                          metrics_public=args.metrics_public)
     # without the interpreter's teardown: a gRPC or torch C++ thread still alive then aborted the
     # process (``terminate called without an active exception``, exit -6) in about one SIGTERM of
     # eight even with the backend's threads joined, so a clean drain read as a crash to a supervisor

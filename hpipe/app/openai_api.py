@@ -107,28 +107,67 @@ def _text(content) -> str:
     return "".join(part.text for part in content)
 
 
-class KeyCheck:
-    """The API key on ``/v1/``, as plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` (what
-    ``@app.middleware`` makes) hides a client's disconnect from the endpoint, and an abandoned
-    request would compute to its end."""
+class Gate:
+    """What every request meets before the app parses anything, as plain ASGI middleware
+    (Starlette's ``BaseHTTPMiddleware``, what ``@app.middleware`` makes, hides a client's
+    disconnect from the endpoint, and an abandoned request would compute to its end):
 
-    def __init__(self, app, backend: Backend):
-        self.app, self.backend = app, backend
+    - the API key, where the server has one, on every route but ``/health`` (and ``/metrics``
+      with ``--metrics-public``): the API, its ``/docs`` and ``/openapi.json`` alike;
+    - a bound on the body (``max_body`` bytes): a declared length over it is refused before a byte
+      is read, a body without one is read here up to the bound and then handed on."""
+
+    def __init__(self, app, backend: Backend, max_body: int, open_paths: frozenset[str]):
+        self.app, self.backend, self.max_body, self.open_paths = app, backend, max_body, open_paths
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, headers = scope["path"], dict(scope["headers"])
         key = self.backend.api_key
-        if scope["type"] == "http" and key and scope["path"].startswith("/v1/"):
-            sent = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(sent, f"Bearer {key}".encode()):
-                self.backend.metrics.requests.labels(scope["path"], "401").inc()
-                response = JSONResponse(error_body("Incorrect API key provided", "invalid_request_error",
-                                                   "invalid_api_key"), status_code=401)
-                await response(scope, receive, send)
-                return
+        if key and path not in self.open_paths:
+            if not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {key}".encode()):
+                return await self._refuse(scope, receive, send, 401, "Incorrect API key provided", "invalid_api_key")
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit() or int(declared) > self.max_body:
+                return await self._refuse(scope, receive, send, 413, f"the body is over this server's "
+                                          f"{self.max_body} bytes", "request_too_large")
+        elif scope["method"] in ("POST", "PUT", "PATCH"):
+            body, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client left
+                body.append(message.get("body", b""))
+                size += len(body[-1])
+                if size > self.max_body:
+                    return await self._refuse(scope, receive, send, 413, f"the body is over this server's "
+                                              f"{self.max_body} bytes", "request_too_large")
+                if not message.get("more_body"):
+                    break
+            receive = _replay(b"".join(body), receive)
         await self.app(scope, receive, send)
 
+    async def _refuse(self, scope, receive, send, status: int, message: str, code: str) -> None:
+        self.backend.metrics.requests.labels(scope["path"], str(status)).inc()
+        await JSONResponse(error_body(message, "invalid_request_error", code), status_code=status)(scope, receive, send)
 
-def create_app(backend: Backend) -> FastAPI:
+
+def _replay(body: bytes, receive):
+    """A ``receive`` that gives ``body`` whole once, then what the client sends next (a disconnect)."""
+    given = False
+
+    async def replay():
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay
+
+
+def create_app(backend: Backend, metrics_public: bool = False) -> FastAPI:
     app = FastAPI(title="hpipe", version="1")
 
     @app.exception_handler(APIError)
@@ -156,7 +195,9 @@ def create_app(backend: Backend) -> FastAPI:
         backend.metrics.requests.labels(request.url.path, "500").inc()
         return JSONResponse(error_body(f"internal error: {e!r}", "server_error"), status_code=500)
 
-    app.add_middleware(KeyCheck, backend=backend)
+    # a prompt the plan takes, each character JSON-escaped at worst (\\uXXXX twice), and room for the rest
+    app.add_middleware(Gate, backend=backend, max_body=(1 << 20) + 12 * CHARS_PER_TOKEN * backend.plan.max_len,
+                       open_paths=frozenset({"/health", *(["/metrics"] if metrics_public else [])}))
 
     @app.get("/health")
     async def health():

@@ -2,6 +2,7 @@
 the same greedy answers as single-process generation, and every error status."""
 
 import json
+import socket
 import time
 
 import httpx
@@ -79,7 +80,7 @@ def test_a_repeated_prefix_is_read_from_the_cache_and_reported_in_usage(server):
         usage.append(reply.usage)
     assert usage[1].prompt_tokens_details.cached_tokens >= 32  # the system prompt's full blocks
     assert usage[1].prompt_tokens_details.cached_tokens > usage[0].prompt_tokens_details.cached_tokens
-    text = httpx.get(f"{base}/metrics").text
+    text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert "hpipe_prompt_tokens_cached_total" in text and "hpipe_prefix_cache_hits" in text
 
 
@@ -181,7 +182,7 @@ def _parked(engine):
 
 def test_metrics_are_prometheus(server):
     base, *_ = server
-    text = httpx.get(f"{base}/metrics").text
+    text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     for name in ("hpipe_http_requests_total", "hpipe_time_to_first_token_seconds_bucket", "hpipe_kv_blocks_used",
                  "hpipe_queue_length", "hpipe_generated_tokens_total"):
         assert name in text, name
@@ -223,3 +224,32 @@ def test_a_stream_survives_a_daemon_restart(server):
     assert text == backend.decode(want)
     assert engine.recoveries == 1
     assert pools_empty(pipe)
+
+
+def test_the_key_guards_every_route_but_health_and_the_body_is_bounded_before_parsing(server):
+    """Issue 64: with a key, /docs, /openapi.json and /metrics need it as the API does (only
+    /health does not); a body over the bound is refused before it is read, whether it declares
+    its length or comes in chunks; one within it is answered as before."""
+    base, backend, *_ = server
+    for path in ("/docs", "/openapi.json", "/metrics", "/v1/models"):
+        r = httpx.get(f"{base}{path}")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    assert httpx.get(f"{base}/health").status_code in (200, 503)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(f"{base}/openapi.json", headers=auth).status_code == 200
+    bound = (1 << 20) + 12 * 64 * backend.plan.max_len
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:  # declares 10x the bound, sends none
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {10 * bound}\r\n\r\n".encode())
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+
+    def chunks():
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(bound // (1 << 16) + 2):
+            yield b"x" * (1 << 16)
+        yield b'"}'
+    r = httpx.post(f"{base}/v1/completions", headers={**auth, "content-type": "application/json"}, content=chunks())
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    assert httpx.post(f"{base}/v1/completions", headers=auth, json=body, timeout=60).status_code == 200

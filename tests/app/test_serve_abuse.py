@@ -172,7 +172,7 @@ def test_streamed_text_is_detokenized_incrementally(served):
 
 def test_a_bounded_fuzz_leaves_the_server_serving(served):
     """Random bodies and parameter values (a fixed count, a fixed seed): every answer is a JSON
-    object with a status below 500, or 500 with an error object; no request outlives its budget;
+    object with a status below 500 (an internal error fails it); no request outlives its budget;
     then every KV pool is empty and a normal request is answered as before."""
     base, backend, _ = served
     rng = random.Random(7)
@@ -192,7 +192,7 @@ def test_a_bounded_fuzz_leaves_the_server_serving(served):
                             bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64))),
                             headers={"content-type": "application/json"})
             assert time.monotonic() - t0 < 20, (i, body)
-            assert r.status_code < 500 or r.json()["error"], (i, body, r.text)
+            assert r.status_code < 500, (i, body, r.text)  # a 500 is a bug in the server, error object or not
             if r.status_code >= 400 and "text/event-stream" not in r.headers.get("content-type", ""):
                 assert r.json()["error"]["message"], (i, body, r.text)
     assert pools_empty(backend.pipe) and not backend.engine.running
