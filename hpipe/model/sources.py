@@ -176,7 +176,8 @@ def import_gguf(gguf: Path, name: str | None = None) -> ModelSource:
     target = cache_root() / "models" / f"{gguf.stem}-{file_key(gguf)}"
     created = not target.exists()
     try:
-        check_file(gguf)  # the file whole, before transformers reads its metadata (a cached import too)
+        if not (target / INDEX).exists():  # importing: the file whole, before transformers reads it
+            check_file(gguf)  # (seconds for a big vocabulary: not on every use of an import)
         if not (target / "config.json").exists():
             log.warning("importing %s's config and tokenizer into %s (once; later runs reuse it)", gguf.name, target)
             write_once(target, lambda tmp: _write_import(gguf, tmp))
