@@ -45,7 +45,7 @@ def test_kv_read_cut_received_and_written_is_the_same_bits(dtype, monkeypatch):
     sent = list(parts(seq, read(src, seq, [5]), SESSION, KEY))
     assert len(sent) > 4 * 2 and all(len(p.data) <= 200 for p in sent)
     incoming = IncomingKV()
-    got = incoming.receive(iter(sent), lambda s, k: None)
+    got = incoming.receive(iter(sent), lambda s, k: True)  # the session is connected here, with this key
     assert got["sequences"] == 1 and got["bytes"] == 2 * 2 * 37 * 2 * 8 * dtype.itemsize
     dst, _ = stage_with(0, dtype)
     table = SequenceTable()
@@ -61,7 +61,7 @@ def test_kv_cut_short_is_not_written():
     src, seq = stage_with(20, torch.float32)
     sent = list(parts(seq, read(src, seq, [5]), SESSION, KEY))
     incoming = IncomingKV()
-    incoming.receive(iter(sent[:-1]), lambda s, k: None)  # the last part never came
+    incoming.receive(iter(sent[:-1]), lambda s, k: True)  # the session is connected here, with this key  # the last part never came
     dst, _ = stage_with(0, torch.float32)
     table = SequenceTable()
     assert incoming.install(dst, table, torch.device("cpu")) == 0
@@ -71,7 +71,7 @@ def test_kv_cut_short_is_not_written():
 def test_kv_of_a_session_that_ended_is_let_go():
     src, seq = stage_with(20, torch.float32)
     incoming = IncomingKV()
-    incoming.receive(parts(seq, read(src, seq, [5]), SESSION, KEY), lambda s, k: None)
+    incoming.receive(parts(seq, read(src, seq, [5]), SESSION, KEY), lambda s, k: True)  # the session is connected here, with this key
     assert incoming.nbytes > 0
     incoming.forget(SESSION)  # the session ended on this daemon before a Load took its KV
     assert incoming.nbytes == 0 and incoming.owns(SESSION, KEY) is None
@@ -87,7 +87,7 @@ def test_the_keys_of_sessions_that_never_came_back_are_let_go(monkeypatch):
     incoming = IncomingKV()
     for session in range(1, 6):
         seq.id = 100 + session
-        incoming.receive(parts(seq, read(src, seq, [5]), session, KEY), lambda s, k: None)
+        incoming.receive(parts(seq, read(src, seq, [5]), session, KEY), lambda s, k: True)  # the session is connected here, with this key
     assert [incoming.owns(s, KEY) for s in range(1, 6)] == [None, None, True, True, True]
     dst, _ = stage_with(0, torch.float32)
     table = SequenceTable()
@@ -117,7 +117,7 @@ def test_a_swapped_sequence_goes_from_one_tier_to_the_other(dtype):
     sent = list(parts(seq, read(src, seq, [5], old_tier), SESSION, KEY))
     assert sent and all(p.swapped for p in sent)
     incoming, new_tier = IncomingKV(), HostTier()
-    incoming.receive(iter(sent), lambda s, k: None)
+    incoming.receive(iter(sent), lambda s, k: True)  # the session is connected here, with this key
     dst, _ = stage_with(0, dtype)
     table = SequenceTable()
     assert incoming.install(dst, table, torch.device("cpu"), new_tier) == 37
@@ -136,7 +136,7 @@ def test_a_tier_without_room_keeps_nothing_of_a_sent_swapped_sequence(monkeypatc
     old_tier = HostTier()
     assert old_tier.swap_out(seq, src)
     incoming, new_tier = IncomingKV(), HostTier()
-    incoming.receive(parts(seq, read(src, seq, [5], old_tier), SESSION, KEY), lambda s, k: None)
+    incoming.receive(parts(seq, read(src, seq, [5], old_tier), SESSION, KEY), lambda s, k: True)  # the session is connected here, with this key
     monkeypatch.setattr(kv_tier, "TIER_FACTOR", 0)  # the new owner's tier has no room
     dst, _ = stage_with(0, torch.float32)
     table = SequenceTable()
