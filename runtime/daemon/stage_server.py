@@ -360,8 +360,7 @@ class StageServer:
         return self.stats.pop(session)
 
     def status(self, seq_ids: list[int], session: int | None = None) -> dict:
-        """What Status reports: ``seq_ids`` only where they are ``session``'s (None: no session's,
-        so none reads as open and none is kept alive); the rest is the daemon's."""
+        """What Status reports: ``seq_ids`` only where ``session``'s (None: none open, none kept alive)."""
         mine = [i for i in seq_ids if session is not None and (s := self.sequences.find(i)) and s.session == session]
         self.sequences.touch(mine)
         states = []
