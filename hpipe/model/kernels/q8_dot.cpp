@@ -154,7 +154,7 @@ __attribute__((target("avx2"))) inline __m256i load(const void* p) {
 
 // header() with vector instructions: the same integers and the same two floats (F16C converts a
 // half exactly, as c10::Half does in software), without the 16 scalar stores and the software
-// conversions that cost about a third of a Q4_K block's time on AVX2
+// conversions per block (what that saves was not measured: this VM drifts more than the gain)
 struct HeaderV {
   float d, dmin;
   __m256i per16;
