@@ -41,7 +41,7 @@ from runtime.daemon.deployment import Deployment, LoadedStage
 from runtime.daemon.device_io import DeviceIO
 from runtime.daemon.kv_tier import HostTier
 from runtime.daemon.kv_transfer import IncomingKV
-from runtime.daemon.layout import Layouts
+from runtime.daemon.layout import LAYOUT_WAIT_S, Layouts
 from runtime.daemon.micro_batch import MicroBatches, queued_shape
 from runtime.daemon.outbox import Outbox
 from runtime.daemon.owners import SessionOwners
@@ -228,8 +228,8 @@ class StageServer:
                 if kind == "layout" and session:
                     self.layouts.add(session, frame.layout, key)
                 elif kind == "activation":
-                    if self._admits(conn, session, frame.activation):
-                        self._receive(conn, frame.activation)
+                    if self._admits(conn, session, frame.activation):  # a coordinator's layouts come before its data
+                        self._receive(conn, frame.activation, wait_s=0.0 if session else LAYOUT_WAIT_S)
                     else:
                         skip_payload(conn.sock, frame.activation.payload_bytes)
                 elif kind == "close" and session:
@@ -272,12 +272,12 @@ class StageServer:
             log.warning("refused an activation from %s: %s", conn.peer, why)
         return not why
 
-    def _receive(self, conn: Connection, act: pb.Activation) -> None:
+    def _receive(self, conn: Connection, act: pb.Activation, wait_s: float) -> None:
         """Read one activation's payload into its tensor and queue it for the worker."""
         stage = self.stages.get(act.stage)
         t0 = time.perf_counter()
         received = time.time()
-        layout = self.layouts.wait(act.session, act.micro_batch)
+        layout = self.layouts.wait(act.session, act.micro_batch, wait_s) if stage is not None else None
         if stage is None or layout is None:
             skip_payload(conn.sock, act.payload_bytes)
             if layout is None and self.layouts.ended(act.session):
