@@ -1,5 +1,6 @@
 """Decode rows of quantized weights: GB/s of blocks read, float32 activations against ggml's
-integer products (``HPIPE_DECODE_DOT=int8``, docs/decisions/int8-decode.md), beside the memory's.
+integer products (``HPIPE_DECODE_DOT=int8``, or ``int15``: x in 15 bits; docs/decisions/int8-decode.md),
+beside the memory's.
 
     python benchmarks/kquant_rows.py [--rows 8192] [--k 3072] [--m 1,16] [--rounds 3] [--threads 2]
     . scripts/avx2.env; python benchmarks/kquant_rows.py     # the AVX2 paths on an AVX-512 CPU
@@ -41,21 +42,23 @@ def main() -> None:
     ids = {name: t for t, (name, _, _) in TYPES.items()}
     g = torch.Generator().manual_seed(0)
     before = torch.ops.hpipe.decode_dot("")
-    print(f"{'type':6} {'m':>3} {'float32 GB/s':>13} {'int8 GB/s':>10} {'int8/float32':>13}")
+    modes = ("float32", "int8", "int15")
+    print(f"{'type':6} {'m':>3} " + " ".join(f"{mode + ' GB/s':>11}" for mode in modes)
+          + " " + " ".join(f"{mode + '/float32':>14}" for mode in modes[1:]))
     try:
         for name in args.types.split(","):
             w = random_weight(ids[name], args.rows, args.k, g)
             for m in map(int, args.m.split(",")):
                 x, low = torch.randn(m, args.k, generator=g), torch.zeros(m, dtype=torch.bool)
-                times: dict[str, list[float]] = {"float32": [], "int8": []}
+                times: dict[str, list[float]] = {mode: [] for mode in modes}
                 for _ in range(args.rounds):
                     for mode in times:
                         torch.ops.hpipe.decode_dot(mode)
                         times[mode].append(timed(lambda: torch.ops.hpipe.qlinear(x, w.data, w.parts, torch.empty(0),
                                                                                  low), 20))
-                f, i = statistics.median(times["float32"]), statistics.median(times["int8"])
-                print(f"{name:6} {m:>3} {w.data.numel() / f / 1e9:>13.1f} {w.data.numel() / i / 1e9:>10.1f} "
-                      f"{f / i:>13.2f}")
+                t = {mode: statistics.median(times[mode]) for mode in modes}
+                print(f"{name:6} {m:>3} " + " ".join(f"{w.data.numel() / t[mode] / 1e9:>11.1f}" for mode in modes)
+                      + " " + " ".join(f"{t['float32'] / t[mode]:>14.2f}" for mode in modes[1:]))
     finally:
         torch.ops.hpipe.decode_dot(before)
 

@@ -92,8 +92,10 @@ def fingerprint(device: torch.device) -> str:
     # the kernels a stage runs: float32 CPU projections are packed for MKL where that pays; quantized
     # prefill rows in bfloat16 by default unless the daemon's environment says float32
     packs = device.type == "cpu" and packed.pays()
+    # (decode rows of K-quants in 15-bit integers by default since #62: grids timed before differ)
     sw = (f"torch={torch.__version__}/threads={torch.get_num_threads()}/mkl_packed={int(packs)}"
-          f"/prefill={asked_prefill_gemm() if device.type == 'cpu' else ''}")
+          f"/prefill={asked_prefill_gemm() if device.type == 'cpu' else ''}"
+          f"/decode={'int15' if device.type == 'cpu' else ''}")
     if device.type == "cpu":  # an instruction set capped (scripts/avx2.env), integer decode rows
         env = [f"{k}={os.environ[k]}" for k in KERNEL_ENV if os.environ.get(k)]
         sw += f"/env={','.join(env)}" if env else ""

@@ -1,18 +1,20 @@
-// Decode rows of K-quant weights (Q4_K, Q5_K, Q6_K) as integer dot products, as ggml computes them:
-// an experiment, off unless HPIPE_DECODE_DOT=int8 (docs/decisions/int8-decode.md says why: Gemma 3
-// 270M's greedy tokens agree with float32 decode's at 96%, under the 99% the fidelity rule asks).
+// Decode rows of K-quant weights (Q4_K, Q5_K, Q6_K) as integer dot products, as ggml computes them
+// but with x in 15 bits (docs/decisions/int8-decode.md): hpipe's default since #62.
 //
-// A decode row of x is rounded to 8 bits per 256 values (ggml's Q8_K: one float scale per 256,
-// int8 values, and the sum of every 16 of them), once per call. Each weight block then meets it as
-// integers: u8 x i8 pairs summed to 16 bits (AVX2's vpmaddubsw), those times the sub-blocks' 6- or
-// 8-bit scales summed to 32 bits (vpmaddwd): exact integer sums. The block's float factors (d,
-// dmin, the row's scale) are applied once per 256 values, in plain scalar code shared by every
-// instruction set, in a fixed order. So a row's result is the same bits whatever rows share its
-// call, whatever instruction set computes it (AVX-512 CPUs run the AVX2 loop; another CPU the
-// scalar one), and float32's convert-and-multiply of every weight (held at a third of the memory's
-// speed on AVX2: 10-11 GB/s of Q4_K blocks against 34 of bandwidth, 2 threads) is gone: one row
-// times 8192 x 3072 of Q4_K, Q5_K, Q6_K 1.2-1.5x, 1.2-1.5x, 1.6-1.9x float32's capped at AVX2 (Zen
-// 4, 2 threads; benchmarks/kquant_rows.py), about even at 16 rows.
+// A decode row of x is rounded per 256 values, once per call: to 15 bits by default (one float
+// scale per 256, values to +-16383), or to 8 bits as ggml's Q8_K (HPIPE_DECODE_DOT=int8: Gemma 3
+// 270M's greedy tokens then agree with float32 decode's at 96.6%, under the 99% of the fidelity
+// rule; 15 bits: 99.7%). Each weight block then meets it as integers: with 8 bits, u8 x i8 pairs
+// summed to 16 bits (AVX2's vpmaddubsw), those times the sub-blocks' 6- or 8-bit scales summed to
+// 32 bits (vpmaddwd); with 15 bits, the weights times their scales in 16 bits (two vpmaddubsw per
+// 32 weights, or vpmullw for Q6_K), then x's values (vpmaddwd). Exact integer sums. The block's
+// float factors (d, dmin, the row's scale) are applied once per 256 values, in plain scalar code
+// shared by every instruction set, in a fixed order. So a row's result is the same bits whatever
+// rows share its call, whatever instruction set computes it (AVX-512 CPUs run the AVX2 loop;
+// another CPU the scalar one), and float32's convert-and-multiply of every weight (a third of the
+// memory's speed on AVX2) is gone: one row times 14336 x 4096 of Q4_K and Q6_K 1.9x float32's with
+// 15 bits, 2.4x with 8 bits, capped at AVX2 (Zen 4, 2 threads; benchmarks/kquant_rows.py); about
+// even with 15 bits at 16 rows.
 #include "quant.h"
 
 #include <algorithm>
@@ -62,6 +64,10 @@ inline void scales_mins(const uint8_t* packed, uint8_t out[16]) {
 // the lanes in a register; the scalar loop keeps them in arrays and must give the same bits.
 
 constexpr int kLanes = 8;
+
+// where value i of a block lies in Q8Rows::wide: each 32 values as their 16 even ones, then their
+// 16 odd ones (what the AVX2 loop's two vpmaddubsw per 32 weights make)
+inline int wide_at(int i) { return (i & ~31) + (i & 1) * 16 + ((i & 31) >> 1); }
 
 // the block's float factors and its offsets' factors for each 16 values (Q6_K: 32 x its scale;
 // Q4_K / Q5_K: the sub-block's minimum), and whether the offsets subtract from the integers (Q6_K)
@@ -125,18 +131,34 @@ void row_dots_portable(int64_t type, const uint8_t* row, int64_t nb, const Q8Row
           sc[64 * j + 32 + l] = h.sm[2 * j + 1];
         }
     }
+    const bool fifteen = !q.wide.empty();
     for (int64_t r = 0; r < m; ++r) {
       const int8_t* y = q.q.data() + r * k + b * QK;
+      const int16_t* y15 = fifteen ? q.wide.data() + r * k + b * QK : nullptr;
       const int16_t* bs = q.bsums.data() + (r * nb + b) * 16;
+      const int16_t* bs_lo = fifteen ? q.bsums_lo.data() + (r * nb + b) * 16 : nullptr;
       const float d8 = q.d[r * nb + b];
-      int32_t lane[kLanes] = {}, off[kLanes];
-      for (int i = 0; i < 256; ++i) lane[(i % 32) / 4] += sc[i] * (v[i] * y[i]);
-      for (int L = 0; L < kLanes; ++L) off[L] = h.per16[2 * L] * bs[2 * L] + h.per16[2 * L + 1] * bs[2 * L + 1];
+      // exact sums in 64 bits; each lane's result (lane - offsets, for Q6_K) fits in 32 bits, as
+      // the AVX2 loop's sums do (fifteen bits: 32 x 32 x 128 x 16383 < 2^31 for Q6_K)
+      int64_t lane64[kLanes] = {}, off64[kLanes];
+      const bool signed_values = fifteen && type == Q6_K;  // Q6_K's offset of 32 taken first
+      for (int i = 0; i < 256; ++i)
+        lane64[(i % 32) / 4] += int64_t{sc[i]} * (signed_values ? v[i] - 32 : v[i]) * (fifteen ? y15[wide_at(i)] : y[i]);
+      for (int L = 0; L < kLanes; ++L) {
+        off64[L] = 0;
+        for (int g = 2 * L; g < 2 * L + 2 && !signed_values; ++g)
+          off64[L] += int64_t{h.per16[g]} * (fifteen ? 128 * bs[g] + bs_lo[g] : bs[g]);
+      }
+      int32_t lane[kLanes], off[kLanes];
+      for (int L = 0; L < kLanes; ++L) {
+        lane[L] = type == Q6_K ? static_cast<int32_t>(lane64[L] - off64[L]) : static_cast<int32_t>(lane64[L]);
+        off[L] = type == Q6_K ? 0 : static_cast<int32_t>(off64[L]);
+      }
       float* a = acc.data() + r * kLanes;
       float* am = accm.data() + r * kLanes;
       for (int L = 0; L < kLanes; ++L) {
         if (type == Q6_K) {
-          a[L] = a[L] + (h.d * d8) * static_cast<float>(lane[L] - off[L]);
+          a[L] = a[L] + (h.d * d8) * static_cast<float>(lane[L]);
         } else {
           a[L] = a[L] + (h.d * d8) * static_cast<float>(lane[L]);
           am[L] = am[L] + (h.dmin * d8) * static_cast<float>(off[L]);
@@ -181,13 +203,18 @@ __attribute__((target("avx2,f16c"))) inline void header_avx2(int64_t type, const
 
 // the same with AVX2: 32 weights a vpmaddubsw, the unpacked weights serving every row (no FMA:
 // a multiply, then an add, as the scalar form rounds)
-__attribute__((target("avx2,f16c"))) void row_dots_avx2(int64_t type, const uint8_t* row, int64_t nb, const Q8Rows& q,
-                                                   int64_t k, int64_t m, float* res) {
-  constexpr int kMax = 4;  // rows of x at a time: their float sums stay in registers
+// (Fifteen: x in 15 bits; each 32 weights times their scale in 16 bits by two vpmaddubsw, the even
+// values' and the odd ones', that meet x's values laid out so (quantize_q8k) in vpmaddwd; Q6_K's
+// offset of 32 taken from its values first, so that no sum of x is needed for it)
+// n: rows r0 to r0 + n of x (a constant, so that their sums stay in registers)
+template <bool Fifteen, int n>
+__attribute__((target("avx2,f16c"))) void rows_avx2(int64_t type, const uint8_t* row, int64_t nb, const Q8Rows& q,
+                                                   int64_t k, int64_t r0, float* res) {
+  constexpr int kMax = n;
   const int64_t bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
-  for (int64_t r0 = 0; r0 < m; r0 += kMax) {
-    const int n = static_cast<int>(std::min<int64_t>(kMax, m - r0));
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), thirty_two = _mm256_set1_epi16(32),
+                low_bytes = _mm256_set1_epi16(0xFF);
+  {
     __m256 acc[kMax], accm[kMax];
     for (int r = 0; r < n; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -212,9 +239,19 @@ __attribute__((target("avx2,f16c"))) void row_dots_avx2(int64_t type, const uint
                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4))};
           for (int i = 0; i < 4; ++i) {
             const __m256i s = _mm256_set_m128i(_mm_set1_epi16(s8[2 * i + 1]), _mm_set1_epi16(s8[2 * i]));
+            if (Fifteen) {  // the even and the odd values, less 32, x their scale in 16 bits (at most 32 x 128)
+              const __m256i w0 = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_and_si256(v[i], low_bytes), thirty_two), s);
+              const __m256i w1 = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_srli_epi16(v[i], 8), thirty_two), s);
+              for (int r = 0; r < n; ++r) {
+                const int16_t* y = q.wide.data() + (r0 + r) * k + b * QK + 128 * half + 32 * i;
+                lane[r] = _mm256_add_epi32(lane[r], _mm256_add_epi32(_mm256_madd_epi16(w0, load(y)),
+                                                                     _mm256_madd_epi16(w1, load(y + 16))));
+              }
+              continue;
+            }
             for (int r = 0; r < n; ++r) {
-              const int8_t* y = q.q.data() + (r0 + r) * k + b * QK + 128 * half + 32 * i;
-              lane[r] = _mm256_add_epi32(lane[r], _mm256_madd_epi16(_mm256_maddubs_epi16(v[i], load(y)), s));
+              const int64_t at = (r0 + r) * k + b * QK + 128 * half + 32 * i;
+              lane[r] = _mm256_add_epi32(lane[r], _mm256_madd_epi16(_mm256_maddubs_epi16(v[i], load(q.q.data() + at)), s));
             }
           }
         }
@@ -233,6 +270,19 @@ __attribute__((target("avx2,f16c"))) void row_dots_avx2(int64_t type, const uint
             hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, b1), b1), sixteen));
           }
           const __m256i s0 = _mm256_set1_epi16(h.sm[2 * j]), s1 = _mm256_set1_epi16(h.sm[2 * j + 1]);
+          if (Fifteen) {  // the even and the odd values x their scale in 16 bits (at most 31 x 63)
+            const __m256i odd0 = _mm256_slli_epi16(s0, 8), odd1 = _mm256_slli_epi16(s1, 8);
+            const __m256i w[4] = {_mm256_maddubs_epi16(lo, s0), _mm256_maddubs_epi16(lo, odd0),
+                                  _mm256_maddubs_epi16(hi, s1), _mm256_maddubs_epi16(hi, odd1)};
+            for (int r = 0; r < n; ++r) {
+              const int16_t* y = q.wide.data() + (r0 + r) * k + b * QK + 64 * j;
+              const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(w[0], load(y)), _mm256_madd_epi16(w[1], load(y + 16)));
+              const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(w[2], load(y + 32)),
+                                                  _mm256_madd_epi16(w[3], load(y + 48)));
+              lane[r] = _mm256_add_epi32(lane[r], _mm256_add_epi32(p0, p1));
+            }
+            continue;
+          }
           for (int r = 0; r < n; ++r) {
             const int8_t* y = q.q.data() + (r0 + r) * k + b * QK + 64 * j;
             const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(y)), s0);
@@ -244,7 +294,12 @@ __attribute__((target("avx2,f16c"))) void row_dots_avx2(int64_t type, const uint
       for (int r = 0; r < n; ++r) {
         const int64_t at = (r0 + r) * nb + b;
         const float d8 = q.d[at];
-        const __m256i off = _mm256_madd_epi16(per16, load(q.bsums.data() + at * 16));
+        __m256i off = _mm256_madd_epi16(per16, load(q.bsums.data() + at * 16));
+        if (Fifteen) {  // Q6_K's values came signed; the minimums' sums as high x 128 + low
+          off = type == Q6_K ? _mm256_setzero_si256()
+                             : _mm256_add_epi32(_mm256_slli_epi32(off, 7),
+                                                _mm256_madd_epi16(per16, load(q.bsums_lo.data() + at * 16)));
+        }
         if (type == Q6_K) {
           acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(h.d * d8),
                                                        _mm256_cvtepi32_ps(_mm256_sub_epi32(lane[r], off))));
@@ -262,62 +317,97 @@ __attribute__((target("avx2,f16c"))) void row_dots_avx2(int64_t type, const uint
     }
   }
 }
+
+template <bool Fifteen>
+__attribute__((target("avx2,f16c"))) void row_dots_avx2(int64_t type, const uint8_t* row, int64_t nb, const Q8Rows& q,
+                                                   int64_t k, int64_t m, float* res) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= m; r0 += 4) rows_avx2<Fifteen, 4>(type, row, nb, q, k, r0, res);
+  switch (m - r0) {
+    case 3: return rows_avx2<Fifteen, 3>(type, row, nb, q, k, r0, res);
+    case 2: return rows_avx2<Fifteen, 2>(type, row, nb, q, k, r0, res);
+    case 1: return rows_avx2<Fifteen, 1>(type, row, nb, q, k, r0, res);
+    default: return;
+  }
+}
 #endif
 
 using RowDots = void (*)(int64_t, const uint8_t*, int64_t, const Q8Rows&, int64_t, int64_t, float*);
 
-RowDots row_dots() {
-  static const RowDots chosen = [] {
+RowDots row_dots(bool fifteen) {
+  static const bool avx2 = [] {
     const char* cap = std::getenv("HPIPE_CPU_ISA");
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
-    if (!(cap && std::string(cap) == "portable") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
-      return &row_dots_avx2;
-#endif
+    return !(cap && std::string(cap) == "portable") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
     (void)cap;
-    return &row_dots_portable;
+    return false;
+#endif
   }();
-  return chosen;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx2) return fifteen ? &row_dots_avx2<true> : &row_dots_avx2<false>;
+#endif
+  return &row_dots_portable;
 }
 
 }  // namespace
 
-bool int8_decode_type(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+bool integer_decode_type(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 
-std::atomic<bool>& int8_decode() {  // off unless HPIPE_DECODE_DOT=int8 (docs/decisions/int8-decode.md)
-  static std::atomic<bool> on{[] {
+// int15 unless HPIPE_DECODE_DOT says float32 or int8 (docs/decisions/int8-decode.md)
+std::atomic<int>& decode_dot_mode() {
+  static std::atomic<int> mode{[] {
     const char* env = std::getenv("HPIPE_DECODE_DOT");
-    return env != nullptr && std::string(env) == "int8";
+    const std::string chosen = env != nullptr ? env : "";
+    return chosen == "int8" ? kInt8Dot : chosen == "float32" ? kFloatDot : kInt15Dot;
   }()};
-  return on;
+  return mode;
 }
 
-Q8Rows quantize_q8k(const float* x, int64_t m, int64_t k) {
+// x's rows per 256 values: int8 (ggml's Q8_K, to 127), or fifteen bits (to 16383) as a high byte
+// (value >> 7, -128 to 127) and a low 7 bits, each with its sums of 16
+Q8Rows quantize_q8k(const float* x, int64_t m, int64_t k, bool fifteen) {
   TORCH_CHECK(k % QK == 0, "a row of ", k, " values is not whole blocks of ", QK);
   const int64_t nb = k / QK;
-  Q8Rows q{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<int16_t>(m * k / 16), nb};
+  const float top = fifteen ? 16383.0f : 127.0f;
+  Q8Rows q{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<int16_t>(m * k / 16), nb, {}, {}};
+  if (fifteen) {
+    q.wide.resize(m * k);
+    q.bsums_lo.resize(m * k / 16);
+  }
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * k + b * QK;
-      int8_t* qb = q.q.data() + r * k + b * QK;
+      const int64_t at = r * k + b * QK;
       float amax = 0.0f;
       for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float iscale = amax > 0.0f ? 127.0f / amax : 0.0f;
-      for (int64_t i = 0; i < QK; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * iscale));
+      const float iscale = amax > 0.0f ? top / amax : 0.0f;
+      int32_t lows[QK];
+      for (int64_t i = 0; i < QK; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * iscale));
+        q.q[at + i] = static_cast<int8_t>(fifteen ? v >> 7 : v);
+        lows[i] = v & 127;
+        if (fifteen) q.wide[at + wide_at(static_cast<int>(i))] = static_cast<int16_t>(v);
+      }
       q.d[r * nb + b] = amax > 0.0f ? 1.0f / iscale : 0.0f;
       for (int64_t s = 0; s < QK / 16; ++s) {
-        int32_t sum = 0;
-        for (int64_t i = 0; i < 16; ++i) sum += qb[16 * s + i];
+        int32_t sum = 0, sum_lo = 0;
+        for (int64_t i = 0; i < 16; ++i) {
+          sum += q.q[at + 16 * s + i];
+          sum_lo += lows[16 * s + i];
+        }
         q.bsums[(r * nb + b) * (QK / 16) + s] = static_cast<int16_t>(sum);
+        if (fifteen) q.bsums_lo[(r * nb + b) * (QK / 16) + s] = static_cast<int16_t>(sum_lo);
       }
     }
   }
   return q;
 }
 
-void int8_rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1,
+void integer_rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1,
                        const Q8Rows& q, int64_t m, int64_t k, float* out, int64_t ldo) {
-  const RowDots dots = row_dots();
+  const RowDots dots = row_dots(!q.wide.empty());
   std::vector<float> res(m);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = blocks + n * row_bytes;

@@ -300,11 +300,11 @@ T* panel_room(int64_t values) {
 }
 
 // x [m, k] @ the parts' rows .T, float32 out [m, n_out]: in bfloat16 with float32 sums (`bf16`),
-// as decode rows (`int8`: K-quant parts in integers, q8_dot.cpp, whatever m), else in float32
+// as decode rows (`integer`: K-quant parts in integers, q8_dot.cpp, whatever m), else in float32
 // (each weight row dequantized in registers or L1 for a few rows, panels and MKL's GEMM from
 // kGemmRows)
 Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& parts, int64_t n_out, bool bf16,
-               bool int8 = false) {
+               bool integer = false) {
   const int64_t m = x.size(0), k = x.size(1);
   if (bf16 && m == 1 && !own_bf16())  // MKL takes another path for one row (1e-6 apart): two rows sum as any number do
     return product(at::cat({x, x}), base, parts, n_out, true).narrow(0, 0, 1).contiguous();
@@ -315,11 +315,11 @@ Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& pa
   int64_t col = 0;
   for (const Part& p : parts) {
     const uint8_t* b = base + p.offset;
-    if (int8 && !bf16 && m > 0 && hpipe::int8_decode_type(p.type)) {
-      if (!q8) q8 = hpipe::quantize_q8k(x.data_ptr<float>(), m, k);
+    if (integer && !bf16 && m > 0 && hpipe::integer_decode_type(p.type)) {
+      if (!q8) q8 = hpipe::quantize_q8k(x.data_ptr<float>(), m, k, hpipe::decode_dot_mode().load() == hpipe::kInt15Dot);
       float* o = out.data_ptr<float>() + col;
       at::parallel_for(0, p.rows, 16, [&](int64_t a, int64_t z) {
-        hpipe::int8_rows_times_x(p.type, b, p.row_bytes, a, z, *q8, m, k, o, n_out);
+        hpipe::integer_rows_times_x(p.type, b, p.row_bytes, a, z, *q8, m, k, o, n_out);
       });
     } else if (bf16 && m > 0 && own_bf16()) {
       // the same with hpipe's kernel: each weight row rounded to bfloat16 in L1, then packed
@@ -420,8 +420,9 @@ Tensor qlinear_rows(const Tensor& x_in, const Tensor& blocks, const Tensor& part
   Tensor out;
   // a marked projection's rows: prefill rows (`low`) in the prefill GEMM's precision, the others
   // as decode rows; an unmarked one's (the head's) all in float32
-  const bool bf16 = low.has_value() && bf16_prefill().load(), int8 = low.has_value() && int8_decode().load();
-  const int64_t n_low = bf16 || int8 ? [&] {
+  const bool bf16 = low.has_value() && bf16_prefill().load(),
+             integer = low.has_value() && decode_dot_mode().load() != hpipe::kFloatDot;
+  const int64_t n_low = bf16 || integer ? [&] {
     TORCH_CHECK(low->scalar_type() == at::kBool && low->dim() == 1 && low->size(0) == m,
                 "low is bool [", m, "]: the rows of prefill slices");
     return low->sum().item<int64_t>();
@@ -429,12 +430,12 @@ Tensor qlinear_rows(const Tensor& x_in, const Tensor& blocks, const Tensor& part
   if (n_low == m && m > 0) {
     out = product(x, base, parts, n_out, bf16);
   } else if (n_low == 0) {
-    out = product(x, base, parts, n_out, false, int8);
+    out = product(x, base, parts, n_out, false, integer);
   } else {  // each row in its own precision, whatever rows share its micro-batch
     const Tensor rows_low = low->nonzero().squeeze(1), rows_dec = low->logical_not().nonzero().squeeze(1);
     out = at::empty({m, n_out}, x.options());
     out.index_copy_(0, rows_low, product(x.index_select(0, rows_low), base, parts, n_out, bf16));
-    out.index_copy_(0, rows_dec, product(x.index_select(0, rows_dec), base, parts, n_out, false, int8));
+    out.index_copy_(0, rows_dec, product(x.index_select(0, rows_dec), base, parts, n_out, false, integer));
   }
   if (bias.numel()) out.add_(bias);
   return out.view(shape);
@@ -445,7 +446,7 @@ Tensor qlinear(const Tensor& x, const Tensor& blocks, const Tensor& parts, const
 }
 
 Tensor qlinear_decode(const Tensor& x, const Tensor& blocks, const Tensor& parts, const Tensor& bias) {
-  if (!int8_decode().load()) return qlinear(x, blocks, parts, bias);  // the decode kernel's hot path: no mask
+  if (decode_dot_mode().load() == kFloatDot) return qlinear(x, blocks, parts, bias);  // the decode kernel's hot path: no mask
   return qlinear_rows(x, blocks, parts, bias, at::zeros({x.numel() / std::max<int64_t>(1, x.size(-1))}, at::kBool));
 }
 
@@ -497,13 +498,15 @@ Tensor dequantize(const Tensor& blocks, const Tensor& parts_t, int64_t k) {
 
 std::string quant_variant() { return variant().name; }
 
-// how decode rows of K-quant parts multiply, "int8" or "float32", after setting it to `mode` unless
-// that is empty
+// how decode rows of K-quant parts multiply, "int15" (the default), "int8" or "float32", after
+// setting it to `mode` unless that is empty
 std::string decode_dot(const std::string& mode) {
-  TORCH_CHECK(mode.empty() || mode == "int8" || mode == "float32", "decode rows multiply in int8 or float32, not ",
-              mode);
-  if (!mode.empty()) hpipe::int8_decode().store(mode == "int8");
-  return hpipe::int8_decode().load() ? "int8" : "float32";
+  TORCH_CHECK(mode.empty() || mode == "int8" || mode == "int15" || mode == "float32",
+              "decode rows multiply in int8, int15 or float32, not ", mode);
+  if (!mode.empty())
+    hpipe::decode_dot_mode().store(mode == "int8" ? hpipe::kInt8Dot : mode == "int15" ? hpipe::kInt15Dot : hpipe::kFloatDot);
+  const int now = hpipe::decode_dot_mode().load();
+  return now == hpipe::kInt8Dot ? "int8" : now == hpipe::kInt15Dot ? "int15" : "float32";
 }
 
 // the prefill GEMM's precision, "bfloat16" or "float32", after setting it to `mode` unless that is

@@ -21,27 +21,32 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& blocks, const at::Tens
 at::Tensor qlinear_rows(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts, const at::Tensor& bias,
                         const std::optional<at::Tensor>& low);
 
-// Decode rows: rows of a projection that are not prefill's (`low` false, or all rows here). With
-// HPIPE_DECODE_DOT=int8 (an experiment, off by default), where a part is Q4_K, Q5_K or Q6_K they
-// multiply as ggml's do, x rounded to 8 bits per 256 values and integer dot products (q8_dot.cpp);
-// a row's bits then depend on no other row and on no instruction set. Else as qlinear.
+// Decode rows: rows of a projection that are not prefill's (`low` false, or all rows here). Where a
+// part is Q4_K, Q5_K or Q6_K they multiply in integers (q8_dot.cpp): x rounded to 15 bits per 256
+// values (HPIPE_DECODE_DOT=int8: 8 bits, as ggml's; float32: float activations); a row's bits then
+// depend on no other row and on no instruction set. Else as qlinear.
 at::Tensor qlinear_decode(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts,
                           const at::Tensor& bias);
 
-// q8_dot.cpp: whether decode rows of K-quant parts multiply in integers (settable: quant.cpp's
-// decode_dot op), which block types do, rows of x rounded to 8 bits per 256 values (ggml's Q8_K:
-// int8 values, a scale per 256, the sum of every 16), and output columns [n0, n1) of one part for
-// them (out[row, n], row stride ldo)
-std::atomic<bool>& int8_decode();
-bool int8_decode_type(int64_t type);
+// q8_dot.cpp: how decode rows of K-quant parts multiply (settable: quant.cpp's decode_dot op):
+// kFloatDot (float32 activations), kInt8Dot (ggml's Q8_K: x rounded to 8 bits per 256 values, a
+// scale per 256, the sum of every 16) or kInt15Dot (x rounded to 15 bits per 256 values, each 16
+// weights times their scale meeting them in 16-bit products); which block types
+// do; rows of x rounded so; and output columns [n0, n1) of one part for them (out[row, n], row
+// stride ldo)
+constexpr int kFloatDot = 0, kInt8Dot = 1, kInt15Dot = 2;
+std::atomic<int>& decode_dot_mode();
+bool integer_decode_type(int64_t type);
 struct Q8Rows {
-  std::vector<int8_t> q;
+  std::vector<int8_t> q;  // kInt15Dot: each value's high byte (value >> 7)
   std::vector<float> d;
-  std::vector<int16_t> bsums;  // at most 16 x 127 each
+  std::vector<int16_t> bsums;  // at most 16 x 128 each
   int64_t blocks;  // per row
+  std::vector<int16_t> wide;  // kInt15Dot: the values, else empty
+  std::vector<int16_t> bsums_lo;  // kInt15Dot: the sums of every 16 values' low 7 bits (value & 127)
 };
-Q8Rows quantize_q8k(const float* x, int64_t m, int64_t k);
-void int8_rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1,
+Q8Rows quantize_q8k(const float* x, int64_t m, int64_t k, bool fifteen = false);
+void integer_rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1,
                        const Q8Rows& q, int64_t m, int64_t k, float* out, int64_t ldo);
 
 // n floats rounded to bfloat16 (to nearest, ties to even, as torch rounds); AVX512-BF16's
