@@ -292,7 +292,7 @@ def test_a_daemon_failing_beside_others_is_named_without_waiting_for_them(tmp_pa
     t0 = time.perf_counter()
     with pytest.raises(HpipeError, match=r"daemon d0 \(127.0.0.1:0\) failed to profile itself: INTERNAL: out of memory"):
         measure._group_grids(group, clients, infos, None, ["k"], False, True, ref_args, _Bar())
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 2.5  # the other daemon takes 3 s: its grid was not awaited
 
 
 def test_units_are_timed_in_the_blocks_the_daemons_hold():
