@@ -201,6 +201,11 @@ class GGUFWeights:
             raise ModelSourceError(f"{self.label}: tensor {e['gguf']} is stored as ggml type {_type_name(t)}, "
                                    f"which hpipe cannot read (it reads {', '.join(v[0] for v in TYPES.values())}); "
                                    "requantize the file, e.g. llama-quantize ... Q4_K_M")
+        _, per_block, block_bytes = TYPES[t]
+        values = math.prod(shape)
+        if not shape or min(shape) < 1 or values % per_block or values // per_block * block_bytes != nbytes:
+            raise ModelSourceError(f"{self.label}: tensor {e['gguf']} holds {nbytes} bytes, which are not "
+                                   f"{'x'.join(map(str, shape))} {_type_name(t)} values")
         size = len(f) if isinstance(f, mmap.mmap) else os.fstat(f.fileno()).st_size
         if offset < 0 or offset + nbytes > size:
             raise ModelSourceError(f"{self.label}: truncated (tensor {e['gguf']} runs past the end of the file)")

@@ -133,3 +133,28 @@ def test_a_dimension_of_the_metadata_that_is_wrong_is_one_clear_error(valid, key
     path.write_bytes(b)
     assert run(path) in ("ModelSourceError", "UnsupportedModelError", "InputError")
     assert not imports_left(cache)
+
+
+def test_a_tensor_whose_bytes_do_not_fit_its_shape_is_named(tmp_path):
+    """A daemon's shipped tensor (one file per tensor in its weights cache) whose declared shape and
+    type need other than the bytes it holds: a ModelSourceError naming the tensor when its stage
+    loads it, not a reshape's traceback (issue 64)."""
+    from hpipe.core.config import ModelConfig
+    from hpipe.core.errors import ModelSourceError
+    from hpipe.model.gguf_weights import GGUFWeights
+
+    cfg = ModelConfig.from_dict({"model_type": "llama", **SMALL})
+    blob = tmp_path / "t"
+    blob.write_bytes(bytes(144 * 4))  # four Q4_K blocks: 4 rows of 256, or 1 of 1024
+    for shape, ok in (([4, 256], True), ([1, 1024], True), ([8, 256], False), ([3, 256], False), ([4, 100], False),
+                      ([4], False), ([0, 256], False)):
+        files = {"blk.0.ffn_down.weight": {"type": 12, "shape": shape, "bytes": 144 * 4, "offset": 0,
+                                           "file": str(blob)}}
+        store = GGUFWeights.of_files("shipped", "llama", files, cfg)
+        name = store.names()[0]
+        if ok:
+            assert store.load([name])[name].rows == shape[0]
+        else:
+            with pytest.raises(ModelSourceError, match=r"tensor blk\.0\.ffn_down\.weight holds 576 bytes, which are "
+                                                       r"not .* Q4_K values"):
+                store.load([name])
