@@ -96,8 +96,9 @@ class Backend:
         try:
             self._deploy()
         except StageFailure as e:
-            log.error("deploying the plan failed: %s; trying again in the background", e)
-            self._state = f"deploying: {e}"
+            if not self._gave_up(e):
+                log.error("deploying the plan failed: %s; trying again in the background", e)
+                self._state = f"deploying: {e}"
         self.collector.start()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -116,14 +117,25 @@ class Backend:
         self.deployed, self.pipe, self.engine = deployed, deployed.pipe, engine
         self._state = "ok"
 
+    def _gave_up(self, e: StageFailure) -> bool:
+        """Whether ``e`` lasts (a daemon answered and refused: a bad model path, too little memory):
+        then no retry can mend it, and ``/health`` says so until the server is restarted."""
+        if e.lasting and self.engine is None:
+            self._state = f"not deployed: {e} (this does not mend by waiting: fix it, then restart hpipe serve)"
+            log.error("deploying the plan failed for good: %s", e)
+            self._stop.set()
+        return e.lasting and self.engine is None
+
     def _run(self) -> None:
         try:
             while self.engine is None and not self._stop.is_set():
                 try:
                     self._deploy()
                 except StageFailure as e:
+                    if self._gave_up(e):
+                        return
                     self._state = f"deploying: {e}"
-                    self._stop.wait(RETRY_S)  # a daemon that refuses fails at once: do not spin
+                    self._stop.wait(RETRY_S)  # a daemon down fails at once: do not spin
             while not self._stop.is_set():
                 error = None
                 try:

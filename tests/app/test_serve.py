@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from hpipe.app.serve_backend import Backend
+from hpipe.app.serve_backend import RETRY_S, Backend
 from hpipe.model.generate import LocalModel, decode_loop, encode_chat
 from hpipe.model.sampling import Sampler
 from hpipe.model.sources import resolve_model
@@ -253,3 +253,33 @@ def test_the_key_guards_every_route_but_health_and_the_body_is_bounded_before_pa
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
     assert httpx.post(f"{base}/v1/completions", headers=auth, json=body, timeout=60).status_code == 200
+
+
+def test_a_deploy_that_cannot_succeed_stops_retrying_and_says_so(tiny_chat_model, tmp_path, monkeypatch):
+    """A daemon that answers and refuses the plan (here: its model is not in the daemon's allowed
+    directories) is a lasting failure: ``hpipe serve`` tries once, stops, and ``/health`` says why
+    until it is restarted (issue 64: it retried once a second, forever)."""
+    from runtime.coordinator import pipeline
+
+    source = resolve_model(str(tiny_chat_model))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    daemons = [Served(f"d{i}", model_dirs=str(elsewhere)) for i in range(2)]
+    loads = []
+    real_call = pipeline.DaemonClient.call
+
+    def counted(self, method, *a, **kw):
+        loads.append(method) if method == "Load" else None
+        return real_call(self, method, *a, **kw)
+
+    monkeypatch.setattr(pipeline.DaemonClient, "call", counted)
+    backend = Backend(tiny_plan(source, daemons), cluster_of(*daemons), source, max_queue=4, model_name="tiny")
+    try:
+        with serving(backend) as base:
+            time.sleep(3 * RETRY_S)  # three retry periods
+            r = httpx.get(f"{base}/health")
+            assert r.status_code == 503 and "not deployed" in r.text and "restart hpipe serve" in r.text, r.text
+            assert 1 <= loads.count("Load") <= len(daemons), loads  # one attempt, on each daemon at most
+    finally:
+        for d in daemons:
+            d.stop()
