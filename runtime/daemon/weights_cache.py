@@ -7,8 +7,10 @@ as they arrive (so a whole entry is not read again: the link does not wait for t
 cut off part way goes on from the bytes that arrived (:meth:`WeightsCache.held` says how many; they
 are hashed once more then). A complete entry's hash is checked before it is renamed into place
 (atomically), and again each time a stage loads it; a wrong one is deleted, so it is fetched again. The cache keeps at most
-``budget`` bytes: the entries used least recently go first, never those a deployment has asked
-for or holds. Only weights are cached, never activations.
+``budget`` bytes on disk, partial entries counted at their whole size from their first chunk: a
+partial entry no chunk has reached for :data:`PARTIAL_IDLE_S` goes first when room is needed, then
+the entries used least recently, never those a deployment has asked for or holds. Only weights are
+cached, never activations.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 _HASH = re.compile(r"[0-9a-f]{64}")
 #: the largest tensor a daemon accepts (a 128k-token vocabulary's bf16 embedding of width 16k is 4 GiB)
 MAX_TENSOR_BYTES = 16 << 30
+#: a partial entry no chunk has reached for this long is abandoned: removed when room is needed
+PARTIAL_IDLE_S = 600.0
 
 
 def check_hash(h: str) -> str:
@@ -47,6 +51,7 @@ class WeightsCache:
         self._pinned: set[str] = set()  # what deployments asked for or hold: never evicted
         self._hashing: dict[str, tuple[blake3.blake3, int]] = {}  # a partial entry's hash so far, and its bytes
         self._bytes: int | None = None  # whole entries' bytes (counted when first needed)
+        self._expected: dict[str, int] = {}  # a partial entry's whole size, reserved at its first chunk
 
     # --- what a coordinator asks --------------------------------------------------------------
     def held(self, hashes: list[str]) -> tuple[list[str], dict[str, int]]:
@@ -75,10 +80,15 @@ class WeightsCache:
             part = self._partial / h
             have = part.stat().st_size if part.exists() else 0
             if offset == 0 and have:  # the sender starts over
-                part.unlink()
+                self._drop_partial(h)
                 have = 0
             if offset != have:
                 raise StatusError("FAILED_PRECONDITION", f"tensor {h[:12]}: {have} bytes have arrived, not {offset}")
+            if self._expected.get(h, total) != total:
+                raise StatusError("INVALID_ARGUMENT", f"tensor {h[:12]} was {self._expected[h]} bytes, not {total}")
+            if h not in self._expected:  # a new entry (or one from before a restart): room for all of it now
+                self._make_room(total - have)
+                self._expected[h] = total
             hasher, hashed = self._hashing.pop(h, (None, -1))
             if hashed != have:  # new, or bytes from before a restart: hash what is there
                 hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
@@ -92,14 +102,10 @@ class WeightsCache:
                 return False
             got = hasher.hexdigest()
             if got != h:
-                part.unlink()
+                self._drop_partial(h)
                 raise StatusError("DATA_LOSS", f"tensor {h[:12]} arrived with hash {got[:12]}: discarded")
-            try:
-                self._make_room(total)
-            except StatusError:
-                part.unlink()  # whole, but with no room for it: sent again once there is
-                raise
             os.replace(part, self.root / h)
+            self._expected.pop(h, None)
             self._bytes += total
             return True
 
@@ -128,13 +134,28 @@ class WeightsCache:
         with self._lock:
             self._pinned = set(hashes)
 
+    def _drop_partial(self, h: str) -> None:
+        (self._partial / h).unlink(missing_ok=True)
+        self._expected.pop(h, None)
+        self._hashing.pop(h, None)
+
+    def _reserved(self) -> int:
+        """Bytes the partial entries hold or have reserved (their whole size, where known)."""
+        return sum(max(self._expected.get(p.name, 0), p.stat().st_size) for p in self._partial.iterdir())
+
     def _make_room(self, incoming: int) -> None:
         if self._bytes is None:
             self._bytes = sum(p.stat().st_size for p in self.root.iterdir() if p.is_file())
-        if self.budget is None or self._bytes + incoming <= self.budget:
+        if self.budget is None or self._bytes + self._reserved() + incoming <= self.budget:
             return
+        stale = time.time() - PARTIAL_IDLE_S
+        for p in list(self._partial.iterdir()):  # abandoned transfers first
+            if p.stat().st_mtime < stale:
+                log.info("weights cache: removed %s, a transfer abandoned part way", p.name[:12])
+                self._drop_partial(p.name)
         entries = sorted((p for p in self.root.iterdir() if p.is_file()), key=lambda p: p.stat().st_mtime)
         total = self._bytes = sum(p.stat().st_size for p in entries)
+        incoming += self._reserved()
         for p in entries:
             if total + incoming <= self.budget:
                 return

@@ -3,6 +3,7 @@ runtime.daemon.weights_cache): the same tokens, only each daemon's units, nothin
 
 import json
 import os
+import time
 
 import grpc
 import pytest
@@ -154,13 +155,44 @@ def test_the_weights_cache_stays_within_its_budget(tmp_path):
     assert sorted(p.name for p in cache.root.iterdir() if p.is_file()) == sorted([names[0], names[1], names[3]])
     blob = os.urandom(500)
     cache.hold_only(set(names))
-    for call, code in ((lambda: cache.receive(content_hash(b"x" * 10), 0, 10, b"y" * 10), "DATA_LOSS"),
+    for call, code in ((lambda: cache.receive(content_hash(b"x" * 10), 0, 10, b"y" * 10), "RESOURCE_EXHAUSTED"),
                        (lambda: cache.receive(content_hash(blob), 0, 500, blob), "RESOURCE_EXHAUSTED"),  # none may go
                        (lambda: cache.held(["../../etc/passwd"]), "INVALID_ARGUMENT")):
         with pytest.raises(StatusError) as e:
             call()
         assert e.value.code == code, e.value
     assert not list((cache.root / "partial").iterdir())  # nothing half-kept
+    cache.hold_only(set())
+    with pytest.raises(StatusError, match="DATA_LOSS|arrived with hash"):
+        cache.receive(content_hash(b"x" * 10), 0, 10, b"y" * 10)
+    assert not list((cache.root / "partial").iterdir())
+
+
+def test_partial_entries_count_against_the_budget_and_abandoned_ones_go(tmp_path):
+    """Every byte on disk counts, a partial entry's whole size from its first chunk (issue 64: the
+    partials were never counted, nor cleaned): a second transfer that would pass the budget is
+    refused while the first goes on, and goes through once the first is abandoned."""
+    from hpipe.core.errors import StatusError
+    from hpipe.model.manifest import content_hash
+    from runtime.daemon import weights_cache
+    from runtime.daemon.weights_cache import WeightsCache
+
+    cache = WeightsCache(tmp_path / "w", budget=3000)
+    a, b = os.urandom(2000), os.urandom(2000)
+    assert not cache.receive(content_hash(a), 0, 2000, a[:100])  # 2,000 bytes reserved, 100 arrived
+    with pytest.raises(StatusError) as e:
+        cache.receive(content_hash(b), 0, 2000, b[:100])
+    assert e.value.code == "RESOURCE_EXHAUSTED"
+    assert [p.name for p in (cache.root / "partial").iterdir()] == [content_hash(a)]
+    with pytest.raises(StatusError, match="was 2000 bytes, not 1000"):
+        cache.receive(content_hash(a), 100, 1000, a[100:200])
+    part = cache.root / "partial" / content_hash(a)
+    os.utime(part, (1, 1))  # no chunk for longer than PARTIAL_IDLE_S
+    assert weights_cache.PARTIAL_IDLE_S < time.time() - 1
+    assert cache.receive(content_hash(b), 0, 2000, b)
+    assert not part.exists() and (cache.root / content_hash(b)).exists()
+    with pytest.raises(StatusError, match="DATA_LOSS|arrived with hash|0 bytes have arrived"):  # the sender learns it
+        cache.receive(content_hash(a), 100, 2000, a[100:])
 
 
 def test_a_new_plan_moves_only_the_units_that_changed_hands(bare, smollm2):
