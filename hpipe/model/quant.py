@@ -221,6 +221,9 @@ class QuantLinear(nn.Module):
         #: whether prefill rows (:func:`prefill_rows`) multiply in bfloat16: set on a stage's
         #: attention and MLP projections, never on the head (logits stay float32)
         self.low_precision = False
+        #: the head's: its decode rows (those :func:`prefill_rows` leaves out) multiply as the
+        #: projections' decode rows do (K-quants in integers), its prefill rows in float32
+        self.head = False
 
     @property
     def weight_bytes(self) -> int:
@@ -228,8 +231,25 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.bias is not None else _NONE
-        return torch.ops.hpipe.qlinear(x, self.blocks, self.parts, bias,
-                                       _PREFILL_ROWS.get() if self.low_precision else None)
+        rows = _PREFILL_ROWS.get()
+        if self.head and rows is not None:
+            return self._head(x, rows, bias)
+        return torch.ops.hpipe.qlinear(x, self.blocks, self.parts, bias, rows if self.low_precision else None)
+
+    def _head(self, x: torch.Tensor, prefill: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Logits: each row of ``x [rows, in]`` as a decode row unless ``prefill`` marks it."""
+        def decode(part):
+            return torch.ops.hpipe.qlinear(part, self.blocks, self.parts, bias,
+                                           torch.zeros(part.shape[0], dtype=torch.bool))
+
+        if not bool(prefill.any()):
+            return decode(x)
+        if bool(prefill.all()):
+            return torch.ops.hpipe.qlinear(x, self.blocks, self.parts, bias, None)
+        out = x.new_empty(x.shape[0], self.out_features)
+        out[prefill] = torch.ops.hpipe.qlinear(x[prefill], self.blocks, self.parts, bias, None)
+        out[~prefill] = decode(x[~prefill])
+        return out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -114,6 +114,8 @@ class StageModel(nn.Module):
                     for m in block.modules():
                         if isinstance(m, QuantLinear):
                             m.low_precision = self._low_precision = True
+                if isinstance(block, Head) and isinstance(block.lm_head, QuantLinear):
+                    block.lm_head.head = True
         if pack is None:
             pack = packed.applies(self.device, self.dtype)
         if pack:
@@ -289,7 +291,8 @@ class StageModel(nn.Module):
         rows = logit_rows(entries)
         if rows is None:
             return None
-        return self.blocks[str(self.units.end - 1)](x[rows] if len(rows) < len(x) else x)
+        with prefill_rows(_prefill_rows(entries)[rows]):  # the head's decode rows (QuantLinear.head)
+            return self.blocks[str(self.units.end - 1)](x[rows] if len(rows) < len(x) else x)
 
     def parameter_count(self) -> int:
         """Parameters of the stage's units, packed and quantized weights included."""

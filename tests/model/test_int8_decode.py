@@ -191,3 +191,26 @@ def test_gemma3_decodes_in_8_bits_within_the_fidelity_rule(gemma3):
     agree, ppl, ppl_f32 = _teacher_forced(gemma3, "int8")
     assert agree >= 0.99, agree
     assert abs(ppl / ppl_f32 - 1) <= 0.01, (ppl, ppl_f32)
+
+
+def test_the_heads_decode_rows_multiply_as_decode_rows_and_its_prefill_rows_in_float32(dot):
+    """The LM head (a stage marks its QuantLinear ``head``): the rows of decode entries go through
+    the integer products like every projection's decode rows; the last row of a prefill slice
+    stays float32 (an 8B file's Q6_K head is a tenth of its bytes, a 1B file's a quarter)."""
+    from hpipe.model.quant import QuantLinear, prefill_rows
+
+    g = torch.Generator().manual_seed(10)
+    w = random_weight(K_QUANTS["Q6_K"], 64, 512, g)
+    x = torch.randn(5, 512, generator=g)
+    head = QuantLinear(w)
+    head.head = True
+    floats = torch.ops.hpipe.qlinear(x, w.data, w.parts, torch.empty(0), None)
+    for marks in ([False] * 5, [True] * 5, [True, False, False, True, False]):
+        prefill = torch.tensor(marks)
+        with prefill_rows(prefill):
+            out = head(x)
+        if prefill.any():
+            assert torch.equal(out[prefill], torch.ops.hpipe.qlinear(x[prefill], w.data, w.parts, torch.empty(0), None))
+        assert torch.equal(out[~prefill], decode(x, w)[~prefill])
+        assert not torch.equal(out[~prefill], floats[~prefill]) or not (~prefill).any()
+    assert torch.equal(head(x), floats)  # outside a stage's rows: float32, as before
