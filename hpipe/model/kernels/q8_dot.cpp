@@ -133,10 +133,10 @@ void row_dots_portable(int64_t type, const uint8_t* row, int64_t nb, const Q8Row
     }
     const bool fifteen = !q.wide.empty();
     for (int64_t r = 0; r < m; ++r) {
-      const int8_t* y = q.q.data() + r * k + b * QK;
+      const int8_t* y = fifteen ? nullptr : q.q.data() + r * k + b * QK;
       const int16_t* y15 = fifteen ? q.wide.data() + r * k + b * QK : nullptr;
-      const int16_t* bs = q.bsums.data() + (r * nb + b) * 16;
-      const int16_t* bs_lo = fifteen ? q.bsums_lo.data() + (r * nb + b) * 16 : nullptr;
+      const int16_t* bs = fifteen ? nullptr : q.bsums.data() + (r * nb + b) * 16;
+      const int32_t* s32 = fifteen ? q.sums32.data() + (r * nb + b) * 8 : nullptr;
       const float d8 = q.d[r * nb + b];
       // exact sums in 64 bits; each lane's result (lane - offsets, for Q6_K) fits in 32 bits, as
       // the AVX2 loop's sums do (fifteen bits: 32 x 32 x 128 x 16383 < 2^31 for Q6_K)
@@ -144,10 +144,10 @@ void row_dots_portable(int64_t type, const uint8_t* row, int64_t nb, const Q8Row
       const bool signed_values = fifteen && type == Q6_K;  // Q6_K's offset of 32 taken first
       for (int i = 0; i < 256; ++i)
         lane64[(i % 32) / 4] += int64_t{sc[i]} * (signed_values ? v[i] - 32 : v[i]) * (fifteen ? y15[wide_at(i)] : y[i]);
-      for (int L = 0; L < kLanes; ++L) {
+      for (int L = 0; L < kLanes; ++L) {  // lane L's offsets: the 16-value groups 2L and 2L + 1
         off64[L] = 0;
-        for (int g = 2 * L; g < 2 * L + 2 && !signed_values; ++g)
-          off64[L] += int64_t{h.per16[g]} * (fifteen ? 128 * bs[g] + bs_lo[g] : bs[g]);
+        if (fifteen && !signed_values) off64[L] = int64_t{h.per16[2 * L]} * s32[L];  // Q4_K / Q5_K: sub-block L's minimum
+        for (int g = 2 * L; g < 2 * L + 2 && !fifteen; ++g) off64[L] += int64_t{h.per16[g]} * bs[g];
       }
       int32_t lane[kLanes], off[kLanes];
       for (int L = 0; L < kLanes; ++L) {
@@ -201,132 +201,228 @@ __attribute__((target("avx2,f16c"))) inline void header_avx2(int64_t type, const
   }
 }
 
-// the same with AVX2: 32 weights a vpmaddubsw, the unpacked weights serving every row (no FMA:
-// a multiply, then an add, as the scalar form rounds)
-// (Fifteen: x in 15 bits; each 32 weights times their scale in 16 bits by two vpmaddubsw, the even
-// values' and the odd ones', that meet x's values laid out so (quantize_q8k) in vpmaddwd; Q6_K's
-// offset of 32 taken from its values first, so that no sum of x is needed for it)
+// Q6_K's 128 values of one half, 6 bits each, in four registers of 32 (ggml's layout)
+__attribute__((target("avx2"))) inline void q6k_values(const uint8_t* ql, const uint8_t* qh, __m256i m4, __m256i m3,
+                                                       __m256i v[4]) {
+  const __m256i A = load(ql), C = load(ql + 32), H = load(qh);
+  v[0] = _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
+  v[1] = _mm256_or_si256(_mm256_and_si256(C, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), m3), 4));
+  v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), m3), 4));
+  v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), m4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4));
+}
+
+// Q4_K / Q5_K: sub-blocks 2j (lo) and 2j + 1 (hi), 32 values each (Q5_K with its fifth bits)
+__attribute__((target("avx2"))) inline void q45k_values(const uint8_t* qs, __m256i bits, bool five, int j, __m256i m4,
+                                                        __m256i& lo, __m256i& hi) {
+  const __m256i qv = load(qs);
+  lo = _mm256_and_si256(qv, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);
+  if (five) {
+    const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * j)));
+    const __m256i b1 = _mm256_set1_epi8(static_cast<char>(2 << (2 * j)));
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, b0), b0), sixteen));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, b1), b1), sixteen));
+  }
+}
+
+// vpshufb controls: word s of each 128 bits in every word; word 2i of the low 128 and 2i + 1 of
+// the high 128 in every word of their half
+__attribute__((target("avx2"))) inline __m256i pick_word(int s) {
+  return _mm256_set1_epi16(static_cast<int16_t>(((2 * s + 1) << 8) | (2 * s)));
+}
+__attribute__((target("avx2"))) inline __m256i pick_pair(int i) {
+  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(((4 * i + 3) << 8) | (4 * i + 2))),
+                          _mm_set1_epi16(static_cast<int16_t>(((4 * i + 1) << 8) | (4 * i))));
+}
+
+// the weights 4 KB ahead of a block (the next rows' when the row ends): one row of x of a long row
+// (14336 values, 28 KB in 15 bits) does not stay in L1 beside the weights streaming through, and
+// the hardware's prefetch alone then read Q4_K at 7-8 GB/s a core, against 12-14 with this
+// (capped at AVX2, Zen 4; a 4096-long row's 14-15 either way)
+__attribute__((target("avx2"))) inline void prefetch_ahead(const uint8_t* blk) {
+  const char* at = reinterpret_cast<const char*>(blk) + 4096;
+  _mm_prefetch(at, _MM_HINT_T0);
+  _mm_prefetch(at + 64, _MM_HINT_T0);
+  _mm_prefetch(at + 128, _MM_HINT_T0);
+}
+
+// each row's 8 lanes of sums, less its 8 of offsets, added in the scalar form's fixed order
+template <int n>
+__attribute__((target("avx2"))) inline void store_results(const __m256* acc, const __m256* accm, int64_t r0, float* res) {
+  for (int r = 0; r < n; ++r) {
+    float a[kLanes], am[kLanes];
+    _mm256_storeu_ps(a, acc[r]);
+    _mm256_storeu_ps(am, accm[r]);
+    res[r0 + r] = sum_lanes(a) - sum_lanes(am);
+  }
+}
+
+// the same with AVX2, 8 bits (ggml's arithmetic): 32 weights a vpmaddubsw, the unpacked weights
+// serving every row (no FMA: a multiply, then an add, as the scalar form rounds)
 // n: rows r0 to r0 + n of x (a constant, so that their sums stay in registers)
-template <bool Fifteen, int n>
-__attribute__((target("avx2,f16c"))) void rows_avx2(int64_t type, const uint8_t* row, int64_t nb, const Q8Rows& q,
+template <int n>
+__attribute__((target("avx2,f16c"))) void rows8_avx2(int64_t type, const uint8_t* row, int64_t nb, const Q8Rows& q,
                                                    int64_t k, int64_t r0, float* res) {
-  constexpr int kMax = n;
   const int64_t bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), thirty_two = _mm256_set1_epi16(32),
-                low_bytes = _mm256_set1_epi16(0xFF);
-  {
-    __m256 acc[kMax], accm[kMax];
-    for (int r = 0; r < n; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * bytes;
-      HeaderV h;
-      header_avx2(type, blk, h);
-      const __m256i per16 = h.per16;
-      __m256i lane[kMax];
-      for (int r = 0; r < n; ++r) lane[r] = _mm256_setzero_si256();
-      if (type == Q6_K) {
-        const uint8_t *ql = blk, *qh = blk + 128;
-        const int8_t* s8 = reinterpret_cast<const int8_t*>(blk + 192);
-        for (int half = 0; half < 2; ++half, ql += 64, qh += 32, s8 += 8) {
-          const __m256i A = load(ql), C = load(ql + 32), H = load(qh);
-          const __m256i v[4] = {
-              _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4)),
-              _mm256_or_si256(_mm256_and_si256(C, m4),
-                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), m3), 4)),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
-                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), m3), 4)),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), m4),
-                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4))};
-          for (int i = 0; i < 4; ++i) {
-            const __m256i s = _mm256_set_m128i(_mm_set1_epi16(s8[2 * i + 1]), _mm_set1_epi16(s8[2 * i]));
-            if (Fifteen) {  // the even and the odd values, less 32, x their scale in 16 bits (at most 32 x 128)
-              const __m256i w0 = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_and_si256(v[i], low_bytes), thirty_two), s);
-              const __m256i w1 = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_srli_epi16(v[i], 8), thirty_two), s);
-              for (int r = 0; r < n; ++r) {
-                const int16_t* y = q.wide.data() + (r0 + r) * k + b * QK + 128 * half + 32 * i;
-                lane[r] = _mm256_add_epi32(lane[r], _mm256_add_epi32(_mm256_madd_epi16(w0, load(y)),
-                                                                     _mm256_madd_epi16(w1, load(y + 16))));
-              }
-              continue;
-            }
-            for (int r = 0; r < n; ++r) {
-              const int64_t at = (r0 + r) * k + b * QK + 128 * half + 32 * i;
-              lane[r] = _mm256_add_epi32(lane[r], _mm256_madd_epi16(_mm256_maddubs_epi16(v[i], load(q.q.data() + at)), s));
-            }
-          }
-        }
-      } else {
-        const bool five = type == Q5_K;
-        const __m256i bits = load(blk + 16);  // Q5_K's fifth bits
-        const uint8_t* qs = blk + (five ? 48 : 16);
-        for (int j = 0; j < 4; ++j, qs += 32) {
-          const __m256i qv = load(qs);
-          __m256i lo = _mm256_and_si256(qv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);
-          if (five) {
-            const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * j)));
-            const __m256i b1 = _mm256_set1_epi8(static_cast<char>(2 << (2 * j)));
-            const __m256i sixteen = _mm256_set1_epi8(16);
-            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, b0), b0), sixteen));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, b1), b1), sixteen));
-          }
-          const __m256i s0 = _mm256_set1_epi16(h.sm[2 * j]), s1 = _mm256_set1_epi16(h.sm[2 * j + 1]);
-          if (Fifteen) {  // the even and the odd values x their scale in 16 bits (at most 31 x 63)
-            const __m256i odd0 = _mm256_slli_epi16(s0, 8), odd1 = _mm256_slli_epi16(s1, 8);
-            const __m256i w[4] = {_mm256_maddubs_epi16(lo, s0), _mm256_maddubs_epi16(lo, odd0),
-                                  _mm256_maddubs_epi16(hi, s1), _mm256_maddubs_epi16(hi, odd1)};
-            for (int r = 0; r < n; ++r) {
-              const int16_t* y = q.wide.data() + (r0 + r) * k + b * QK + 64 * j;
-              const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(w[0], load(y)), _mm256_madd_epi16(w[1], load(y + 16)));
-              const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(w[2], load(y + 32)),
-                                                  _mm256_madd_epi16(w[3], load(y + 48)));
-              lane[r] = _mm256_add_epi32(lane[r], _mm256_add_epi32(p0, p1));
-            }
-            continue;
-          }
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+  __m256 acc[n], accm[n];
+  for (int r = 0; r < n; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    HeaderV h;
+    header_avx2(type, blk, h);
+    const __m256i per16 = h.per16;
+    __m256i lane[n];
+    for (int r = 0; r < n; ++r) lane[r] = _mm256_setzero_si256();
+    if (type == Q6_K) {
+      const uint8_t *ql = blk, *qh = blk + 128;
+      const int8_t* s8 = reinterpret_cast<const int8_t*>(blk + 192);
+      for (int half = 0; half < 2; ++half, ql += 64, qh += 32, s8 += 8) {
+        __m256i v[4];
+        q6k_values(ql, qh, m4, m3, v);
+        for (int i = 0; i < 4; ++i) {
+          const __m256i s = _mm256_set_m128i(_mm_set1_epi16(s8[2 * i + 1]), _mm_set1_epi16(s8[2 * i]));
           for (int r = 0; r < n; ++r) {
-            const int8_t* y = q.q.data() + (r0 + r) * k + b * QK + 64 * j;
-            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(y)), s0);
-            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(y + 32)), s1);
-            lane[r] = _mm256_add_epi32(lane[r], _mm256_add_epi32(p0, p1));
+            const int64_t at = (r0 + r) * k + b * QK + 128 * half + 32 * i;
+            lane[r] = _mm256_add_epi32(lane[r], _mm256_madd_epi16(_mm256_maddubs_epi16(v[i], load(q.q.data() + at)), s));
           }
         }
       }
-      for (int r = 0; r < n; ++r) {
-        const int64_t at = (r0 + r) * nb + b;
-        const float d8 = q.d[at];
-        __m256i off = _mm256_madd_epi16(per16, load(q.bsums.data() + at * 16));
-        if (Fifteen) {  // Q6_K's values came signed; the minimums' sums as high x 128 + low
-          off = type == Q6_K ? _mm256_setzero_si256()
-                             : _mm256_add_epi32(_mm256_slli_epi32(off, 7),
-                                                _mm256_madd_epi16(per16, load(q.bsums_lo.data() + at * 16)));
-        }
-        if (type == Q6_K) {
-          acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(h.d * d8),
-                                                       _mm256_cvtepi32_ps(_mm256_sub_epi32(lane[r], off))));
-        } else {
-          acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(h.d * d8), _mm256_cvtepi32_ps(lane[r])));
-          accm[r] = _mm256_add_ps(accm[r], _mm256_mul_ps(_mm256_set1_ps(h.dmin * d8), _mm256_cvtepi32_ps(off)));
+    } else {
+      const bool five = type == Q5_K;
+      const __m256i bits = load(blk + 16);  // Q5_K's fifth bits
+      const uint8_t* qs = blk + (five ? 48 : 16);
+      for (int j = 0; j < 4; ++j, qs += 32) {
+        __m256i lo, hi;
+        q45k_values(qs, bits, five, j, m4, lo, hi);
+        const __m256i s0 = _mm256_set1_epi16(h.sm[2 * j]), s1 = _mm256_set1_epi16(h.sm[2 * j + 1]);
+        for (int r = 0; r < n; ++r) {
+          const int8_t* y = q.q.data() + (r0 + r) * k + b * QK + 64 * j;
+          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(y)), s0);
+          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(y + 32)), s1);
+          lane[r] = _mm256_add_epi32(lane[r], _mm256_add_epi32(p0, p1));
         }
       }
     }
     for (int r = 0; r < n; ++r) {
-      float a[kLanes], am[kLanes];
-      _mm256_storeu_ps(a, acc[r]);
-      _mm256_storeu_ps(am, accm[r]);
-      res[r0 + r] = sum_lanes(a) - sum_lanes(am);
+      const int64_t at = (r0 + r) * nb + b;
+      const float d8 = q.d[at];
+      const __m256i off = _mm256_madd_epi16(per16, load(q.bsums.data() + at * 16));
+      if (type == Q6_K) {
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(h.d * d8),
+                                                     _mm256_cvtepi32_ps(_mm256_sub_epi32(lane[r], off))));
+      } else {
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(h.d * d8), _mm256_cvtepi32_ps(lane[r])));
+        accm[r] = _mm256_add_ps(accm[r], _mm256_mul_ps(_mm256_set1_ps(h.dmin * d8), _mm256_cvtepi32_ps(off)));
+      }
     }
   }
+  store_results<n>(acc, accm, r0, res);
+}
+
+// the same with x in 15 bits: each 32 weights times their scale in 16 bits (Q4_K / Q5_K: two
+// vpmaddubsw, the even values' and the odd ones', against the scale in every other byte; Q6_K:
+// its values less 32, times the scale by vpmullw), then x's values, laid out even-then-odd per 32
+// (quantize_q8k), in vpmaddwd. The scales are picked from one register per block by vpshufb; the
+// minimums meet x's sums of 32 in one vpmulld. Same integers, lanes and float order as the scalar
+// form. Capped at AVX2 on a Zen 4, one thread, one row of x times 14336 x 4096 of Q4_K: 14 GB/s
+// of blocks, 8 GB/s before (docs/decisions/int8-decode.md).
+template <int n>
+__attribute__((target("avx2,f16c"))) void rows15_avx2(int64_t type, const uint8_t* row, int64_t nb, const Q8Rows& q,
+                                                    int64_t k, int64_t r0, float* res) {
+  // (one function for the three types: templated on the type, the Q4_K loop ran 10.7 ns a block
+  // against this one's 9.4, capped at AVX2 on a Zen 4, the same instructions in another order)
+  const int64_t bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+  const int16_t* wide = q.wide.data() + r0 * k;
+  const int32_t* sums = q.sums32.data() + r0 * nb * 8;
+  const float* xd = q.d.data() + r0 * nb;
+  __m256 acc[n], accm[n];
+  for (int r = 0; r < n; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+  if (type == Q6_K) {
+    const __m256i low_bytes = _mm256_set1_epi16(0xFF), thirty_two = _mm256_set1_epi16(32);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * bytes;
+      prefetch_ahead(blk);
+      uint16_t half_d;
+      std::memcpy(&half_d, blk + 208, 2);
+      const float d = _cvtsh_ss(half_d);
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+      const __m256i scales[2] = {_mm256_permute2x128_si256(sc16, sc16, 0x00), _mm256_permute2x128_si256(sc16, sc16, 0x11)};
+      __m256i lane[n];
+      for (int r = 0; r < n; ++r) lane[r] = _mm256_setzero_si256();
+      for (int half = 0; half < 2; ++half) {
+        __m256i v[4];
+        q6k_values(blk + 64 * half, blk + 128 + 32 * half, m4, m3, v);
+        for (int i = 0; i < 4; ++i) {
+          // the 16 even values' (the first 16 scale 2i, the next 2i + 1), then the odd ones'
+          const __m256i s = _mm256_shuffle_epi8(scales[half], pick_pair(i));
+          const __m256i w0 = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_and_si256(v[i], low_bytes), thirty_two), s);
+          const __m256i w1 = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_srli_epi16(v[i], 8), thirty_two), s);
+          for (int r = 0; r < n; ++r) {
+            const int16_t* y = wide + r * k + b * QK + 128 * half + 32 * i;
+            lane[r] = _mm256_add_epi32(lane[r], _mm256_add_epi32(_mm256_madd_epi16(w0, load(y)),
+                                                                 _mm256_madd_epi16(w1, load(y + 16))));
+          }
+        }
+      }
+      for (int r = 0; r < n; ++r)
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(d * xd[r * nb + b]), _mm256_cvtepi32_ps(lane[r])));
+    }
+  } else {
+    const bool five = type == Q5_K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * bytes;
+      prefetch_ahead(blk);
+      alignas(16) uint8_t sm[16];
+      scales_mins(blk + 4, sm);
+      const __m128i smv = _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
+      const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smv));  // words 0-7: the scales
+      const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8));
+      uint16_t halves[2];
+      std::memcpy(halves, blk, 4);
+      const float d = _cvtsh_ss(halves[0]), dmin = _cvtsh_ss(halves[1]);
+      const __m256i bits = five ? load(blk + 16) : _mm256_setzero_si256();  // Q5_K's fifth bits
+      const uint8_t* qs = blk + (five ? 48 : 16);
+      __m256i lane[n];
+      for (int r = 0; r < n; ++r) lane[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j, qs += 32) {
+        __m256i lo, hi;
+        q45k_values(qs, bits, five, j, m4, lo, hi);
+        // each sub-block's scale in the even bytes (the even values' products), then the odd
+        const __m256i e0 = _mm256_shuffle_epi8(scales, pick_word(2 * j)), e1 = _mm256_shuffle_epi8(scales, pick_word(2 * j + 1));
+        const __m256i w0 = _mm256_maddubs_epi16(lo, e0), w1 = _mm256_maddubs_epi16(lo, _mm256_slli_epi16(e0, 8));
+        const __m256i w2 = _mm256_maddubs_epi16(hi, e1), w3 = _mm256_maddubs_epi16(hi, _mm256_slli_epi16(e1, 8));
+        for (int r = 0; r < n; ++r) {
+          const int16_t* y = wide + r * k + b * QK + 64 * j;
+          const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(w0, load(y)), _mm256_madd_epi16(w1, load(y + 16)));
+          const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(w2, load(y + 32)), _mm256_madd_epi16(w3, load(y + 48)));
+          lane[r] = _mm256_add_epi32(lane[r], _mm256_add_epi32(p0, p1));
+        }
+      }
+      for (int r = 0; r < n; ++r) {
+        const float d8 = xd[r * nb + b];
+        const __m256i off = _mm256_mullo_epi32(mins, load(sums + (r * nb + b) * 8));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(d * d8), _mm256_cvtepi32_ps(lane[r])));
+        accm[r] = _mm256_add_ps(accm[r], _mm256_mul_ps(_mm256_set1_ps(dmin * d8), _mm256_cvtepi32_ps(off)));
+      }
+    }
+  }
+  store_results<n>(acc, accm, r0, res);
 }
 
 template <bool Fifteen>
 __attribute__((target("avx2,f16c"))) void row_dots_avx2(int64_t type, const uint8_t* row, int64_t nb, const Q8Rows& q,
-                                                   int64_t k, int64_t m, float* res) {
+                                                       int64_t k, int64_t m, float* res) {
   int64_t r0 = 0;
-  for (; r0 + 4 <= m; r0 += 4) rows_avx2<Fifteen, 4>(type, row, nb, q, k, r0, res);
+  for (; r0 + 4 <= m; r0 += 4) Fifteen ? rows15_avx2<4>(type, row, nb, q, k, r0, res) : rows8_avx2<4>(type, row, nb, q, k, r0, res);
   switch (m - r0) {
-    case 3: return rows_avx2<Fifteen, 3>(type, row, nb, q, k, r0, res);
-    case 2: return rows_avx2<Fifteen, 2>(type, row, nb, q, k, r0, res);
-    case 1: return rows_avx2<Fifteen, 1>(type, row, nb, q, k, r0, res);
+    case 3: return Fifteen ? rows15_avx2<3>(type, row, nb, q, k, r0, res) : rows8_avx2<3>(type, row, nb, q, k, r0, res);
+    case 2: return Fifteen ? rows15_avx2<2>(type, row, nb, q, k, r0, res) : rows8_avx2<2>(type, row, nb, q, k, r0, res);
+    case 1: return Fifteen ? rows15_avx2<1>(type, row, nb, q, k, r0, res) : rows8_avx2<1>(type, row, nb, q, k, r0, res);
     default: return;
   }
 }
@@ -334,7 +430,8 @@ __attribute__((target("avx2,f16c"))) void row_dots_avx2(int64_t type, const uint
 
 using RowDots = void (*)(int64_t, const uint8_t*, int64_t, const Q8Rows&, int64_t, int64_t, float*);
 
-RowDots row_dots(bool fifteen) {
+// AVX2 with F16C, unless HPIPE_CPU_ISA=portable
+bool use_avx2() {
   static const bool avx2 = [] {
     const char* cap = std::getenv("HPIPE_CPU_ISA");
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -345,8 +442,12 @@ RowDots row_dots(bool fifteen) {
     return false;
 #endif
   }();
+  return avx2;
+}
+
+RowDots row_dots(bool fifteen) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (avx2) return fifteen ? &row_dots_avx2<true> : &row_dots_avx2<false>;
+  if (use_avx2()) return fifteen ? &row_dots_avx2<true> : &row_dots_avx2<false>;
 #endif
   return &row_dots_portable;
 }
@@ -365,40 +466,83 @@ std::atomic<int>& decode_dot_mode() {
   return mode;
 }
 
-// x's rows per 256 values: int8 (ggml's Q8_K, to 127), or fifteen bits (to 16383) as a high byte
-// (value >> 7, -128 to 127) and a low 7 bits, each with its sums of 16
+namespace {
+
+// 256 values of x rounded to integers of at most `top`: their scale (0 for all zeros)
+float rounded_portable(const float* xb, float top, int32_t* v) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  const float iscale = amax > 0.0f ? top / amax : 0.0f;
+  for (int64_t i = 0; i < QK; ++i) v[i] = static_cast<int32_t>(std::nearbyint(xb[i] * iscale));
+  return iscale;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// the same bits with AVX2 (the same maximum, NaN ignored as std::max does; vcvtps2dq rounds to
+// nearest even, as nearbyint in the default mode): a row of 14336 values took 55 us in the scalar
+// form, in the decode step's path before its threads start
+__attribute__((target("avx2"))) float rounded_avx2(const float* xb, float top, int32_t* v) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 mx = _mm256_setzero_ps();
+  for (int64_t i = 0; i < QK; i += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)), mx);
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float amax = _mm_cvtss_f32(m4);
+  const float iscale = amax > 0.0f ? top / amax : 0.0f;
+  const __m256 scale = _mm256_set1_ps(iscale);
+  for (int64_t i = 0; i < QK; i += 8)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), scale)));
+  return iscale;
+}
+#endif
+
+float rounded(const float* xb, float top, int32_t* v) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (use_avx2()) return rounded_avx2(xb, top, v);
+#endif
+  return rounded_portable(xb, top, v);
+}
+
+}  // namespace
+
+// x's rows per 256 values: int8 (ggml's Q8_K, to 127, with the sums of every 16), or fifteen bits
+// (to 16383; each 32 laid out even values first, with the sums of every 32)
 Q8Rows quantize_q8k(const float* x, int64_t m, int64_t k, bool fifteen) {
   TORCH_CHECK(k % QK == 0, "a row of ", k, " values is not whole blocks of ", QK);
   const int64_t nb = k / QK;
   const float top = fifteen ? 16383.0f : 127.0f;
-  Q8Rows q{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<int16_t>(m * k / 16), nb, {}, {}};
+  Q8Rows q;
+  q.blocks = nb;
+  q.d.resize(m * nb);
   if (fifteen) {
     q.wide.resize(m * k);
-    q.bsums_lo.resize(m * k / 16);
+    q.sums32.resize(m * k / 32);
+  } else {
+    q.q.resize(m * k);
+    q.bsums.resize(m * k / 16);
   }
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * k + b * QK;
       const int64_t at = r * k + b * QK;
-      float amax = 0.0f;
-      for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float iscale = amax > 0.0f ? top / amax : 0.0f;
-      int32_t lows[QK];
-      for (int64_t i = 0; i < QK; ++i) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * iscale));
-        q.q[at + i] = static_cast<int8_t>(fifteen ? v >> 7 : v);
-        lows[i] = v & 127;
-        if (fifteen) q.wide[at + wide_at(static_cast<int>(i))] = static_cast<int16_t>(v);
-      }
-      q.d[r * nb + b] = amax > 0.0f ? 1.0f / iscale : 0.0f;
-      for (int64_t s = 0; s < QK / 16; ++s) {
-        int32_t sum = 0, sum_lo = 0;
-        for (int64_t i = 0; i < 16; ++i) {
-          sum += q.q[at + 16 * s + i];
-          sum_lo += lows[16 * s + i];
+      int32_t v[QK];
+      const float iscale = rounded(xb, top, v);
+      q.d[r * nb + b] = iscale > 0.0f ? 1.0f / iscale : 0.0f;
+      if (fifteen) {
+        for (int64_t i = 0; i < QK; ++i) q.wide[at + wide_at(static_cast<int>(i))] = static_cast<int16_t>(v[i]);
+        for (int64_t s = 0; s < QK / 32; ++s) {
+          int32_t sum = 0;
+          for (int64_t i = 0; i < 32; ++i) sum += v[32 * s + i];
+          q.sums32[(r * nb + b) * (QK / 32) + s] = sum;
         }
+        continue;
+      }
+      for (int64_t i = 0; i < QK; ++i) q.q[at + i] = static_cast<int8_t>(v[i]);
+      for (int64_t s = 0; s < QK / 16; ++s) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < 16; ++i) sum += v[16 * s + i];
         q.bsums[(r * nb + b) * (QK / 16) + s] = static_cast<int16_t>(sum);
-        if (fifteen) q.bsums_lo[(r * nb + b) * (QK / 16) + s] = static_cast<int16_t>(sum_lo);
       }
     }
   }
@@ -406,14 +550,11 @@ Q8Rows quantize_q8k(const float* x, int64_t m, int64_t k, bool fifteen) {
 }
 
 void integer_rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1,
-                       const Q8Rows& q, int64_t m, int64_t k, float* out, int64_t ldo) {
+                          const Q8Rows& q, int64_t m, int64_t k, float* out, int64_t ldo) {
   const RowDots dots = row_dots(!q.wide.empty());
   std::vector<float> res(m);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = blocks + n * row_bytes;
-    if (n + 4 < n1)
-      for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(row + 4 * row_bytes + c);
-    dots(type, row, q.blocks, q, k, m, res.data());
+    dots(type, blocks + n * row_bytes, q.blocks, q, k, m, res.data());
     for (int64_t r = 0; r < m; ++r) out[r * ldo + n] = res[r];
   }
 }

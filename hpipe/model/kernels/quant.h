@@ -38,12 +38,12 @@ constexpr int kFloatDot = 0, kInt8Dot = 1, kInt15Dot = 2;
 std::atomic<int>& decode_dot_mode();
 bool integer_decode_type(int64_t type);
 struct Q8Rows {
-  std::vector<int8_t> q;  // kInt15Dot: each value's high byte (value >> 7)
-  std::vector<float> d;
-  std::vector<int16_t> bsums;  // at most 16 x 128 each
-  int64_t blocks;  // per row
-  std::vector<int16_t> wide;  // kInt15Dot: the values, else empty
-  std::vector<int16_t> bsums_lo;  // kInt15Dot: the sums of every 16 values' low 7 bits (value & 127)
+  int64_t blocks = 0;  // per row
+  std::vector<float> d;  // each 256 values' scale
+  std::vector<int8_t> q;  // kInt8Dot: the values
+  std::vector<int16_t> bsums;  // kInt8Dot: the sums of every 16 values (at most 16 x 127)
+  std::vector<int16_t> wide;  // kInt15Dot: the values, each 32 as their 16 even ones, then the 16 odd
+  std::vector<int32_t> sums32;  // kInt15Dot: the sums of every 32 values
 };
 Q8Rows quantize_q8k(const float* x, int64_t m, int64_t k, bool fifteen = false);
 void integer_rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1,
