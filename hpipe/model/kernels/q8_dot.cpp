@@ -260,6 +260,14 @@ __attribute__((target("avx2"))) inline void store_results(const __m256* acc, con
   }
 }
 
+// sum_lanes of a register, the same additions in the same order: ((v0 + v1) + (v2 + v3)) +
+// ((v4 + v5) + (v6 + v7)) (a + b and b + a are the same float)
+__attribute__((target("avx2"))) inline float lane_sum(__m256 v) {
+  const __m256 pairs = _mm256_add_ps(v, _mm256_permute_ps(v, 0xB1));               // v0 + v1, ..., v6 + v7
+  const __m256 quads = _mm256_add_ps(pairs, _mm256_permute_ps(pairs, 0x4E));       // (v0 + v1) + (v2 + v3), ...
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
+}
+
 // the same with AVX2, 8 bits (ggml's arithmetic): 32 weights a vpmaddubsw, the unpacked weights
 // serving every row (no FMA: a multiply, then an add, as the scalar form rounds)
 // n: rows r0 to r0 + n of x (a constant, so that their sums stay in registers)
@@ -331,104 +339,152 @@ __attribute__((target("avx2,f16c"))) void rows8_avx2(int64_t type, const uint8_t
 // form. Capped at AVX2 on a Zen 4, one thread, one row of x times 14336 x 4096 of Q4_K: 14 GB/s
 // of blocks, 8 GB/s before (docs/decisions/int8-decode.md).
 template <int n>
-__attribute__((target("avx2,f16c"))) void rows15_avx2(int64_t type, const uint8_t* row, int64_t nb, const Q8Rows& q,
-                                                    int64_t k, int64_t r0, float* res) {
+__attribute__((target("avx2,f16c"))) void rows15_avx2(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0,
+                                                    int64_t n1, const Q8Rows& q, int64_t k, int64_t r0, float* out,
+                                                    int64_t ldo) {
   // (one function for the three types: templated on the type, the Q4_K loop ran 10.7 ns a block
   // against this one's 9.4, capped at AVX2 on a Zen 4, the same instructions in another order)
   const int64_t bytes = type == Q4_K ? 144 : type == Q5_K ? 176 : 210;
   const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
   const int16_t* wide = q.wide.data() + r0 * k;
+  const int64_t nb = q.blocks;
   const int32_t* sums = q.sums32.data() + r0 * nb * 8;
   const float* xd = q.d.data() + r0 * nb;
-  __m256 acc[n], accm[n];
-  for (int r = 0; r < n; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
-  if (type == Q6_K) {
-    const __m256i low_bytes = _mm256_set1_epi16(0xFF), thirty_two = _mm256_set1_epi16(32);
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * bytes;
-      prefetch_ahead(blk);
-      uint16_t half_d;
-      std::memcpy(&half_d, blk + 208, 2);
-      const float d = _cvtsh_ss(half_d);
-      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-      const __m256i scales[2] = {_mm256_permute2x128_si256(sc16, sc16, 0x00), _mm256_permute2x128_si256(sc16, sc16, 0x11)};
-      __m256i lane[n];
-      for (int r = 0; r < n; ++r) lane[r] = _mm256_setzero_si256();
-      for (int half = 0; half < 2; ++half) {
-        __m256i v[4];
-        q6k_values(blk + 64 * half, blk + 128 + 32 * half, m4, m3, v);
-        for (int i = 0; i < 4; ++i) {
-          // the 16 even values' (the first 16 scale 2i, the next 2i + 1), then the odd ones'
-          const __m256i s = _mm256_shuffle_epi8(scales[half], pick_pair(i));
-          const __m256i w0 = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_and_si256(v[i], low_bytes), thirty_two), s);
-          const __m256i w1 = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_srli_epi16(v[i], 8), thirty_two), s);
-          for (int r = 0; r < n; ++r) {
-            const int16_t* y = wide + r * k + b * QK + 128 * half + 32 * i;
-            lane[r] = _mm256_add_epi32(lane[r], _mm256_add_epi32(_mm256_madd_epi16(w0, load(y)),
-                                                                 _mm256_madd_epi16(w1, load(y + 16))));
+  for (int64_t w = n0; w < n1; ++w) {
+    const uint8_t* row = blocks + w * row_bytes;
+    __m256 acc[n], accm[n];
+    for (int r = 0; r < n; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+    if (type == Q6_K) {
+      const __m256i low_bytes = _mm256_set1_epi16(0xFF), thirty_two = _mm256_set1_epi16(32);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * bytes;
+        prefetch_ahead(blk);
+        uint16_t half_d;
+        std::memcpy(&half_d, blk + 208, 2);
+        const float d = _cvtsh_ss(half_d);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+        const __m256i scales[2] = {_mm256_permute2x128_si256(sc16, sc16, 0x00), _mm256_permute2x128_si256(sc16, sc16, 0x11)};
+        __m256i lane[n];
+        for (int r = 0; r < n; ++r) lane[r] = _mm256_setzero_si256();
+        for (int half = 0; half < 2; ++half) {
+          __m256i v[4];
+          q6k_values(blk + 64 * half, blk + 128 + 32 * half, m4, m3, v);
+          for (int i = 0; i < 4; ++i) {
+            // the 16 even values' (the first 16 scale 2i, the next 2i + 1), then the odd ones'
+            const __m256i s = _mm256_shuffle_epi8(scales[half], pick_pair(i));
+            const __m256i w0 = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_and_si256(v[i], low_bytes), thirty_two), s);
+            const __m256i w1 = _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_srli_epi16(v[i], 8), thirty_two), s);
+            for (int r = 0; r < n; ++r) {
+              const int16_t* y = wide + r * k + b * QK + 128 * half + 32 * i;
+              lane[r] = _mm256_add_epi32(lane[r], _mm256_add_epi32(_mm256_madd_epi16(w0, load(y)),
+                                                                   _mm256_madd_epi16(w1, load(y + 16))));
+            }
           }
         }
+        for (int r = 0; r < n; ++r)
+          acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(d * xd[r * nb + b]), _mm256_cvtepi32_ps(lane[r])));
       }
-      for (int r = 0; r < n; ++r)
-        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(d * xd[r * nb + b]), _mm256_cvtepi32_ps(lane[r])));
-    }
-  } else {
-    const bool five = type == Q5_K;
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * bytes;
-      prefetch_ahead(blk);
-      alignas(16) uint8_t sm[16];
-      scales_mins(blk + 4, sm);
-      const __m128i smv = _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
-      const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smv));  // words 0-7: the scales
-      const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8));
-      uint16_t halves[2];
-      std::memcpy(halves, blk, 4);
-      const float d = _cvtsh_ss(halves[0]), dmin = _cvtsh_ss(halves[1]);
-      const __m256i bits = five ? load(blk + 16) : _mm256_setzero_si256();  // Q5_K's fifth bits
-      const uint8_t* qs = blk + (five ? 48 : 16);
-      __m256i lane[n];
-      for (int r = 0; r < n; ++r) lane[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j, qs += 32) {
-        __m256i lo, hi;
-        q45k_values(qs, bits, five, j, m4, lo, hi);
-        // each sub-block's scale in the even bytes (the even values' products), then the odd
-        const __m256i e0 = _mm256_shuffle_epi8(scales, pick_word(2 * j)), e1 = _mm256_shuffle_epi8(scales, pick_word(2 * j + 1));
-        const __m256i w0 = _mm256_maddubs_epi16(lo, e0), w1 = _mm256_maddubs_epi16(lo, _mm256_slli_epi16(e0, 8));
-        const __m256i w2 = _mm256_maddubs_epi16(hi, e1), w3 = _mm256_maddubs_epi16(hi, _mm256_slli_epi16(e1, 8));
+    } else {
+      const bool five = type == Q5_K;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * bytes;
+        prefetch_ahead(blk);
+        alignas(16) uint8_t sm[16];
+        scales_mins(blk + 4, sm);
+        const __m128i smv = _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smv));  // words 0-7: the scales
+        const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8));
+        uint16_t halves[2];
+        std::memcpy(halves, blk, 4);
+        const float d = _cvtsh_ss(halves[0]), dmin = _cvtsh_ss(halves[1]);
+        const __m256i bits = five ? load(blk + 16) : _mm256_setzero_si256();  // Q5_K's fifth bits
+        const uint8_t* qs = blk + (five ? 48 : 16);
+        __m256i lane[n];
+        for (int r = 0; r < n; ++r) lane[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j, qs += 32) {
+          __m256i lo, hi;
+          q45k_values(qs, bits, five, j, m4, lo, hi);
+          // each sub-block's scale in the even bytes (the even values' products), then the odd
+          const __m256i e0 = _mm256_shuffle_epi8(scales, pick_word(2 * j)), e1 = _mm256_shuffle_epi8(scales, pick_word(2 * j + 1));
+          const __m256i w0 = _mm256_maddubs_epi16(lo, e0), w1 = _mm256_maddubs_epi16(lo, _mm256_slli_epi16(e0, 8));
+          const __m256i w2 = _mm256_maddubs_epi16(hi, e1), w3 = _mm256_maddubs_epi16(hi, _mm256_slli_epi16(e1, 8));
+          for (int r = 0; r < n; ++r) {
+            const int16_t* y = wide + r * k + b * QK + 64 * j;
+            const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(w0, load(y)), _mm256_madd_epi16(w1, load(y + 16)));
+            const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(w2, load(y + 32)), _mm256_madd_epi16(w3, load(y + 48)));
+            lane[r] = _mm256_add_epi32(lane[r], _mm256_add_epi32(p0, p1));
+          }
+        }
         for (int r = 0; r < n; ++r) {
-          const int16_t* y = wide + r * k + b * QK + 64 * j;
-          const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(w0, load(y)), _mm256_madd_epi16(w1, load(y + 16)));
-          const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(w2, load(y + 32)), _mm256_madd_epi16(w3, load(y + 48)));
-          lane[r] = _mm256_add_epi32(lane[r], _mm256_add_epi32(p0, p1));
+          const float d8 = xd[r * nb + b];
+          const __m256i off = _mm256_mullo_epi32(mins, load(sums + (r * nb + b) * 8));
+          acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(d * d8), _mm256_cvtepi32_ps(lane[r])));
+          accm[r] = _mm256_add_ps(accm[r], _mm256_mul_ps(_mm256_set1_ps(dmin * d8), _mm256_cvtepi32_ps(off)));
         }
       }
-      for (int r = 0; r < n; ++r) {
-        const float d8 = xd[r * nb + b];
-        const __m256i off = _mm256_mullo_epi32(mins, load(sums + (r * nb + b) * 8));
-        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(d * d8), _mm256_cvtepi32_ps(lane[r])));
-        accm[r] = _mm256_add_ps(accm[r], _mm256_mul_ps(_mm256_set1_ps(dmin * d8), _mm256_cvtepi32_ps(off)));
-      }
     }
+    for (int r = 0; r < n; ++r) out[(r0 + r) * ldo + w] = lane_sum(acc[r]) - lane_sum(accm[r]);
   }
-  store_results<n>(acc, accm, r0, res);
 }
 
-template <bool Fifteen>
-__attribute__((target("avx2,f16c"))) void row_dots_avx2(int64_t type, const uint8_t* row, int64_t nb, const Q8Rows& q,
-                                                       int64_t k, int64_t m, float* res) {
-  int64_t r0 = 0;
-  for (; r0 + 4 <= m; r0 += 4) Fifteen ? rows15_avx2<4>(type, row, nb, q, k, r0, res) : rows8_avx2<4>(type, row, nb, q, k, r0, res);
-  switch (m - r0) {
-    case 3: return Fifteen ? rows15_avx2<3>(type, row, nb, q, k, r0, res) : rows8_avx2<3>(type, row, nb, q, k, r0, res);
-    case 2: return Fifteen ? rows15_avx2<2>(type, row, nb, q, k, r0, res) : rows8_avx2<2>(type, row, nb, q, k, r0, res);
-    case 1: return Fifteen ? rows15_avx2<1>(type, row, nb, q, k, r0, res) : rows8_avx2<1>(type, row, nb, q, k, r0, res);
-    default: return;
+// rows [n0, n1) of one part against the m rows of x: up to 4 rows of x, each weight row in turn;
+// more, 4 rows of x at a time against each weight row (its blocks stay in L1 meanwhile)
+__attribute__((target("avx2,f16c"))) void rows15_dots(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0,
+                                                    int64_t n1, const Q8Rows& q, int64_t m, int64_t k, float* out,
+                                                    int64_t ldo) {
+  if (m <= 4) {
+    switch (m) {
+      case 4: return rows15_avx2<4>(type, blocks, row_bytes, n0, n1, q, k, 0, out, ldo);
+      case 3: return rows15_avx2<3>(type, blocks, row_bytes, n0, n1, q, k, 0, out, ldo);
+      case 2: return rows15_avx2<2>(type, blocks, row_bytes, n0, n1, q, k, 0, out, ldo);
+      case 1: return rows15_avx2<1>(type, blocks, row_bytes, n0, n1, q, k, 0, out, ldo);
+      default: return;
+    }
+  }
+  for (int64_t w = n0; w < n1; ++w) {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= m; r0 += 4) rows15_avx2<4>(type, blocks, row_bytes, w, w + 1, q, k, r0, out, ldo);
+    switch (m - r0) {
+      case 3: rows15_avx2<3>(type, blocks, row_bytes, w, w + 1, q, k, r0, out, ldo); break;
+      case 2: rows15_avx2<2>(type, blocks, row_bytes, w, w + 1, q, k, r0, out, ldo); break;
+      case 1: rows15_avx2<1>(type, blocks, row_bytes, w, w + 1, q, k, r0, out, ldo); break;
+      default: break;
+    }
+  }
+}
+
+// the 8-bit loop, one weight row at a time
+__attribute__((target("avx2,f16c"))) void rows8_dots(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0,
+                                                   int64_t n1, const Q8Rows& q, int64_t m, int64_t k, float* out,
+                                                   int64_t ldo) {
+  std::vector<float> res(m);
+  for (int64_t w = n0; w < n1; ++w) {
+    const uint8_t* row = blocks + w * row_bytes;
+    int64_t r0 = 0;
+    for (; r0 + 4 <= m; r0 += 4) rows8_avx2<4>(type, row, q.blocks, q, k, r0, res.data());
+    switch (m - r0) {
+      case 3: rows8_avx2<3>(type, row, q.blocks, q, k, r0, res.data()); break;
+      case 2: rows8_avx2<2>(type, row, q.blocks, q, k, r0, res.data()); break;
+      case 1: rows8_avx2<1>(type, row, q.blocks, q, k, r0, res.data()); break;
+      default: break;
+    }
+    for (int64_t r = 0; r < m; ++r) out[r * ldo + w] = res[r];
   }
 }
 #endif
 
-using RowDots = void (*)(int64_t, const uint8_t*, int64_t, const Q8Rows&, int64_t, int64_t, float*);
+// rows [n0, n1) of a part's blocks against the m rows of x: out[r * ldo + n]
+using RowDots = void (*)(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const Q8Rows&, int64_t, int64_t, float*,
+                         int64_t);
+
+void portable_dots(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1, const Q8Rows& q,
+                   int64_t m, int64_t k, float* out, int64_t ldo) {
+  std::vector<float> res(m);
+  for (int64_t w = n0; w < n1; ++w) {
+    row_dots_portable(type, blocks + w * row_bytes, q.blocks, q, k, m, res.data());
+    for (int64_t r = 0; r < m; ++r) out[r * ldo + w] = res[r];
+  }
+}
 
 // AVX2 with F16C, unless HPIPE_CPU_ISA=portable
 bool use_avx2() {
@@ -447,9 +503,9 @@ bool use_avx2() {
 
 RowDots row_dots(bool fifteen) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (use_avx2()) return fifteen ? &row_dots_avx2<true> : &row_dots_avx2<false>;
+  if (use_avx2()) return fifteen ? &rows15_dots : &rows8_dots;
 #endif
-  return &row_dots_portable;
+  return &portable_dots;
 }
 
 }  // namespace
@@ -551,12 +607,7 @@ Q8Rows quantize_q8k(const float* x, int64_t m, int64_t k, bool fifteen) {
 
 void integer_rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1,
                           const Q8Rows& q, int64_t m, int64_t k, float* out, int64_t ldo) {
-  const RowDots dots = row_dots(!q.wide.empty());
-  std::vector<float> res(m);
-  for (int64_t n = n0; n < n1; ++n) {
-    dots(type, blocks + n * row_bytes, q.blocks, q, k, m, res.data());
-    for (int64_t r = 0; r < m; ++r) out[r * ldo + n] = res[r];
-  }
+  row_dots(!q.wide.empty())(type, blocks, row_bytes, n0, n1, q, m, k, out, ldo);
 }
 
 }  // namespace hpipe
