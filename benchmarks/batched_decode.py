@@ -28,7 +28,7 @@ from pathlib import Path
 from hpipe.app.jobs import JobConfig, run_job
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
-from hpipe.model.sources import resolve_model
+from hpipe.model.weights.sources import resolve_model
 from runtime.coordinator.deploy import deploy
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import coordinate_on_one_thread

@@ -6,7 +6,7 @@
 The bound: a sum over one tensor as large as the model's weights (what one pass over them costs
 in memory traffic alone, on the same threads). Then, in interleaved rounds: one sequence's decode
 step of the whole model (after a ``--prompt``-token prefill) through the C++ decode kernel
-(:mod:`hpipe.model.cpu_kernel`) and eagerly, and a decode micro-batch of each ``--batches`` size
+(:mod:`hpipe.model.kernels.library`) and eagerly, and a decode micro-batch of each ``--batches`` size
 split in ``--stages`` even stages, timed per stage, through the kernel (where it is built) and
 eagerly. Medians over the rounds; the spread is the rounds' range.
 """
@@ -21,9 +21,10 @@ import time
 import torch
 
 from hpipe.core.units import even_cuts, ranges_from_cuts
-from hpipe.model import StageModel, cpu_kernel
-from hpipe.model.kvpool import Entry
-from hpipe.model.sources import resolve_model
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.kernels import library
+from hpipe.model.kv.pool import Entry
+from hpipe.model.weights.sources import resolve_model
 
 
 def timed(fn, n: int) -> float:
@@ -97,21 +98,21 @@ def main() -> None:
         position[b] += 1
         return per_stage
 
-    kernel = cpu_kernel.available()
+    kernel = library.available()
     rounds = {"stream_s": [], "one_step_s": [], "one_step_eager_s": [], **{f"batch{b}": [] for b in batches},
               **{f"eager{b}": [] for b in batches}}
     for _ in range(args.rounds):
         rounds["stream_s"].append(timed(lambda: stream.sum(), 10))
-        cpu_kernel.enable(False)
+        library.enable(False)
         rounds["one_step_eager_s"].append(timed(one_step, args.steps))
-        cpu_kernel.enable(True)
+        library.enable(True)
         rounds["one_step_s"].append(timed(one_step, args.steps))
         for b in batches:
             for key, on in ((f"batch{b}", True), (f"eager{b}", False)):
-                cpu_kernel.enable(on)
+                library.enable(on)
                 steps = [batch_step(b) for _ in range(args.steps)]
                 rounds[key].append([statistics.median(s[j] for s in steps) for j in range(len(stages))])
-        cpu_kernel.enable(True)
+        library.enable(True)
     out = {"model": args.model, "weight_bytes": weight_bytes, "threads": args.threads, "prompt": args.prompt,
            "kernel": kernel, "one_step_eager_s": statistics.median(rounds["one_step_eager_s"]),
            "one_step_eager_range_s": [min(rounds["one_step_eager_s"]), max(rounds["one_step_eager_s"])],

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from hpipe.model.generate import LocalModel, generate
-from hpipe.model.sources import resolve_model
+from hpipe.model.generate.local import LocalModel, generate
+from hpipe.model.weights.sources import resolve_model
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "apache-2.0.txt"
 

@@ -26,9 +26,8 @@ import torch
 
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.units import UnitRange
-from hpipe.model import StageModel
-from hpipe.model.sources import model_shape
-from hpipe.model.stage import parse_dtype
+from hpipe.model.compute.stage import StageModel, parse_dtype
+from hpipe.model.weights.sources import model_shape
 from runtime.cluster import launcher
 from runtime.coordinator.pipeline import Pipeline, cut_stages
 

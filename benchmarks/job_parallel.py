@@ -26,7 +26,7 @@ from hpipe.app.demo import INSTRUCTION
 from hpipe.app.jobs import JobConfig, run_job
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
-from hpipe.model.sources import resolve_model
+from hpipe.model.weights.sources import resolve_model
 from runtime.coordinator.pipeline import coordinate_on_one_thread
 
 DEFAULT = JobConfig(instruction="").parallel

@@ -19,8 +19,8 @@ import subprocess
 import torch
 from decode_step import timed
 
-from hpipe.model import cpu_kernel
-from hpipe.model.quant import TYPES, random_weight
+from hpipe.model.kernels import library
+from hpipe.model.weights.blocks import TYPES, random_weight
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    cpu_kernel.require("this benchmark")
+    library.require("this benchmark")
     torch.set_num_threads(args.threads)
     cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True)
                 .stdout.splitlines() if line.startswith("Model name")), "?")

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpipe.core.units import UnitRange
-from hpipe.model import StageModel, packed
-from hpipe.model.sources import model_shape
+from hpipe.model.compute import packed
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.weights.sources import model_shape
 
 ROWS = (64, 128, 256, 512, 2048)
 SLICES = (64, 128, 256, 2048)

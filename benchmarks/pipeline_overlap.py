@@ -18,7 +18,7 @@ import torch
 
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.units import even_cuts
-from hpipe.model.sources import resolve_model
+from hpipe.model.weights.sources import resolve_model
 from runtime.cluster import launcher
 from runtime.coordinator.pipeline import Pipeline, RemoteRunner, cut_stages
 

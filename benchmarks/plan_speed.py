@@ -13,7 +13,7 @@ import sys
 import time
 
 from hpipe.core.cluster import ClusterSpec
-from hpipe.model.sources import model_shape
+from hpipe.model.weights.sources import model_shape
 from planner.costs import Workload
 from planner.strategies import plan
 from profiler.roofline import simulated_profile

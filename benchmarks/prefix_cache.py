@@ -38,7 +38,7 @@ from run_equivalence import documents
 from hpipe.app.jobs import JobConfig, run_job
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
-from hpipe.model.sources import resolve_model
+from hpipe.model.weights.sources import resolve_model
 from runtime.coordinator.pipeline import coordinate_on_one_thread
 
 QUESTIONS = ("Who wrote this report?", "What is its main finding?", "Which risks does it name?",

@@ -25,7 +25,7 @@ from importlib.resources import files
 import torch
 
 from hpipe.core.cluster import ClusterSpec
-from hpipe.model.sources import resolve_model
+from hpipe.model.weights.sources import resolve_model
 from runtime.cluster import launcher
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import Pipeline, coordinate_on_one_thread, cut_stages

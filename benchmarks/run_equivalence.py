@@ -31,8 +31,8 @@ from hpipe.app.jobs import JobConfig, build_prompt, prompt_limit, run_job
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError
 from hpipe.core.plan import Plan
-from hpipe.model.generate import LocalModel, generate_ids
-from hpipe.model.sources import resolve_model
+from hpipe.model.generate.local import LocalModel, generate_ids
+from hpipe.model.weights.sources import resolve_model
 from runtime.cluster.launcher import state_dir
 
 

@@ -16,7 +16,7 @@ import time
 import torch
 
 from hpipe.core.cluster import ClusterSpec
-from hpipe.model.sources import resolve_model
+from hpipe.model.weights.sources import resolve_model
 from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.seesaw import fine_stages
 

@@ -35,7 +35,7 @@ from hpipe.app.workload_bench import run_once
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
 from hpipe.core.workload import WorkItem
-from hpipe.model.sources import resolve_model
+from hpipe.model.weights.sources import resolve_model
 from runtime.coordinator.deploy import deploy
 from runtime.coordinator.pipeline import coordinate_on_one_thread
 from runtime.wire.channels import DaemonClient, Security

@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from hpipe.core.cluster import ClusterSpec
-from hpipe.model.sources import resolve_model
+from hpipe.model.weights.sources import resolve_model
 from runtime.cluster import launcher
 from runtime.coordinator.pipeline import Pipeline, cut_stages
 

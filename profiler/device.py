@@ -21,10 +21,14 @@ import torch
 
 from hpipe.core.config import ModelConfig
 from hpipe.core.units import UnitRange
-from hpipe.model import StageCache, StageModel, packed
-from hpipe.model.kvpool import BatchKV
-from hpipe.model.layers import Attention
-from hpipe.model.quant import TYPES, asked_prefill_gemm, prefill_rows
+from hpipe.model.compute import packed
+from hpipe.model.compute.layers import Attention
+from hpipe.model.compute.linear import prefill_rows
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.kernels.precision import asked_prefill_gemm
+from hpipe.model.kv.cache import StageCache
+from hpipe.model.kv.pool import BatchKV
+from hpipe.model.weights.blocks import TYPES
 
 
 def _cgroup_quota() -> str:
@@ -260,7 +264,7 @@ def measure_units(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ba
 
 
 def _as_rows(rows: torch.Tensor | None, fn):
-    """``fn`` run with ``rows`` marked as prefill's (:func:`hpipe.model.quant.prefill_rows`)."""
+    """``fn`` run with ``rows`` marked as prefill's (:func:`hpipe.model.compute.linear.prefill_rows`)."""
     def run(*args):
         with prefill_rows(rows):
             return fn(*args)

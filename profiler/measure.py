@@ -30,8 +30,8 @@ from hpipe.core.cluster import ClusterSpec, memory_system
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import HpipeError
 from hpipe.core.profile import DTYPE_BYTES, ComputeGrid, DaemonProfile, LinkProfile, Profile
-from hpipe.model.quant import asked_prefill_gemm
-from hpipe.model.stage import DTYPES
+from hpipe.model.compute.stage import DTYPES
+from hpipe.model.kernels.precision import asked_prefill_gemm
 from profiler.grid import DEFAULT_MAX_LEN, METHOD, SWEEPS, estimate_seconds, grid_axes, grids_from_reply
 from profiler.grid_cache import grid_path, load_grids, store_grids
 from profiler.links import HOST_CPU_TOKENS, MAX_PROBE_BYTES, PILOT_BYTES, fit_host_cpu, fit_link, fit_probes

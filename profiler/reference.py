@@ -21,8 +21,8 @@ from hpipe.core.config import ModelConfig
 from hpipe.core.errors import HpipeError
 from hpipe.core.profile import Profile
 from hpipe.core.units import block_units
-from hpipe.model.quant import asked_prefill_gemm
-from hpipe.model.stage import DTYPES
+from hpipe.model.compute.stage import DTYPES
+from hpipe.model.kernels.precision import asked_prefill_gemm
 from runtime.wire.channels import DaemonClient, Security
 from runtime.wire.messages import TO_WIRE, pb
 

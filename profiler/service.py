@@ -19,7 +19,8 @@ from hpipe.core.cluster import split_address
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import InputError, StatusError
 from hpipe.core.units import UnitRange
-from hpipe.model.quant import TYPES, prefill_gemm_as
+from hpipe.model.kernels.precision import prefill_gemm_as
+from hpipe.model.weights.blocks import TYPES
 from profiler.device import cpu_counts, fingerprint, host_id, measure_units, release_timed_stages, time_stage
 from profiler.links import MAX_PROBE_BYTES, time_probes
 from runtime.daemon import memory

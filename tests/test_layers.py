@@ -13,19 +13,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: the model's sub-packages, bottom to top: each may import those before it
+MODEL = ("hpipe.model.kernels", "hpipe.model.weights", "hpipe.model.kv", "hpipe.model.compute", "hpipe.model.generate")
+
 #: package -> the packages it may import (besides itself and third-party libraries)
 ALLOWED = {
     "hpipe.core": set(),
-    "hpipe.model": {"hpipe.core"},
+    "hpipe.model": set(),  # its __init__ only: the code lives in the sub-packages
+    "hpipe.model.kernels": {"hpipe.core"},  # C++ kernels and their faces
+    "hpipe.model.weights": {"hpipe.core"},  # formats, sources, manifests
+    "hpipe.model.kv": {"hpipe.core"},  # the KV pool and caches
+    "hpipe.model.compute": {"hpipe.core", *MODEL[:3]},  # units, linear layers, stages
+    "hpipe.model.generate": {"hpipe.core", *MODEL[:4]},  # text in one process
     "planner": {"hpipe.core"},
     "runtime": set(),  # its __init__ only: the code lives in the four packages below
     "runtime.wire": {"hpipe.core"},
     # daemon and coordinator meet only on the wire: neither imports the other
-    "runtime.daemon": {"hpipe.core", "hpipe.model", "runtime.wire"},
-    "runtime.coordinator": {"hpipe.core", "hpipe.model", "runtime.wire"},
+    "runtime.daemon": {"hpipe.core", *MODEL, "runtime.wire"},
+    "runtime.coordinator": {"hpipe.core", *MODEL, "runtime.wire"},
     "runtime.cluster": {"hpipe.core", "runtime.wire"},
-    "profiler": {"hpipe.core", "hpipe.model", "runtime.wire", "runtime.daemon"},  # its service runs in a daemon
-    "hpipe.app": {"hpipe.core", "hpipe.model", "planner", "profiler", "runtime.wire", "runtime.daemon",
+    "profiler": {"hpipe.core", *MODEL, "runtime.wire", "runtime.daemon"},  # its service runs in a daemon
+    "hpipe.app": {"hpipe.core", *MODEL, "planner", "profiler", "runtime.wire", "runtime.daemon",
                   "runtime.coordinator", "runtime.cluster"},
 }
 OURS = ("hpipe", "planner", "profiler", "runtime")
@@ -74,6 +82,76 @@ def test_imports_point_one_way():
             if target != pkg and target not in ALLOWED[pkg]:
                 wrong.append(f"{module} ({pkg}) imports {imported} ({target})")
     assert not wrong, "\n".join(wrong)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each of our modules -> ours it imports (at module level or inside a function)."""
+    names = {}
+    for path, module in _modules():
+        names[module.removesuffix(".__init__")] = path
+    graph = {m: set() for m in names}
+    for module, path in names.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            graph[module] |= {t for t in targets if t in names and t != module}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iteratively)."""
+    index, low, on, stack, found, counter = {}, {}, set(), [], [], 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_circle_of_imports():
+    """No module reaches itself through imports, even lazily inside a function: a circle means
+    neither side can be understood, tested or moved alone (the model's layers, quant and
+    cpu_kernel once made one; so did quantize and sources, cli and commands)."""
+    circles = _circles(_module_graph())
+    assert not circles, "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_circle_finder_finds_circles():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
 
 
 def test_every_module_is_in_a_layer_and_short():

@@ -13,9 +13,9 @@ import time
 import torch
 
 from hpipe.core.units import UnitRange
-from hpipe.model import StageModel
-from hpipe.model.kvpool import BLOCK_SIZE, Entry
-from hpipe.model.sources import resolve_model
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.kv.pool import BLOCK_SIZE, Entry
+from hpipe.model.weights.sources import resolve_model
 
 
 def load(model: str, dequantize: bool) -> StageModel:

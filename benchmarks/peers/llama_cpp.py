@@ -174,8 +174,8 @@ def main() -> None:
     if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
         # the caps must be in the environment before torch, MKL and oneDNN start
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
-    from hpipe.model.quant import prefill_in_bfloat16
-    from hpipe.model.sources import resolve_model
+    from hpipe.model.kernels.precision import prefill_in_bfloat16
+    from hpipe.model.weights.sources import resolve_model
 
     torch.set_num_threads(args.threads)
     bin_dir = build(AVX2 if args.isa == "avx2" else None)
@@ -231,7 +231,7 @@ def perplexities(bin_dir: Path, files: dict[str, Path], stages: dict, text: Path
     float32 --dequantize model of the same file)."""
     from gguf import GGUFReader
 
-    from hpipe.model.sources import resolve_model
+    from hpipe.model.weights.sources import resolve_model
 
     ids = resolve_model(args.model).tokenizer()(text.read_text())["input_ids"]
     out = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from hpipe.model import StageModel
+from hpipe.model.compute.stage import StageModel
 
 FINAL = re.compile(r"Final estimate: PPL = ([\d.]+)")
 

@@ -12,10 +12,11 @@ import os
 import signal
 import sys
 from dataclasses import fields
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 from hpipe import __version__
 from hpipe.app import commands
+from hpipe.app.leave import leave
 from hpipe.core.cluster import DaemonOptions, option_flag
 from hpipe.core.errors import HpipeError
 
@@ -354,15 +355,6 @@ def console() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     code = main()
     leave(code if isinstance(code, int) else 0)
-
-
-def leave(code: int) -> NoReturn:
-    """End the process with ``code`` now, output flushed, without the interpreter's teardown (which
-    can abort in gRPC's or torch's C++ threads): an interrupted command, a drained server."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -41,11 +41,11 @@ def generate(args: argparse.Namespace) -> int:
     check_device(args.device)
     import torch
 
-    from hpipe.model.generate import LocalModel
-    from hpipe.model.generate import generate as local_generate
-    from hpipe.model.sampling import SamplingParams
-    from hpipe.model.sources import quantized_model, resolve_model
-    from hpipe.model.stage import parse_dtype
+    from hpipe.model.compute.stage import parse_dtype
+    from hpipe.model.generate.local import LocalModel
+    from hpipe.model.generate.local import generate as local_generate
+    from hpipe.model.generate.sampling import SamplingParams
+    from hpipe.model.weights.sources import quantized_model, resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -141,7 +141,7 @@ def _held_weights(model: str) -> dict:
     """How a model's daemons hold its matrices, for the profiler: ``weight_bits`` (their memory)
     and ``weight_type`` (what the units are timed in); empty for float weights."""
     from hpipe.core.shapes import is_random
-    from hpipe.model.sources import resolve_model
+    from hpipe.model.weights.sources import resolve_model
 
     if is_random(model) or Path(model).name.endswith(".json"):
         return {}
@@ -152,7 +152,7 @@ def profile(args: argparse.Namespace) -> int:
     from hpipe.app.profile_report import summary
     from hpipe.core.cluster import ClusterSpec
     from hpipe.core.shapes import quantization_bits
-    from hpipe.model.sources import model_shape, quantized_model
+    from hpipe.model.weights.sources import model_shape, quantized_model
     from profiler.grid import DEFAULT_MAX_LEN
 
     check_output(args.output, "profile")
@@ -345,14 +345,14 @@ def serve(args: argparse.Namespace) -> int:
     # without the interpreter's teardown: a gRPC or torch C++ thread still alive then aborted the
     # process (``terminate called without an active exception``, exit -6) in about one SIGTERM of
     # eight even with the backend's threads joined, so a clean drain read as a crash to a supervisor
-    from hpipe.app.cli import leave
+    from hpipe.app.leave import leave
 
     leave(code)
 
 
 def model(args: argparse.Namespace) -> int:
-    """``hpipe model make``: a random-weight GGUF file of a named shape (:mod:`hpipe.model.random_gguf`)."""
-    from hpipe.model.random_gguf import Spec, make
+    """``hpipe model make``: a random-weight GGUF file of a named shape (:mod:`hpipe.model.weights.random_gguf`)."""
+    from hpipe.model.weights.random_gguf import Spec, make
 
     path = make(Spec.parse(args.spec, args.seed), Path(args.output) if args.output else None)
     print(path)

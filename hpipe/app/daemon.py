@@ -20,7 +20,7 @@ import torch
 
 from hpipe.app.inputs import check_device
 from hpipe.core.cluster import DaemonOptions
-from hpipe.model import cpu_kernel
+from hpipe.model.kernels import library
 from profiler import service as profiler_service
 from runtime.cluster.emulate import WORKER_THREAD_NAME, name_this_thread
 from runtime.daemon.servicer import bind_warning, build_server
@@ -70,9 +70,9 @@ def _decode_path(device: str) -> str:
     """How a CPU daemon's float32 decode micro-batches will run (loading the kernel now, if built)."""
     if not device.startswith("cpu"):
         return ""
-    if cpu_kernel.switched_off():
-        return f"; float32 decode eagerly ({cpu_kernel.ENV}=off)"
-    if cpu_kernel.available():
+    if library.switched_off():
+        return f"; float32 decode eagerly ({library.ENV}=off)"
+    if library.available():
         return "; float32 decode through the C++ kernel"
     return "; float32 decode eagerly (the C++ kernel is not built here: python -m hpipe.model.kernels)"
 

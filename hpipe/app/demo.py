@@ -55,7 +55,7 @@ def run_demo(cluster_file: Path | None = None, instruction: str = INSTRUCTION, m
     from hpipe.app.plan_report import plan_table
     from hpipe.app.profile_report import summary
     from hpipe.core.cluster import ClusterSpec
-    from hpipe.model.sources import resolve_model
+    from hpipe.model.weights.sources import resolve_model
     from planner.costs import Workload
     from planner.strategies import plan as make_plan
     from profiler.measure import profile_cluster

@@ -92,7 +92,7 @@ def cluster_for(plan, cluster_file: str | None):
 def planned(args: argparse.Namespace, serving: bool):
     """``(plan, cluster, source)``: from ``--plan``, or made on the spot for ``--model``
     (:mod:`hpipe.app.one_box`, which stops the daemons it started on leaving)."""
-    from hpipe.model.sources import resolve_model
+    from hpipe.model.weights.sources import resolve_model
 
     if args.plan:
         if args.max_len:
@@ -103,7 +103,7 @@ def planned(args: argparse.Namespace, serving: bool):
         yield the_plan, cluster_for(the_plan, args.cluster), resolve_model(the_plan.model_name)
         return
     from hpipe.app.one_box import planned as on_the_spot
-    from hpipe.model.sources import quantized_model
+    from hpipe.model.weights.sources import quantized_model
 
     with on_the_spot(quantized_model(args.model, args.quantize), args.cluster, max_len=args.max_len, seq_len=None, serving=serving,
                      dequantize=args.dequantize) as got:

@@ -31,7 +31,7 @@ from hpipe.app.results import ResultsFile, answer_key
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError, InputError
 from hpipe.core.plan import Plan, Stage
-from hpipe.model.generate import encode_prompt
+from hpipe.model.generate.local import encode_prompt
 from runtime.coordinator.deploy import deploy
 from runtime.coordinator.engine import Request
 from runtime.coordinator.policies import POLICIES

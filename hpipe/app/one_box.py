@@ -54,7 +54,7 @@ def planned(model: str, cluster_file: str | None, *, max_len: int | None, seq_le
     from hpipe.app.plan_report import plan_table
     from hpipe.core.cluster import ClusterSpec
     from hpipe.core.errors import InputError
-    from hpipe.model.sources import resolve_model
+    from hpipe.model.weights.sources import resolve_model
     from planner.costs import Workload
     from planner.serving import Mix
     from planner.strategies import plan as make_plan

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hpipe.app.openai_text import Stream, all_logprobs, logprob_payload
 from hpipe.app.serve_backend import Backend, Busy, NotReady, TooLong
 from hpipe.core.errors import InputError
-from hpipe.model.sampling import SEED_RANGE
+from hpipe.model.generate.sampling import SEED_RANGE
 
 #: the characters a prompt may have per token the plan takes, checked before tokenizing: no
 #: tokenizer of a supported family packs more than this into one token

@@ -17,8 +17,8 @@ from hpipe.app.serve_metrics import Collector, Metrics
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError, InputError
 from hpipe.core.plan import Plan
-from hpipe.model.generate import encode_chat
-from hpipe.model.sampling import SamplingParams
+from hpipe.model.generate.local import encode_chat
+from hpipe.model.generate.sampling import SamplingParams
 from runtime.coordinator.deploy import Deployed, deploy
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import Pipeline

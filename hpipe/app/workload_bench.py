@@ -29,7 +29,7 @@ from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError
 from hpipe.core.plan import Plan
 from hpipe.core.workload import WorkItem, prompt_ids
-from hpipe.model.stage import DTYPES
+from hpipe.model.compute.stage import DTYPES
 from runtime.coordinator.deploy import (
     deploy,
     learn_rooms,

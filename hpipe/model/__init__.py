@@ -1,6 +1,3 @@
-"""Plain-PyTorch forward of Llama-family models as a chain of units (the gpt-fast way)."""
-
-from hpipe.model.kvcache import StageCache
-from hpipe.model.stage import StageModel
-
-__all__ = ["StageCache", "StageModel"]
+"""The model on one device: ``kernels`` (C++ and their faces) at the bottom, then ``weights``
+(formats, sources) and ``kv`` (the cache), ``compute`` (units, stages) above them, ``generate``
+(text in one process) on top. Each imports only those below it (tests/test_layers.py)."""

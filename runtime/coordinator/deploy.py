@@ -19,7 +19,7 @@ from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import InputError
 from hpipe.core.plan import Plan, Stage
 from hpipe.core.units import UnitRange
-from hpipe.model.stage import DTYPES
+from hpipe.model.compute.stage import DTYPES
 from runtime.coordinator.engine import Engine
 from runtime.coordinator.kv_moves import send_moved_kv, sent_stages
 from runtime.coordinator.pipeline import Pipeline

@@ -8,7 +8,7 @@ the plan's slices. A request's next decode token is scheduled only after its pre
 sampled (token-safe); its prompt's chunks may be in flight together, which is HPipe's pipelined
 slicing: a single long prompt with nothing else to do is sent slice after slice. Results come
 back as the logits of the rows that need a token, and the whole micro-batch is sampled in one
-pass on this CPU (:func:`hpipe.model.sampling.sample`) while the stages compute the next ones.
+pass on this CPU (:func:`hpipe.model.generate.sampling.sample`) while the stages compute the next ones.
 
 KV memory. The engine mirrors every stage's KV pool (:mod:`runtime.coordinator.kv_room`), so it
 knows the free blocks of the tightest stage without asking. Before a micro-batch goes out, the
@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from hpipe.model.sampling import SampleError, logprobs, sample
+from hpipe.model.generate.sampling import SampleError, logprobs, sample
 from runtime.coordinator.kv_room import KVRoom
 from runtime.coordinator.preemption import Preempting
 from runtime.coordinator.rebind import Rebinding

@@ -24,8 +24,8 @@ from hpipe.core.cluster import ClusterSpec, DaemonSpec
 from hpipe.core.errors import InputError
 from hpipe.core.lanes import decode_lane, decode_lanes
 from hpipe.core.plan import PlanError, Stage, stages_from_cuts
-from hpipe.model.kvpool import prefill_end
-from hpipe.model.quant import asked_prefill_gemm
+from hpipe.model.kernels.precision import asked_prefill_gemm
+from hpipe.model.kv.pool import prefill_end
 from runtime.coordinator.session import Session, StageFailure
 from runtime.coordinator.ship import Shipment, Transfer, is_data_loss
 from runtime.wire.channels import DaemonClient, Security
@@ -205,7 +205,7 @@ class RemoteSequence:
                prefill: bool | None = None) -> int:
         """Send one slice of token ids ``[batch, tokens]`` into the pipeline (returns without waiting).
         ``prefill``: the slice is the prompt's (True) or decode tokens (False); None: the stages
-        decide by its length (see :class:`hpipe.model.kvpool.Entry`)."""
+        decide by its length (see :class:`hpipe.model.kv.pool.Entry`)."""
         ids = ids.to(torch.int64).reshape(self.batch, -1)
         n = ids.shape[1]
         if self.position + n > self.max_len:
@@ -269,8 +269,8 @@ class RemoteRunner:
 
 def generate_on_cluster(pipe: Pipeline, source, tokenizer, prompt: str, *, chat: bool, max_new_tokens: int,
                         sampling, slices):
-    """:func:`hpipe.model.generate.generate` through a deployed pipeline, with per-stage timings."""
-    from hpipe.model.generate import generate
+    """:func:`hpipe.model.generate.local.generate` through a deployed pipeline, with per-stage timings."""
+    from hpipe.model.generate.local import generate
 
     session = pipe.session()
     opened: list[RemoteSequence] = []

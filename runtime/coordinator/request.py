@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from hpipe.model.sampling import Sampler, SamplingParams
+from hpipe.model.generate.sampling import Sampler, SamplingParams
 
 
 @dataclass(eq=False)

@@ -6,7 +6,7 @@ identity, where its ``--model-dirs`` allow) and, if not, which of its units' ten
 cache holds (:mod:`runtime.daemon.weights_cache`) and how much of the others arrived before. Only
 the missing bytes move (``PutTensors``, a stream of 4 MiB chunks read straight from the file,
 quantized blocks as stored), to every daemon at once, one stream each; the ``Load`` then names
-the tensors by content hash (:mod:`hpipe.model.manifest`). So a second deploy moves nothing, a
+the tensors by content hash (:mod:`hpipe.model.weights.manifest`). So a second deploy moves nothing, a
 transfer cut off goes on from where it stopped, a re-plan or a recovery moves only the units
 that changed hands, and a cache entry found corrupt when the daemon loads it (``DATA_LOSS``) is
 sent again. Safetensors directories and random-weight shapes are not shipped: a daemon reads
@@ -26,8 +26,10 @@ import grpc
 from hpipe.core.errors import ModelSourceError
 from hpipe.core.shapes import is_random
 from hpipe.core.units import UnitRange
-from hpipe.model.manifest import Manifest, TensorEntry, manifest, tensors_of
-from hpipe.model.sources import ModelSource, file_key, resolve_model
+from hpipe.model.compute.layers import tensors_of
+from hpipe.model.weights.files import file_key
+from hpipe.model.weights.manifest import Manifest, TensorEntry, manifest
+from hpipe.model.weights.sources import ModelSource, resolve_model
 from runtime.wire.channels import DaemonClient
 from runtime.wire.messages import pb
 

@@ -35,12 +35,13 @@ from hpipe.core.paths import cache_root
 from hpipe.core.plan import Stage
 from hpipe.core.shapes import RANDOM_PREFIX, is_random, random_config
 from hpipe.core.units import UnitRange
-from hpipe.model import StageModel, cpu_kernel, quant
-from hpipe.model.gguf_weights import GGUFWeights
-from hpipe.model.graphs import DecodeGraphs
-from hpipe.model.kvpool import BLOCK_SIZE, KVPool
-from hpipe.model.layers import build_unit, checkpoint_tensors
-from hpipe.model.sources import BUILTIN_MODELS, resolve_model
+from hpipe.model.compute.graphs import DecodeGraphs
+from hpipe.model.compute.layers import build_unit, checkpoint_tensors
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.kernels import library, precision
+from hpipe.model.kv.pool import BLOCK_SIZE, KVPool
+from hpipe.model.weights.gguf import GGUFWeights
+from hpipe.model.weights.sources import BUILTIN_MODELS, resolve_model
 from runtime.daemon import memory
 from runtime.daemon.shipped import Shipped
 from runtime.daemon.weights_cache import WeightsCache
@@ -118,9 +119,9 @@ def set_prefill_gemm(mode: str) -> None:
     (bfloat16 where the CPU has it, unless its environment says HPIPE_PREFILL_GEMM=float32), not
     what the previous deployment asked (nothing to do while the kernels are not loaded: nothing
     set it then). Nothing to do without kernels."""
-    if cpu_kernel.available() if mode else cpu_kernel.loaded():
+    if library.available() if mode else library.loaded():
         try:
-            quant.set_prefill_gemm(mode or "default")
+            precision.set_prefill_gemm(mode or "default")
         except ModelSourceError as e:
             raise StatusError("FAILED_PRECONDITION", str(e)) from None
 

@@ -16,7 +16,7 @@ fails with ``DATA_LOSS``, and the coordinator recomputes it.
 Both directions run on the worker (``run_on_device``): a block freed by a sequence closed while
 one of its micro-batches computes may still be written by that computation, which is harmless to
 a new sequence that writes its positions before reading them, but not to a copy back, which no
-micro-batch writes again (:mod:`hpipe.model.kvpool`).
+micro-batch writes again (:mod:`hpipe.model.kv.pool`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hpipe.model.kvpool import BLOCK_SIZE
+from hpipe.model.kv.pool import BLOCK_SIZE
 from runtime.daemon.sequences import Sequence
 
 #: the tier's room per stage, in multiples of the stage's pool blocks
@@ -107,7 +107,7 @@ class HostTier:
 
     def swap_in(self, seq: Sequence, stages: dict) -> None:
         """Copy ``seq``'s positions back into blocks of its own on every held stage
-        (:class:`hpipe.model.kvpool.PoolExhausted` if a pool has no room: it stays in the tier)."""
+        (:class:`hpipe.model.kv.pool.PoolExhausted` if a pool has no room: it stays in the tier)."""
         copy = self._held.get(seq.id)
         if copy is None:
             return

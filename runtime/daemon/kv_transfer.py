@@ -35,7 +35,7 @@ import psutil
 import torch
 
 from hpipe.core.errors import StatusError
-from hpipe.model.kvpool import PoolExhausted
+from hpipe.model.kv.pool import PoolExhausted
 from runtime.daemon.kv_tier import HostTier
 from runtime.daemon.sequences import Sequence, SequenceTable
 from runtime.wire.messages import dtype_from_wire, dtype_to_wire, pb

@@ -25,7 +25,7 @@ from collections import deque
 from typing import Callable
 
 from hpipe.core.errors import HpipeError
-from hpipe.model.kvpool import BLOCK_SIZE, PoolExhausted
+from hpipe.model.kv.pool import BLOCK_SIZE, PoolExhausted
 from runtime.daemon.outbox import Outbox
 from runtime.daemon.prefix_store import PrefixStore
 from runtime.daemon.replay_log import ReplayLog

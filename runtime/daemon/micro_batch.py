@@ -17,8 +17,8 @@ import logging
 import torch
 
 from hpipe.core.errors import HpipeError
-from hpipe.model.graphs import DecodeGraphs
-from hpipe.model.kvpool import Entry as KVEntry
+from hpipe.model.compute.graphs import DecodeGraphs
+from hpipe.model.kv.pool import Entry as KVEntry
 from runtime.daemon.device_io import DeviceIO
 from runtime.daemon.layout import Layout, Layouts
 from runtime.daemon.outbox import Outbox

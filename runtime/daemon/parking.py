@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from hpipe.core.errors import StatusError
-from hpipe.model import StageModel
+from hpipe.model.compute.stage import StageModel
 from runtime.daemon import memory
 
 

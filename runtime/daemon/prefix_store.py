@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from hpipe.model.kvpool import SeqKV
+from hpipe.model.kv.pool import SeqKV
 
 
 class PrefixStore:

@@ -4,7 +4,7 @@ A sequence opens with its first entry in a micro-batch's layout (which declares 
 and takes KV blocks as later layouts extend it (or gives them back when one rewinds it). A
 recovering coordinator's new session adopts it (``Resume``). It is freed when its coordinator closes it or
 disconnects, when it fails, or after ``idle_timeout_s`` without being named in a layout or a
-status request; its blocks go back to the pool at once (:mod:`hpipe.model.kvpool` says why that
+status request; its blocks go back to the pool at once (:mod:`hpipe.model.kv.pool` says why that
 is safe beside a micro-batch being computed).
 """
 
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from hpipe.core.errors import StatusError
-from hpipe.model.kvpool import SeqKV
+from hpipe.model.kv.pool import SeqKV
 
 log = logging.getLogger(__name__)
 

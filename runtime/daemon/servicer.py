@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from hpipe.core.cluster import DaemonOptions, is_loopback
 from hpipe.core.errors import HpipeError, InputError, ModelSourceError, StatusError, UnsupportedModelError
 from hpipe.core.paths import cache_root
-from hpipe.model.stage import parse_dtype
+from hpipe.model.compute.stage import parse_dtype
 from runtime.daemon import hoststat, kv_transfer, memory
 from runtime.daemon.deployment import Deployment
 from runtime.daemon.shipped import Shipped

@@ -3,7 +3,7 @@
 A daemon without a model's files gets, in its ``Load``, the model's config and a reference to
 each tensor of its units (name, ggml type, shape, bytes, content hash); the bytes arrived before
 in its weights cache (:mod:`runtime.daemon.weights_cache`). Its stages read them there, through
-the same GGUF store as a local file (:class:`hpipe.model.gguf_weights.GGUFWeights`), each entry's
+the same GGUF store as a local file (:class:`hpipe.model.weights.gguf.GGUFWeights`), each entry's
 hash checked again as it loads.
 """
 
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import HpipeError, ModelSourceError, StatusError
 from hpipe.core.shapes import is_random
-from hpipe.model.gguf_weights import GGUFWeights
-from hpipe.model.sources import file_key, resolve_model
+from hpipe.model.weights.files import file_key
+from hpipe.model.weights.gguf import GGUFWeights
+from hpipe.model.weights.sources import resolve_model
 from runtime.daemon.weights_cache import WeightsCache, check_hash
 from runtime.wire.messages import pb
 

@@ -35,7 +35,7 @@ import torch
 
 from hpipe.core.errors import StatusError
 from hpipe.core.paths import cache_root
-from hpipe.model.kvpool import BLOCK_SIZE
+from hpipe.model.kv.pool import BLOCK_SIZE
 from runtime.daemon import deployment, hoststat, memory
 from runtime.daemon.deployment import Deployment, LoadedStage
 from runtime.daemon.device_io import DeviceIO
@@ -70,7 +70,7 @@ class StageServer:
         self.model_dirs = model_dirs  # where Load may read model files (deployment.check_source)
         #: the weights coordinators ship (runtime.daemon.weights_cache)
         self.weights_cache = weights_cache or WeightsCache(cache_root() / "weights")
-        #: how all-decode micro-batches run (hpipe.model.graphs): "graphs" (CUDA graphs), "eager"
+        #: how all-decode micro-batches run (hpipe.model.compute.graphs): "graphs" (CUDA graphs), "eager"
         #: (the same static step without capture; tests use it on the CPU) or "off" (forward_batch)
         self.decode_steps = "graphs" if self.device.type == "cuda" and cuda_graphs else "off"
         self.io = DeviceIO(self.device)
@@ -315,7 +315,7 @@ class StageServer:
 
     def close(self, seq_id: int, session: int, peer: str = "") -> bool:
         """Free ``session``'s sequence and its blocks now: a micro-batch computed later finds it gone
-        and treats its entries as dead rows (see :mod:`hpipe.model.kvpool` for one already being
+        and treats its entries as dead rows (see :mod:`hpipe.model.kv.pool` for one already being
         computed). Another session's sequence is left alone (the refusal is logged)."""
         seq = self.sequences.pop(seq_id, session)
         if seq is None:

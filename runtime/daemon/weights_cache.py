@@ -2,7 +2,7 @@
 
 A daemon that does not hold a model's files receives its units' tensors from the coordinator
 (:mod:`runtime.coordinator.ship`) as the file stores them. Each one is a file named by its BLAKE3
-hash (:mod:`hpipe.model.manifest`). Bytes arrive in chunks, appended to ``partial/HASH`` and hashed
+hash (:mod:`hpipe.model.weights.manifest`). Bytes arrive in chunks, appended to ``partial/HASH`` and hashed
 as they arrive (so a whole entry is not read again: the link does not wait for that); a transfer
 cut off part way goes on from the bytes that arrived (:meth:`WeightsCache.held` says how many; they
 are hashed once more then). A complete entry's hash is checked before it is renamed into place
@@ -25,7 +25,7 @@ from pathlib import Path
 import blake3
 
 from hpipe.core.errors import StatusError
-from hpipe.model.manifest import file_hash
+from hpipe.model.weights.manifest import file_hash
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import pytest
 
 from hpipe.app.jobs import JobConfig, answer_budget, prompt_limit, run_job
 from hpipe.app.serve_backend import Backend
-from hpipe.model.generate import LocalModel, encode_prompt, generate_ids
-from hpipe.model.sources import resolve_model
+from hpipe.model.generate.local import LocalModel, encode_prompt, generate_ids
+from hpipe.model.weights.sources import resolve_model
 from tests.app.serve_helpers import await_served, free_port, serving, tiny_plan
 from tests.cluster_helpers import RunningCluster, Served, cluster_of, daemon_pid, write_cluster
 from tests.helpers import make_tiny_model

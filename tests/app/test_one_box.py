@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hpipe.app.one_box import LOCAL_PORT
-from hpipe.model.generate import LocalModel, generate
+from hpipe.model.generate.local import LocalModel, generate
 from runtime.wire.channels import DaemonClient, Security
 from tests.app.serve_helpers import await_served, free_port
 

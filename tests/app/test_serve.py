@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from hpipe.app.serve_backend import RETRY_S, Backend
-from hpipe.model.generate import LocalModel, decode_loop, encode_chat
-from hpipe.model.sampling import Sampler
-from hpipe.model.sources import resolve_model
+from hpipe.model.generate.local import LocalModel, decode_loop, encode_chat
+from hpipe.model.generate.sampling import Sampler
+from hpipe.model.weights.sources import resolve_model
 from tests.app.serve_helpers import pools_empty, serving, tiny_plan
 from tests.cluster_helpers import Served, cluster_of
 

@@ -12,8 +12,8 @@ import pytest
 
 from hpipe.app.openai_text import Stream
 from hpipe.app.serve_backend import Backend
-from hpipe.model.sampling import SamplingParams
-from hpipe.model.sources import resolve_model
+from hpipe.model.generate.sampling import SamplingParams
+from hpipe.model.weights.sources import resolve_model
 from runtime.coordinator.request import Request
 from tests.app.serve_helpers import pools_empty, serving, tiny_plan
 from tests.cluster_helpers import Served, cluster_of

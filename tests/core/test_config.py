@@ -45,7 +45,7 @@ def test_config_to_dict_round_trips_every_family_and_shape(tiny_dirs):
     """Daemons rebuild the model's shape from ModelConfig.to_dict: it must lose nothing that changes the work."""
     from hpipe.core.config import ModelConfig
     from hpipe.core.shapes import SHAPES
-    from hpipe.model.sources import model_shape
+    from hpipe.model.weights.sources import model_shape
 
     configs = [ModelConfig.from_file(d / "config.json") for d in tiny_dirs.values()]
     configs += [model_shape(f"random:{name}")[1] for name in SHAPES]

@@ -9,9 +9,9 @@ import torch
 
 from hpipe.core.errors import ModelSourceError
 from hpipe.core.units import UnitRange
-from hpipe.model import StageModel
-from hpipe.model.kvpool import Entry, KVPool
-from hpipe.model.quant import set_prefill_gemm
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.kernels.precision import set_prefill_gemm
+from hpipe.model.kv.pool import Entry, KVPool
 
 PROMPTS = [37, 5, 120, 64, 9, 200, 17, 90, 3]   # tokens already in each sequence's cache
 NEXT = [1, 16, 1, 33, 1, 1, 40, 1, 8]           # what the mixed micro-batch adds (1: a decode token)

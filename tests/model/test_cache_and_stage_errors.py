@@ -3,8 +3,8 @@ import torch
 
 from hpipe.core.errors import InputError
 from hpipe.core.units import UnitRange
-from hpipe.model import StageModel
-from hpipe.model.sources import resolve_model
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.weights.sources import resolve_model
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from hpipe.core.units import UnitRange, ranges_from_cuts
-from hpipe.model import StageModel, cpu_kernel
-from hpipe.model.kvpool import Entry, KVPool
-from hpipe.model.sources import model_shape, resolve_model
+from hpipe.model.compute import stage_kernel
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.kernels import library
+from hpipe.model.kv.pool import Entry, KVPool
+from hpipe.model.weights.sources import model_shape, resolve_model
 from tests.helpers import FAMILIES, max_rel_diff, need_cpu_kernels
 
 
@@ -18,8 +20,8 @@ from tests.helpers import FAMILIES, max_rel_diff, need_cpu_kernels
 def kernel():
     need_cpu_kernels()  # setup.sh builds it; without that, it is built here if this machine can
     yield
-    cpu_kernel.enable(True)
-    cpu_kernel.vector_attention(True)
+    library.enable(True)
+    library.vector_attention(True)
 
 
 def _prefill(stages, pools, seqs, prompts):
@@ -40,7 +42,7 @@ def _prefill(stages, pools, seqs, prompts):
 def test_kernel_equals_eager_decode(family, pack, vector, tiny_dirs, kernel):
     if pack and not torch.backends.mkl.is_available():
         pytest.skip("no MKL packed GEMM in this build")
-    cpu_kernel.vector_attention(vector)
+    library.vector_attention(vector)
     source = resolve_model(str(tiny_dirs[family]))
     cfg, store = source.config, source.weights()
     # [embed, attn] / [mlp, attn, mlp] / [attn, mlp, head]
@@ -50,7 +52,7 @@ def test_kernel_equals_eager_decode(family, pack, vector, tiny_dirs, kernel):
     max_len = 30  # past mistral-sliding's window of 8
     runs = {}
     for kind in ("eager", "kernel"):
-        cpu_kernel.enable(kind == "kernel")
+        library.enable(kind == "kernel")
         pools = [s.new_pool(40) for s in stages]
         seqs = [[p.sequence(max_len) for p in pools] for _ in prompts]
         tokens = _prefill(stages, pools, seqs, prompts)
@@ -63,7 +65,7 @@ def test_kernel_equals_eager_decode(family, pack, vector, tiny_dirs, kernel):
                 for row, pos in zip(seqs, positions):
                     row[j].grow(pos + 1)
                     entries.append(Entry(pos, 1, row[j], "last"))
-                assert cpu_kernel.fits(entries, pools[j])
+                assert stage_kernel.fits(entries, pools[j])
                 x = stage.forward_batch(x, entries, pools[j])
             logits.append(x)
             tokens = x.argmax(-1)
@@ -82,7 +84,7 @@ def test_kernel_equals_eager_decode(family, pack, vector, tiny_dirs, kernel):
 def test_kernel_attention_equals_eager_for_every_head_shape(heads, kv_heads, head_dim, kernel):
     """Six sequences of 1-70 positions decoding through one attention unit: the kernel's output is
     the eager path's, whichever form its attention takes for the head shape."""
-    cpu_kernel.vector_attention(True)
+    library.vector_attention(True)
     cfg = dataclasses.replace(model_shape("random:tiny")[1], num_heads=heads, num_kv_heads=kv_heads,
                               head_dim=head_dim)
     stage = StageModel.random(cfg, UnitRange(1, 2, cfg.num_layers))  # the first attention unit alone
@@ -90,7 +92,7 @@ def test_kernel_attention_equals_eager_for_every_head_shape(heads, kv_heads, hea
     lengths = [1, 5, 17, 33, 64, 70]
     out = {}
     for on in (False, True):
-        cpu_kernel.enable(on)
+        library.enable(on)
         pool = stage.new_pool(6 * 6)
         seqs = [pool.sequence(80) for _ in lengths]
         gen.manual_seed(7)
@@ -100,7 +102,7 @@ def test_kernel_attention_equals_eager_for_every_head_shape(heads, kv_heads, hea
         stage.forward_batch(prompt, [Entry(0, n, s) for s, n in zip(seqs, lengths)], pool)
         x = torch.randn(len(lengths), cfg.hidden_size, generator=gen)
         entries = [Entry(n, 1, s) for s, n in zip(seqs, lengths)]
-        assert cpu_kernel.fits(entries, pool)
+        assert stage_kernel.fits(entries, pool)
         out[on] = stage.forward_batch(x, entries, pool)
     assert stage._kernel is not None
     assert max_rel_diff(out[True], out[False]) <= 1e-5
@@ -110,11 +112,11 @@ def test_kernel_takes_only_live_decode_tokens(kernel):
     pool = KVPool([0], 4, 2, 8, torch.float32, "cpu", block_size=4)
     seq = pool.sequence(8)
     seq.grow(5)
-    assert cpu_kernel.fits([Entry(4, 1, seq)], pool)
-    assert not cpu_kernel.fits([Entry(3, 2, seq)], pool)  # a prefill chunk
-    assert not cpu_kernel.fits([Entry(4, 1, seq), Entry(0, 1, None)], pool)  # a failed sequence's row
-    assert not cpu_kernel.fits([Entry(4, 1, seq)], None)  # a stage without attention
-    assert not cpu_kernel.fits([], pool)
+    assert stage_kernel.fits([Entry(4, 1, seq)], pool)
+    assert not stage_kernel.fits([Entry(3, 2, seq)], pool)  # a prefill chunk
+    assert not stage_kernel.fits([Entry(4, 1, seq), Entry(0, 1, None)], pool)  # a failed sequence's row
+    assert not stage_kernel.fits([Entry(4, 1, seq)], None)  # a stage without attention
+    assert not stage_kernel.fits([], pool)
 
 
 @pytest.mark.parametrize("vector", [True, False])
@@ -124,7 +126,7 @@ def test_kernel_reads_shared_and_scattered_blocks(family, vector, tiny_dirs, ker
     blocks (a cached prefix, never written again), and one scattered by a full pool. The kernel's
     decode equals the eager path's, and the sharing sequences' logits equal those of a sequence that
     computed the whole prompt itself."""
-    cpu_kernel.vector_attention(vector)
+    library.vector_attention(vector)
     source = resolve_model(str(tiny_dirs[family]))
     cfg = source.config
     stage = StageModel.from_checkpoint(source.weights(), cfg, UnitRange(0, 2 * cfg.num_layers + 2, cfg.num_layers))
@@ -133,7 +135,7 @@ def test_kernel_reads_shared_and_scattered_blocks(family, vector, tiny_dirs, ker
     steps = 12
     out = {}
     for kind in ("eager", "kernel"):
-        cpu_kernel.enable(kind == "kernel")
+        library.enable(kind == "kernel")
         pool = stage.new_pool(40, block_size=4)
         donor = pool.sequence(21)
         donor.grow(21)
@@ -161,7 +163,7 @@ def test_kernel_reads_shared_and_scattered_blocks(family, vector, tiny_dirs, ker
             for seq in rows:
                 seq.grow(22 + step)
                 entries.append(Entry(21 + step, 1, seq, "last"))
-            assert cpu_kernel.fits(entries, pool)
+            assert stage_kernel.fits(entries, pool)
             x = stage.forward_batch(tokens, entries, pool)
             logits.append(x)
             tokens = x[0].argmax(-1).repeat(3)  # every row is fed the whole prompt's token
@@ -175,22 +177,22 @@ def test_kernel_reads_shared_and_scattered_blocks(family, vector, tiny_dirs, ker
 
 
 def test_switched_off_by_the_environment(kernel, monkeypatch):
-    assert cpu_kernel.applies(torch.device("cpu"), torch.float32)
-    assert not cpu_kernel.applies(torch.device("cpu"), torch.bfloat16)
-    monkeypatch.setenv(cpu_kernel.ENV, "off")
-    assert not cpu_kernel.applies(torch.device("cpu"), torch.float32)
+    assert library.applies(torch.device("cpu"), torch.float32)
+    assert not library.applies(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setenv(library.ENV, "off")
+    assert not library.applies(torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("vector", [True, False])
 def test_smollm2_decode_step_through_the_kernel(smollm2, kernel, vector):
     """The real model, one sequence after a 40-token prompt: the kernel's logits are the eager ones."""
-    cpu_kernel.vector_attention(vector)
+    library.vector_attention(vector)
     cfg = smollm2.config
     stage = StageModel.from_checkpoint(smollm2.weights(), cfg, UnitRange.full(cfg.num_layers))
     ids = torch.randint(0, cfg.vocab_size, (1, 41), generator=torch.Generator().manual_seed(5))
     out = {}
     for on in (False, True):
-        cpu_kernel.enable(on)
+        library.enable(on)
         cache = stage.new_cache(1, 48)
         stage(ids[:, :40], 0, cache, logits=False)
         out[on] = stage(ids[:, 40:], 40, cache)[0, -1]
@@ -200,14 +202,14 @@ def test_smollm2_decode_step_through_the_kernel(smollm2, kernel, vector):
 
 def test_a_library_that_does_not_load_means_eager(tmp_path, monkeypatch):
     """A corrupt build in the cache is reported and skipped, not raised into a forward."""
-    monkeypatch.setattr(cpu_kernel, "build_dir", lambda: tmp_path)
-    monkeypatch.setattr(cpu_kernel.torch.ops, "hpipe", type("NoOps", (), {})())
-    (tmp_path / f"{cpu_kernel._name()}.so").write_bytes(b"not a shared library")
-    cpu_kernel.available.cache_clear()
+    monkeypatch.setattr(library, "build_dir", lambda: tmp_path)
+    monkeypatch.setattr(library.torch.ops, "hpipe", type("NoOps", (), {})())
+    (tmp_path / f"{library._name()}.so").write_bytes(b"not a shared library")
+    library.available.cache_clear()
     try:
-        assert not cpu_kernel.available()
+        assert not library.available()
     finally:
-        cpu_kernel.available.cache_clear()
+        library.available.cache_clear()
 
 
 def test_missing_kernels_are_built_on_first_use_and_fail_loudly(tmp_path, monkeypatch, smollm2):
@@ -222,18 +224,18 @@ def test_missing_kernels_are_built_on_first_use_and_fail_loudly(tmp_path, monkey
         builds.append(1)
         raise RuntimeError("Error building extension: c++: command not found")
 
-    monkeypatch.setattr(cpu_kernel, "build_dir", lambda: tmp_path)
-    monkeypatch.setattr(cpu_kernel, "build", no_compiler)
-    monkeypatch.setattr(cpu_kernel.torch.ops, "hpipe", type("NoOps", (), {})())
-    cpu_kernel.available.cache_clear()
+    monkeypatch.setattr(library, "build_dir", lambda: tmp_path)
+    monkeypatch.setattr(library, "build", no_compiler)
+    monkeypatch.setattr(library.torch.ops, "hpipe", type("NoOps", (), {})())
+    library.available.cache_clear()
     try:
-        assert not cpu_kernel.available() and builds == [1]
+        assert not library.available() and builds == [1]
         cfg = smollm2.config
         with pytest.raises(ModelSourceError, match="c\\+\\+: command not found.*--dequantize"):
             StageModel.from_checkpoint(smollm2.weights(), cfg, UnitRange(0, 3, cfg.num_layers))
         StageModel.from_checkpoint(smollm2.weights(dequantize=True), cfg, UnitRange(0, 3, cfg.num_layers))
     finally:
-        cpu_kernel.available.cache_clear()
+        library.available.cache_clear()
 
 
 def test_a_cpu_daemon_says_how_it_decodes(kernel, monkeypatch):
@@ -241,8 +243,8 @@ def test_a_cpu_daemon_says_how_it_decodes(kernel, monkeypatch):
 
     assert _decode_path("cuda:0") == ""
     assert "through the C++ kernel" in _decode_path("cpu")
-    monkeypatch.setenv(cpu_kernel.ENV, "off")
-    assert f"{cpu_kernel.ENV}=off" in _decode_path("cpu")
+    monkeypatch.setenv(library.ENV, "off")
+    assert f"{library.ENV}=off" in _decode_path("cpu")
 
 
 @pytest.mark.parametrize("isa", ["avx2", "portable"])

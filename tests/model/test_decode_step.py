@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from hpipe.core.units import ranges_from_cuts
-from hpipe.model import StageModel
-from hpipe.model.graphs import DecodeGraphs
-from hpipe.model.kvpool import Entry
-from hpipe.model.sources import resolve_model
+from hpipe.model.compute.graphs import DecodeGraphs
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.kv.pool import Entry
+from hpipe.model.weights.sources import resolve_model
 from tests.helpers import FAMILIES, max_rel_diff
 
 

@@ -10,12 +10,14 @@ from gguf import quants
 
 from hpipe.core.shapes import random_config
 from hpipe.core.units import UnitRange, ranges_from_cuts
-from hpipe.model import StageModel, dequant
-from hpipe.model import stage as stage_module
-from hpipe.model.dequant import DequantEmbedding, DequantLinear, dequantize, lookup
-from hpipe.model.generate import LocalModel, encode_prompt, generate
-from hpipe.model.layers import checkpoint_tensors
-from hpipe.model.quant import TYPES, QuantizedWeight
+from hpipe.model.compute import stage as stage_module
+from hpipe.model.compute.layers import checkpoint_tensors
+from hpipe.model.compute.linear import DequantEmbedding, DequantLinear
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.generate.local import LocalModel, encode_prompt, generate
+from hpipe.model.weights import dequant
+from hpipe.model.weights.blocks import TYPES, QuantizedWeight
+from hpipe.model.weights.dequant import dequantize, lookup
 
 
 def _blocks(t: T, rows: int, width: int, rng: np.random.Generator) -> np.ndarray:

@@ -9,10 +9,10 @@ import torch
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import ModelSourceError, UnsupportedModelError
 from hpipe.core.units import UnitRange
-from hpipe.model import StageModel
-from hpipe.model.generate import LocalModel
-from hpipe.model.kvpool import Entry, KVPool
-from hpipe.model.sources import resolve_model
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.generate.local import LocalModel
+from hpipe.model.kv.pool import Entry, KVPool
+from hpipe.model.weights.sources import resolve_model
 from tests.helpers import hf_model, max_rel_diff
 
 NEW_FAMILIES = ["qwen3-sliding", "qwen3-bias", "gemma3", "gemma3-pattern", "phi3-longrope", "phi3-partial"]
@@ -22,7 +22,7 @@ def test_longrope_turns_by_the_long_factors_past_its_original_length(tiny_dirs):
     """Past original_max_position_embeddings (32) a position turns by the long factors: the logits
     of transformers' model fed token by token with its cache (generate() instead drops its cache
     once at the crossing and recomputes the whole sequence with the long factors; hpipe does not,
-    see hpipe/model/rope.py), and below the boundary generate()'s own greedy tokens."""
+    see hpipe/model/compute/rope.py), and below the boundary generate()'s own greedy tokens."""
     from transformers import DynamicCache
 
     source = resolve_model(str(tiny_dirs["phi3-longrope"]))

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hpipe.app.cli import main
-from hpipe.model.generate import LocalModel, encode_prompt, generate
-from hpipe.model.quant import QuantLinear
-from hpipe.model.sampling import SamplingParams
+from hpipe.model.compute.linear import QuantLinear
+from hpipe.model.generate.local import LocalModel, encode_prompt, generate
+from hpipe.model.generate.sampling import SamplingParams
 from runtime.coordinator.pipeline import Pipeline, cut_stages, generate_on_cluster
 from tests.helpers import hf_model, max_rel_diff
 

@@ -21,9 +21,9 @@ import torch
 from hpipe.core.errors import HpipeError
 from hpipe.core.paths import cache_root
 from hpipe.core.shapes import SHAPES
-from hpipe.model.generate import LocalModel
-from hpipe.model.random_gguf import Spec, make
-from hpipe.model.sources import resolve_model
+from hpipe.model.generate.local import LocalModel
+from hpipe.model.weights.random_gguf import Spec, make
+from hpipe.model.weights.sources import resolve_model
 
 #: structural cases: each reads the file's 49,152-token vocabulary (about 3 s on two cores), so CI
 #: runs 16; ``HPIPE_FUZZ_CASES=200 pytest tests/model/test_gguf_fuzz.py`` runs the full fuzz
@@ -141,7 +141,7 @@ def test_a_tensor_whose_bytes_do_not_fit_its_shape_is_named(tmp_path):
     loads it, not a reshape's traceback (issue 64)."""
     from hpipe.core.config import ModelConfig
     from hpipe.core.errors import ModelSourceError
-    from hpipe.model.gguf_weights import GGUFWeights
+    from hpipe.model.weights.gguf import GGUFWeights
 
     cfg = ModelConfig.from_dict({"model_type": "llama", **SMALL})
     blob = tmp_path / "t"

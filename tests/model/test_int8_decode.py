@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpipe.model.generate import LocalModel, encode_prompt
-from hpipe.model.quant import TYPES, QuantizedWeight, random_weight
+from hpipe.model.generate.local import LocalModel, encode_prompt
+from hpipe.model.weights.blocks import TYPES, QuantizedWeight, random_weight
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -124,9 +124,9 @@ def test_float32_decode_and_unmarked_rows_keep_float_activations(dot):
 #: each type's decode rows, printed as their bytes' hex (run on the instruction set HPIPE_CPU_ISA caps)
 BITS = """
 import torch
-from hpipe.model import cpu_kernel
-from hpipe.model.quant import TYPES, random_weight
-cpu_kernel.available()
+from hpipe.model.kernels import library
+from hpipe.model.weights.blocks import TYPES, random_weight
+library.available()
 g = torch.Generator().manual_seed(9)
 for t, (name, _, _) in sorted(TYPES.items()):
     if name in ("Q4_K", "Q5_K", "Q6_K"):
@@ -197,7 +197,7 @@ def test_the_heads_decode_rows_multiply_as_decode_rows_and_its_prefill_rows_in_f
     """The LM head (a stage marks its QuantLinear ``head``): the rows of decode entries go through
     the integer products like every projection's decode rows; the last row of a prefill slice
     stays float32 (an 8B file's Q6_K head is a tenth of its bytes, a 1B file's a quarter)."""
-    from hpipe.model.quant import QuantLinear, prefill_rows
+    from hpipe.model.compute.linear import QuantLinear, prefill_rows
 
     g = torch.Generator().manual_seed(10)
     w = random_weight(K_QUANTS["Q6_K"], 64, 512, g)

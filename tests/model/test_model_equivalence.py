@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from hpipe.core.units import ranges_from_cuts
-from hpipe.model import StageModel
-from hpipe.model.generate import LocalModel, decode_loop
-from hpipe.model.sampling import Sampler
-from hpipe.model.sources import resolve_model
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.generate.local import LocalModel, decode_loop
+from hpipe.model.generate.sampling import Sampler
+from hpipe.model.weights.sources import resolve_model
 from tests.helpers import FAMILIES, hf_model, max_rel_diff, run_split
 
 TOL = 1e-4

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpipe.core.units import UnitRange
-from hpipe.model import StageModel, packed
-from hpipe.model.sources import model_shape
+from hpipe.model.compute import packed
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.weights.sources import model_shape
 
 pytestmark = pytest.mark.skipif(not packed.available(), reason="this PyTorch build has no MKL packed GEMM")
 
@@ -54,7 +55,7 @@ def test_cpu_float32_stages_pack_their_projections_and_count_the_same_parameters
 
 @pytest.mark.parametrize("vendor, packs", [("GenuineIntel", True), ("AuthenticAMD", False), ("", False)])
 def test_stages_pack_only_on_cpus_where_it_pays(monkeypatch, vendor, packs):
-    """On an AMD EPYC packing ran no faster and took 1.2-3.5x the memory (hpipe/model/packed.py)."""
+    """On an AMD EPYC packing ran no faster and took 1.2-3.5x the memory (hpipe/model/compute/packed.py)."""
     monkeypatch.setattr(packed, "cpu_vendor", lambda: vendor)
     cfg = model_shape("random:tiny")[1]
     stage = StageModel.random(cfg, UnitRange.full(cfg.num_layers), dtype=torch.float32)

@@ -14,11 +14,13 @@ import torch
 
 from hpipe.core.errors import ModelSourceError
 from hpipe.core.units import UnitRange, ranges_from_cuts
-from hpipe.model import StageModel
-from hpipe.model.generate import LocalModel, encode_prompt, generate
-from hpipe.model.gguf_weights import INDEX, GGUFWeights, head_order
-from hpipe.model.layers import checkpoint_tensors
-from hpipe.model.quant import TYPES, QuantEmbedding, QuantizedWeight, QuantLinear, set_prefill_gemm
+from hpipe.model.compute.layers import checkpoint_tensors
+from hpipe.model.compute.linear import QuantEmbedding, QuantLinear
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.generate.local import LocalModel, encode_prompt, generate
+from hpipe.model.kernels.precision import set_prefill_gemm
+from hpipe.model.weights.blocks import TYPES, QuantizedWeight
+from hpipe.model.weights.gguf import INDEX, GGUFWeights, head_order
 from tests.helpers import max_rel_diff
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")  # a failure under CI without them
@@ -31,9 +33,9 @@ CHECK = textwrap.dedent("""
     import json, sys
     import numpy as np, torch
     from gguf import GGMLQuantizationType as T, quants
-    from hpipe.model import cpu_kernel
-    from hpipe.model.quant import TYPES, QuantizedWeight
-    assert cpu_kernel.available()
+    from hpipe.model.kernels import library
+    from hpipe.model.weights.blocks import TYPES, QuantizedWeight
+    assert library.available()
     rng = np.random.default_rng(0)
     rows, width, report = 40, 512, {"isa": torch.ops.hpipe.quant_variant()}
 
@@ -230,8 +232,8 @@ def test_hpipes_own_bfloat16_gemm_wherever_the_cpu_has_avx512_bf16():
     if not _cpu_has("avx512_bf16"):
         pytest.skip("this CPU has no AVX512-BF16")
     env = dict(os.environ, HPIPE_BF16_GEMM="hpipe")
-    which = subprocess.run([sys.executable, "-c", "from hpipe.model import cpu_kernel; import torch; "
-                            "cpu_kernel.available(); print(torch.ops.hpipe.bf16_gemm_kernel())"],
+    which = subprocess.run([sys.executable, "-c", "from hpipe.model.kernels import library; import torch; "
+                            "library.available(); print(torch.ops.hpipe.bf16_gemm_kernel())"],
                            capture_output=True, text=True, env=env, timeout=300)
     assert which.stdout.split()[-1:] == ["hpipe"], which.stderr[-2000:]
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::"

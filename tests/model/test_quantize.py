@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from hpipe.core.errors import InputError, ModelSourceError
-from hpipe.model.generate import LocalModel
-from hpipe.model.quant import QuantizedWeight
-from hpipe.model.quantize import KINDS, Q5_0, quantize_matrix, quantized_dir
-from hpipe.model.sources import ModelSource, quantized_model, resolve_model
+from hpipe.model.generate.local import LocalModel
+from hpipe.model.weights.blocks import QuantizedWeight
+from hpipe.model.weights.quantize import KINDS, Q5_0, quantize_matrix, quantized_dir
+from hpipe.model.weights.sources import ModelSource, quantized_model, resolve_model
 
 RNG = np.random.default_rng(7)
 pytestmark = pytest.mark.usefixtures("cpu_kernels")  # a failure under CI without them

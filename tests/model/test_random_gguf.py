@@ -13,8 +13,8 @@ import torch
 
 from hpipe.core.errors import InputError
 from hpipe.core.shapes import SHAPES, random_config
-from hpipe.model.generate import LocalModel, encode_prompt, generate
-from hpipe.model.random_gguf import (
+from hpipe.model.generate.local import LocalModel, encode_prompt, generate
+from hpipe.model.weights.random_gguf import (
     F32,
     Q4_K,
     Q5_0,
@@ -28,7 +28,7 @@ from hpipe.model.random_gguf import (
     tensors,
     use_more_bits,
 )
-from hpipe.model.sources import resolve_model
+from hpipe.model.weights.sources import resolve_model
 from tests.helpers import max_rel_diff
 
 #: a shape whose rows are whole blocks of 256, so the K-quants are written (not their fallbacks)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from hpipe.core.errors import InputError
-from hpipe.model.sampling import Sampler, SamplingParams
+from hpipe.model.generate.sampling import Sampler, SamplingParams
 
 
 def test_greedy_and_topk1():
@@ -51,7 +51,7 @@ def test_repetition_penalty_matches_transformers():
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3)) * 4
     prompt, generated = [4, 9, 17], [9, 30]
     expected = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + generated]), logits.clone())
-    from hpipe.model.sampling import _penalise
+    from hpipe.model.generate.sampling import _penalise
 
     s = Sampler(SamplingParams(repetition_penalty=1.7), prompt)
     s.output.update(generated)
@@ -73,7 +73,7 @@ def test_mixed_parameters_in_one_batch_sample_each_row_as_alone():
               SamplingParams(repetition_penalty=1.5),  # greedy with a penalty
               SamplingParams(temperature=1.0, top_k=3, top_p=0.9, seed=14)]
     prompts = [[1, 2], [3], [4, 5, 6], [int(logits[3].argmax())], [int(logits[4].argmax())], [7]]
-    from hpipe.model.sampling import sample
+    from hpipe.model.generate.sampling import sample
 
     batched = [Sampler(p, pr) for p, pr in zip(params, prompts)]
     alone = [Sampler(p, pr) for p, pr in zip(params, prompts)]

@@ -9,8 +9,8 @@ import torch
 
 from hpipe.app.cli import main
 from hpipe.core.units import UnitRange, ranges_from_cuts
-from hpipe.model import StageModel
-from hpipe.model.generate import encode_prompt
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.generate.local import encode_prompt
 from tests.helpers import hf_model, max_rel_diff, run_split
 
 
@@ -44,8 +44,8 @@ def test_generate_matches_hf_greedy(smollm2, capsys):
 
 MEMORY_PROBE = textwrap.dedent("""
     import gc, json, sys, psutil, torch
-    from hpipe.model.sources import resolve_model
-    from hpipe.model import StageModel
+    from hpipe.model.weights.sources import resolve_model
+    from hpipe.model.compute.stage import StageModel
     from hpipe.core.units import UnitRange
     src = resolve_model("smollm2-135m"); cfg = src.config; store = src.weights()
     start, end = int(sys.argv[1]), int(sys.argv[2])

@@ -1,4 +1,4 @@
-import hpipe.model.sources as sources
+import hpipe.model.weights.sources as sources
 
 
 def test_gguf_import_is_reused(smollm2, monkeypatch):
@@ -40,7 +40,7 @@ def test_weights_read_equal_safetensors_for_every_dtype(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from hpipe.model.weights import WeightStore
+    from hpipe.model.weights.store import WeightStore
 
     tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(4, 2).bfloat16(), "f16": torch.randn(7).half(),
                "i64": torch.arange(6).view(2, 3), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
@@ -56,7 +56,7 @@ def test_corrupt_weights_are_a_clear_error(tmp_path):
     from safetensors.torch import save_file
 
     from hpipe.core.errors import ModelSourceError
-    from hpipe.model.weights import WeightStore
+    from hpipe.model.weights.store import WeightStore
 
     path = tmp_path / "model.safetensors"
     save_file({"w": torch.randn(64, 64)}, str(path))

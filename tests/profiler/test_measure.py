@@ -302,8 +302,8 @@ def test_units_are_timed_in_the_blocks_the_daemons_hold():
 
     from hpipe.core.errors import InputError
     from hpipe.core.shapes import random_config
-    from hpipe.model import StageModel
-    from hpipe.model.quant import QuantLinear
+    from hpipe.model.compute.linear import QuantLinear
+    from hpipe.model.compute.stage import StageModel
     from profiler.device import measure_units
     from profiler.service import config_from_json
 
@@ -325,19 +325,19 @@ def test_the_grid_times_quantized_prefill_rows_as_a_stage_computes_them(monkeypa
     quantized projections multiply in bfloat16 where the prefill is (decode tokens stay float32):
     the profile's grid marks the same rows, or it would time quantized prefill at float32's cost."""
     from hpipe.core.shapes import random_config
-    from hpipe.model import quant
+    from hpipe.model.compute import linear
     from profiler.device import measure_units
 
     seen = []
-    forward = quant.QuantLinear.forward
+    forward = linear.QuantLinear.forward
 
     def spy(self, x):
         if self.low_precision:
-            rows = quant._PREFILL_ROWS.get()
+            rows = linear._PREFILL_ROWS.get()
             seen.append((x.reshape(-1, x.shape[-1]).shape[0], None if rows is None else int(rows.sum())))
         return forward(self, x)
 
-    monkeypatch.setattr(quant.QuantLinear, "forward", spy)
+    monkeypatch.setattr(linear.QuantLinear, "forward", spy)
     cfg = random_config("random:tiny")
     measure_units(cfg, torch.float32, torch.device("cpu"), [1, 2], [1, 16], [0, 16], 64, repeats=1, weight_type=8)
     assert {n for n, _ in seen} == {1, 2, 16, 32}  # one token of one or two sequences, 16 of one or two
@@ -386,7 +386,7 @@ def test_quantized_prefill_is_timed_in_the_precision_runs_ask_for(monkeypatch):
     import grpc
 
     from hpipe.core.shapes import random_config
-    from hpipe.model import quant
+    from hpipe.model.compute import linear
     from profiler.measure import grid_request
     from tests.cluster_helpers import Served
 
@@ -400,14 +400,14 @@ def test_quantized_prefill_is_timed_in_the_precision_runs_ask_for(monkeypatch):
         assert request.prefill_gemm == mode
     assert len({json.dumps(k) for k in keys.values()}) == 3
     seen = []
-    forward = quant.QuantLinear.forward
+    forward = linear.QuantLinear.forward
 
     def spy(self, x):
         if self.low_precision and x.reshape(-1, x.shape[-1]).shape[0] > 1:
             seen.append(torch.ops.hpipe.prefill_gemm(""))
         return forward(self, x)
 
-    monkeypatch.setattr(quant.QuantLinear, "forward", spy)
+    monkeypatch.setattr(linear.QuantLinear, "forward", spy)
     bf16 = torch.ops.hpipe.bf16_gemm_kernel() != "none"
     before = torch.ops.hpipe.prefill_gemm("")
     served = Served("p")

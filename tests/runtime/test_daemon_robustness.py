@@ -105,7 +105,7 @@ def test_running_out_of_memory_while_loading_is_a_clear_error_and_loses_nothing(
     """Memory that was free at the check and is gone at the allocation (another daemon on the same
     GPU loading at once): the load is refused with RESOURCE_EXHAUSTED, naming the way out, and the
     daemon loads the next deployment."""
-    from hpipe.model.stage import StageModel
+    from hpipe.model.compute.stage import StageModel
 
     c, model = daemon.client(), tiny_dirs["llama"]
 
@@ -359,8 +359,8 @@ def _two_stage_pipeline(tiny_dirs, security, **kw):
 
 
 def _greedy(pipe, n=6):
-    from hpipe.model.generate import decode_loop
-    from hpipe.model.sampling import Sampler
+    from hpipe.model.generate.local import decode_loop
+    from hpipe.model.generate.sampling import Sampler
     from runtime.coordinator.pipeline import RemoteRunner
 
     with pipe.open(32) as seq:

@@ -285,8 +285,8 @@ def test_a_coordinators_generation_survives_the_attacks(tiny_dirs, caplog):
     """The three attacks of issue #41, by a caller holding the token who knows the victim's session
     and sequence ids, mid-generation through two daemons: each is refused, and the tokens are those
     of an undisturbed run."""
-    from hpipe.model.generate import decode_loop
-    from hpipe.model.sampling import Sampler
+    from hpipe.model.generate.local import decode_loop
+    from hpipe.model.generate.sampling import Sampler
     from runtime.coordinator.pipeline import RemoteRunner
     from tests.runtime.test_daemon_robustness import _two_stage_pipeline
 

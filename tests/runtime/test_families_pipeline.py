@@ -4,7 +4,7 @@ it gets in one process (whose logits equal transformers', tests/model/test_model
 
 import pytest
 
-from hpipe.model.sources import resolve_model
+from hpipe.model.weights.sources import resolve_model
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.policies import POLICIES

@@ -79,7 +79,7 @@ def test_a_failed_cluster_up_leaves_no_daemon_behind(tmp_path):
 def test_the_pools_of_a_pipeline_with_a_dead_daemon_are_a_stage_failure(tiny_dirs):
     # the engine reads the pools when it starts and after every recovery: a daemon that dies in
     # that instant is a broken pipeline (recovered again), not a gRPC error out of the job
-    from hpipe.model.sources import resolve_model
+    from hpipe.model.weights.sources import resolve_model
     from tests.cluster_helpers import Served, cluster_of
 
     path = str(tiny_dirs["llama"])

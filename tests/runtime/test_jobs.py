@@ -8,8 +8,8 @@ from hpipe.app.bench import energy_reader
 from hpipe.app.cli import main
 from hpipe.app.jobs import build_prompt
 from hpipe.core.errors import ModelSourceError
-from hpipe.model.generate import LocalModel, generate_ids
-from hpipe.model.quant import set_prefill_gemm
+from hpipe.model.generate.local import LocalModel, generate_ids
+from hpipe.model.kernels.precision import set_prefill_gemm
 from planner.costs import Workload
 from planner.strategies import plan as make_plan
 from profiler.measure import profile_cluster

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpipe.model.kvpool import KVPool, PoolExhausted
+from hpipe.model.kv.pool import KVPool, PoolExhausted
 from runtime.daemon.kv_tier import TIER_FACTOR, HostTier
 from runtime.daemon.sequences import Sequence
 

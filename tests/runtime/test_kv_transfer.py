@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpipe.model.kvpool import KVPool
+from hpipe.model.kv.pool import KVPool
 from runtime.daemon import kv_tier, kv_transfer
 from runtime.daemon.kv_tier import HostTier
 from runtime.daemon.kv_transfer import IncomingKV, parts, read

@@ -8,9 +8,9 @@ import torch
 
 from hpipe.app.cli import main
 from hpipe.core.errors import ModelSourceError
-from hpipe.model.generate import LocalModel, generate
-from hpipe.model.quant import PREFILL_ENV, set_prefill_gemm
-from hpipe.model.sampling import SamplingParams
+from hpipe.model.generate.local import LocalModel, generate
+from hpipe.model.generate.sampling import SamplingParams
+from hpipe.model.kernels.precision import PREFILL_ENV, set_prefill_gemm
 from runtime.coordinator.pipeline import Pipeline, RemoteRunner, cut_stages, generate_on_cluster
 
 PROMPTS = ["What is the capital of France?", "Name three colours of the rainbow."]
@@ -145,7 +145,7 @@ def test_cli_slices_must_add_up(cluster3, capsys):
 
 def test_all_position_logits_through_three_daemons_equal_hf(cluster3, smollm2):
     """The strongest check of the wire path: every position's logits, sliced over three processes."""
-    from hpipe.model.generate import encode_prompt
+    from hpipe.model.generate.local import encode_prompt
     from tests.helpers import hf_model, max_rel_diff
 
     tok = smollm2.tokenizer()
@@ -209,7 +209,7 @@ def test_a_deployment_that_says_nothing_of_the_prefill_gemm_gets_the_daemons_def
     Load without a word (no HPIPE_PREFILL_GEMM where the coordinator runs) gets the daemon's own
     default again (here float32, from the test suite's environment), not what the last one asked."""
     from hpipe.core.errors import ModelSourceError
-    from hpipe.model.quant import prefill_in_bfloat16, set_prefill_gemm
+    from hpipe.model.kernels.precision import prefill_in_bfloat16, set_prefill_gemm
     from runtime.daemon import deployment
 
     try:

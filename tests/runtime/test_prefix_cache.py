@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from hpipe.model.generate import LocalModel, decode_loop
-from hpipe.model.sampling import Sampler
-from hpipe.model.sources import resolve_model
+from hpipe.model.generate.local import LocalModel, decode_loop
+from hpipe.model.generate.sampling import Sampler
+from hpipe.model.weights.sources import resolve_model
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.policies import POLICIES

@@ -5,10 +5,10 @@ import torch
 
 from hpipe.app.cli import main
 from hpipe.core.units import UnitRange
-from hpipe.model import StageModel
-from hpipe.model.generate import LocalRunner, decode_loop
-from hpipe.model.sampling import Sampler
-from hpipe.model.sources import model_shape
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.generate.local import LocalRunner, decode_loop
+from hpipe.model.generate.sampling import Sampler
+from hpipe.model.weights.sources import model_shape
 from runtime.coordinator.pipeline import Pipeline, RemoteRunner, cut_stages
 from tests.cluster_helpers import Served, cluster_of
 

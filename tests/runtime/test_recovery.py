@@ -16,8 +16,8 @@ import torch
 
 from hpipe.app.cli import main
 from hpipe.app.jobs import build_prompt
-from hpipe.model.generate import LocalModel, decode_loop, generate_ids
-from hpipe.model.sampling import Sampler
+from hpipe.model.generate.local import LocalModel, decode_loop, generate_ids
+from hpipe.model.generate.sampling import Sampler
 from planner.costs import Workload
 from planner.strategies import plan as make_plan
 from profiler.measure import profile_cluster

@@ -10,10 +10,10 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from hpipe.model import StageModel
-from hpipe.model.generate import LocalModel, decode_loop
-from hpipe.model.kvpool import KVPool
-from hpipe.model.sampling import Sampler
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.generate.local import LocalModel, decode_loop
+from hpipe.model.generate.sampling import Sampler
+from hpipe.model.kv.pool import KVPool
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import Pipeline, cut_stages
 from runtime.coordinator.policies import POLICIES

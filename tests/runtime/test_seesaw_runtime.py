@@ -7,7 +7,7 @@ import torch
 
 from hpipe.core.plan import Stage
 from hpipe.core.units import UnitRange
-from hpipe.model.sources import resolve_model
+from hpipe.model.weights.sources import resolve_model
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.kv_moves import send_moved_kv, sent_stages
 from runtime.coordinator.pipeline import Pipeline, cut_stages

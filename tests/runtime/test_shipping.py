@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from hpipe.core.cluster import ClusterSpec, DaemonSpec
-from hpipe.model.generate import LocalModel, generate
-from hpipe.model.manifest import manifest, tensors_of
-from hpipe.model.sampling import SamplingParams
+from hpipe.model.compute.layers import tensors_of
+from hpipe.model.generate.local import LocalModel, generate
+from hpipe.model.generate.sampling import SamplingParams
+from hpipe.model.weights.manifest import manifest
 from runtime.coordinator.pipeline import Pipeline, cut_stages, generate_on_cluster
 from runtime.wire.messages import pb
 from tests.cluster_helpers import Served
@@ -139,7 +140,7 @@ def test_a_daemon_that_has_the_file_reads_it(smollm2, tmp_path):
 
 def test_the_weights_cache_stays_within_its_budget(tmp_path):
     from hpipe.core.errors import StatusError
-    from hpipe.model.manifest import content_hash
+    from hpipe.model.weights.manifest import content_hash
     from runtime.daemon.weights_cache import WeightsCache
 
     cache = WeightsCache(tmp_path / "w", budget=3000)
@@ -173,7 +174,7 @@ def test_partial_entries_count_against_the_budget_and_abandoned_ones_go(tmp_path
     partials were never counted, nor cleaned): a second transfer that would pass the budget is
     refused while the first goes on, and goes through once the first is abandoned."""
     from hpipe.core.errors import StatusError
-    from hpipe.model.manifest import content_hash
+    from hpipe.model.weights.manifest import content_hash
     from runtime.daemon import weights_cache
     from runtime.daemon.weights_cache import WeightsCache
 
@@ -219,7 +220,7 @@ def test_a_model_quantized_here_is_shipped_as_its_blocks(bare, tiny_chat_model, 
     """--quantize makes a directory of blocks in this machine's cache; bare daemons are sent them."""
     import shutil
 
-    from hpipe.model.sources import quantized_model, resolve_model
+    from hpipe.model.weights.sources import quantized_model, resolve_model
 
     made = quantized_model(str(tiny_chat_model), "q8_0")
     q = resolve_model(str(shutil.copytree(made, tmp_path / "elsewhere")))  # where these daemons may not read
@@ -247,8 +248,8 @@ def test_a_bare_daemon_lost_for_good_mid_job_its_units_alone_go_to_a_survivor(ba
     import dataclasses
     import random
 
-    from hpipe.model.generate import decode_loop
-    from hpipe.model.sampling import Sampler
+    from hpipe.model.generate.local import decode_loop
+    from hpipe.model.generate.sampling import Sampler
     from runtime.coordinator.engine import Engine
     from runtime.coordinator.policies import POLICIES
     from runtime.coordinator.recovery import Redeploy

@@ -22,9 +22,10 @@ from hpipe.app.cli import main
 from hpipe.app.jobs import build_prompt, prompt_limit
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan, StrategyPlan, stages_from_cuts
-from hpipe.model import cpu_kernel
-from hpipe.model.generate import LocalModel, generate_ids
-from hpipe.model.manifest import manifest, tensors_of
+from hpipe.model.compute.layers import tensors_of
+from hpipe.model.generate.local import LocalModel, generate_ids
+from hpipe.model.kernels import library
+from hpipe.model.weights.manifest import manifest
 from runtime.cluster import emulate, launcher
 from runtime.cluster.emulate import Emulation
 from runtime.cluster.emulate.net import names
@@ -85,7 +86,7 @@ def test_cluster_up_over_ssh_on_bare_hosts(tmp_path, smollm2):
     shutil.copy(smollm2.gguf, model)
     remote_cache = tmp_path / "remote-cache"  # its own cache: no model, no import; the kernels this machine built
     remote_cache.mkdir()
-    (remote_cache / "kernels").symlink_to(cpu_kernel.cache_root() / "kernels")
+    (remote_cache / "kernels").symlink_to(library.cache_root() / "kernels")
     hpipe = f"env HPIPE_CACHE_DIR={remote_cache} {sys.executable} -m hpipe"
     entries = "".join(
         f"  - name: {name}\n    address: {ip}:50201\n    data_port: 50202\n    threads: 1\n"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hpipe.model.sampling import Sampler, SamplingParams, sample
+from hpipe.model.generate.sampling import Sampler, SamplingParams, sample
 from runtime.wire.logits import TOP_LOGITS, pack, payload_floats, unpack
 
 
@@ -57,7 +57,7 @@ def test_a_non_finite_row_stays_non_finite():
 
 @pytest.fixture(scope="module")
 def three(tiny_dirs):
-    from hpipe.model.sources import resolve_model
+    from hpipe.model.weights.sources import resolve_model
     from runtime.coordinator.pipeline import Pipeline, cut_stages
     from tests.cluster_helpers import Served, cluster_of
 

@@ -1,1 +1,3 @@
-"""C++ sources of the CPU kernels (:mod:`hpipe.model.cpu_kernel` builds and loads them)."""
+"""hpipe's C++ CPU kernels (the ``.cpp`` sources here) and their Python faces: building and
+loading the library (:mod:`.library`) and the process's prefill precision (:mod:`.precision`).
+The bottom of ``hpipe.model``: imports nothing else of it."""

@@ -1,7 +1,7 @@
 // A stage's decode micro-batch on the CPU, float32, in one call: every row is one token of its
-// own sequence. Python reaches it as torch.ops.hpipe.decode_units (hpipe/model/cpu_kernel.py).
+// own sequence. Python reaches it as torch.ops.hpipe.decode_units (hpipe/model/kernels/library.py).
 //
-// The arithmetic is the eager path's (hpipe/model/layers.py): the projections are the same
+// The arithmetic is the eager path's (hpipe/model/compute/layers.py): the projections are the same
 // MKL-packed or plain linear calls, and attention the same two products and softmax per row (the
 // queries scaled before, not the scores after), as AVX-512 or AVX2 loops that read each key and value once
 // where the CPU has it (attend_row), else as MKL's batched products; norms, the rotary embedding
@@ -27,7 +27,7 @@ using at::Tensor;
 
 namespace {
 
-// per unit, in the order the Python side lists them (cpu_kernel.StageKernel)
+// per unit, in the order the Python side lists them (hpipe/model/compute/stage_kernel.py: StageKernel)
 // (the norms after q/k and after the output are empty tensors in the families without them)
 enum AttnParam { A_NORM, A_QKV, A_QKV_SHAPE, A_QKV_BIAS, A_O, A_O_SHAPE, A_O_BIAS, A_Q_NORM, A_K_NORM, A_POST_NORM,
                  A_COUNT };

@@ -1,5 +1,5 @@
 // Linear layers and embedding lookups over GGUF's quantized blocks, on the CPU. Python reaches
-// them as torch.ops.hpipe.qlinear / qembedding / dequantize (hpipe/model/quant.py); decode.cpp calls
+// them as torch.ops.hpipe.qlinear / qembedding / dequantize (hpipe/model/weights/blocks.py); decode.cpp calls
 // qlinear for a weight stored as blocks.
 //
 // How it computes (docs/decisions/quantized-kernels.md). In float32: a micro-batch of a few rows

@@ -5,7 +5,7 @@ time into its compute dtype when a forward needs it: :class:`DequantLinear` and
 :class:`DequantEmbedding`. Resident weight bytes are the file's; the price is the dequantization
 each call, a pass over bytes the GPU's memory streams far faster than a CPU's (it works on any
 card, Pascal's P100 included). A CPU stage in bfloat16 calls :func:`dequantize` once at load
-instead (float32 CPU stages compute on the blocks through the C++ kernels, :mod:`hpipe.model.quant`).
+instead (float32 CPU stages compute on the blocks through the C++ kernels, :mod:`hpipe.model.weights.blocks`).
 The arithmetic is ggml's, in the order of the ``gguf`` package's numpy dequantizers, so the
 values equal theirs bit for bit (tested per type) and, in the compute dtype, equal a checkpoint
 dequantized once (``--dequantize``) and cast.
@@ -14,10 +14,8 @@ dequantized once (``--dequantize``) and cast.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from hpipe.model.quant import TYPES, QuantizedWeight
+from hpipe.model.weights.blocks import TYPES
 
 #: values dequantized per chunk: bounds the float32 temporaries of a large matrix (64 MiB each)
 CHUNK_VALUES = 1 << 24
@@ -132,47 +130,3 @@ def lookup(data: torch.Tensor, part: list[int], k: int, dtype: torch.dtype, ids:
     return _values(t, picked, picked.shape[0], k).to(dtype).view(*ids.shape, k)
 
 
-class DequantLinear(nn.Module):
-    """``nn.Linear``'s forward in ``dtype`` over a :class:`QuantizedWeight` that stays as stored
-    on the module's device, dequantized at each call."""
-
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype):
-        super().__init__()
-        self.in_features, self.out_features, self.dtype = weight.in_features, weight.rows, dtype
-        self.quantized, self._parts = weight, weight.parts.tolist()
-        self.register_buffer("blocks", weight.data, persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.to(dtype), persistent=False)
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.blocks.numel()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, dequantize(self.blocks, self._parts, self.in_features, x.dtype), self.bias)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"types={'+'.join(self.quantized.type_names)}, dtype={self.dtype}, bias={self.bias is not None}")
-
-
-class DequantEmbedding(nn.Module):
-    """``nn.Embedding`` in ``dtype`` over a one-part :class:`QuantizedWeight`: a lookup
-    dequantizes only the rows it reads."""
-
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
-        super().__init__()
-        if len(weight.parts) != 1:
-            raise ValueError("an embedding table is stored in one type")
-        self.num_embeddings, self.embedding_dim, self.dtype = weight.rows, weight.in_features, dtype
-        self.quantized, self._part = weight, weight.parts[0].tolist()
-        self.register_buffer("blocks", weight.data, persistent=False)
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.blocks.numel()
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return lookup(self.blocks, self._part, self.embedding_dim, self.dtype, ids)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.quantized.type_names[0]}, dtype={self.dtype}"

@@ -18,9 +18,9 @@ import threading
 
 import torch
 
-from hpipe.model.kvpool import Entry, KVPool
-from hpipe.model.layers import Attention
-from hpipe.model.stage import StageModel, logit_rows
+from hpipe.model.compute.layers import Attention
+from hpipe.model.compute.stage import StageModel, logit_rows
+from hpipe.model.kv.pool import Entry, KVPool
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT_BUCKET = 256

@@ -13,7 +13,7 @@ import math
 import torch
 
 from hpipe.core.errors import InputError
-from hpipe.model.kvpool import BLOCK_SIZE, Entry, KVPool, SeqKV, prefill_end
+from hpipe.model.kv.pool import BLOCK_SIZE, Entry, KVPool, SeqKV, prefill_end
 
 
 class StageCache:

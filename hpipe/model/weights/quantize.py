@@ -4,7 +4,7 @@ For models that do not come as GGUF files, ``--quantize q8_0|q4_0|q4_k`` writes 
 a float32/bfloat16 safetensors checkpoint (projections, MLP, embedding, LM head) in the chosen
 block type, and every vector (norms, biases) as float32, into one file in hpipe's cache beside a
 copy of the model's config and tokenizer and a tensor index (``tensors.json``) in the format a
-GGUF import has (:mod:`hpipe.model.gguf_weights`). From then on the model is that directory: stages
+GGUF import has (:mod:`hpipe.model.weights.gguf`). From then on the model is that directory: stages
 read its blocks as they read a GGUF file's, the profiler times them, daemons without it are sent
 them (:mod:`runtime.coordinator.ship`). The tensors keep Hugging Face's names and layout (the
 index says ``"architecture": "hf"``), so nothing is permuted or offset on the way back.
@@ -86,7 +86,7 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
 
 def _model_key(model_dir: Path) -> str:
     """Identity of a checkpoint: its config and each weight file's name and identity."""
-    from hpipe.model.sources import file_key
+    from hpipe.model.weights.files import file_key
 
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     for f in sorted(model_dir.glob("*.safetensors")):
@@ -97,7 +97,7 @@ def _model_key(model_dir: Path) -> str:
 def quantized_dir(source, kind: str) -> Path:
     """The cache directory of ``source`` (a safetensors :class:`ModelSource`) quantized to ``kind``,
     written on first use."""
-    from hpipe.model.sources import write_once
+    from hpipe.model.weights.files import write_once
 
     if kind not in KINDS:
         raise InputError(f"--quantize {kind}: choose one of {', '.join(KINDS)}")
@@ -111,8 +111,8 @@ def quantized_dir(source, kind: str) -> Path:
 
 
 def _write(source, ggml_type: int, out: Path) -> None:
-    from hpipe.model.manifest import MANIFEST
-    from hpipe.model.weights import WeightStore
+    from hpipe.model.weights.manifest import MANIFEST
+    from hpipe.model.weights.store import WeightStore
 
     made_here = {"model.safetensors.index.json", "tensors.json", MANIFEST}  # of the weights, or hpipe's
     for f in source.path.iterdir():  # config, tokenizer, generation config: everything but the weights

@@ -179,7 +179,7 @@ def _write(spec: Spec, path: Path) -> None:
     import gguf
     from tqdm import tqdm
 
-    from hpipe.model.sources import _builtin_gguf
+    from hpipe.model.weights.sources import _builtin_gguf
 
     cfg = random_config(RANDOM_PREFIX + spec.shape)
     template = gguf.GGUFReader(_builtin_gguf(TOKENIZER_FROM))

@@ -15,9 +15,9 @@ import torch
 
 from hpipe.core.errors import InputError
 from hpipe.core.units import UnitRange, ranges_from_cuts
-from hpipe.model import StageModel
-from hpipe.model.sampling import Sampler, SamplingParams
-from hpipe.model.sources import ModelSource
+from hpipe.model.compute.stage import StageModel
+from hpipe.model.generate.sampling import Sampler, SamplingParams
+from hpipe.model.weights.sources import ModelSource
 
 log = logging.getLogger(__name__)
 

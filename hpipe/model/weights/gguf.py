@@ -4,7 +4,7 @@ The file's tensor index (name, ggml type, shape, offset, bytes) is read once wit
 package when the file is imported (:func:`write_index`: parsing the whole header takes seconds
 and a few hundred MB for a 49k-token vocabulary) and kept as ``tensors.json`` beside the
 imported config; a stage then reads only its own tensors, with plain file reads into memory it
-owns (for the reasons :mod:`hpipe.model.weights` gives). A daemon's weights cache is the exception
+owns (for the reasons :mod:`hpipe.model.weights.store` gives). A daemon's weights cache is the exception
 (:meth:`GGUFWeights.of_files`): each file is one tensor, written once and renamed into place, never
 rewritten, so it is mapped (privately) instead. A tensor used as stored (the embedding, an
 unfused projection) is then the page cache's bytes with no copy, and the mapping goes when the
@@ -30,12 +30,12 @@ import torch
 
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import ModelSourceError
-from hpipe.model.quant import TYPES, QuantizedWeight
+from hpipe.model.weights.blocks import TYPES, QuantizedWeight
 
 INDEX = "tensors.json"
 
 #: the architectures whose GGUF tensors hpipe maps, and whether the converter permuted Q and K
-#: ("hf": blocks hpipe's --quantize wrote, in Hugging Face's names and layout, hpipe.model.quantize)
+#: ("hf": blocks hpipe's --quantize wrote, in Hugging Face's names and layout, hpipe.model.weights.quantize)
 ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma3": False, "hf": False}
 #: what a norm's stored weight adds to the Hugging Face one (llama.cpp's converter stores Gemma's
 #: ``1 + weight``; transformers subtracts the one again, and so does this store)
@@ -112,7 +112,7 @@ def _entries(gguf: Path) -> tuple[str, dict]:
 
 
 class GGUFWeights:
-    """A :class:`~hpipe.model.weights.WeightStore` over a GGUF file: the same names, the stored blocks."""
+    """A :class:`~hpipe.model.weights.store.WeightStore` over a GGUF file: the same names, the stored blocks."""
 
     def __init__(self, gguf: Path, index: Path, cfg: ModelConfig):
         try:

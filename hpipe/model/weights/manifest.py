@@ -18,10 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpipe.core.config import ModelConfig
 from hpipe.core.errors import ModelSourceError
-from hpipe.core.units import UnitRange
-from hpipe.model.layers import checkpoint_tensors
 
 MANIFEST = "manifest.json"
 
@@ -75,7 +72,7 @@ class Manifest:
 def manifest(gguf: Path, imported: Path) -> Manifest:
     """The manifest of ``gguf`` (imported into ``imported``, whose ``tensors.json`` indexes it),
     computed once and cached there."""
-    from hpipe.model.gguf_weights import INDEX
+    from hpipe.model.weights.gguf import INDEX
 
     path = imported / MANIFEST
     if not path.exists():
@@ -90,6 +87,3 @@ def manifest(gguf: Path, imported: Path) -> Manifest:
                                                                  t["bytes"], t["hash"]) for t in raw["tensors"]})
 
 
-def tensors_of(cfg: ModelConfig, ranges: list[UnitRange]) -> list[str]:
-    """The checkpoint tensors stages of ``ranges`` read, each once, in order."""
-    return list(dict.fromkeys(n for units in ranges for u in units for n in checkpoint_tensors(cfg, u)))

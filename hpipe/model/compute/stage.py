@@ -17,14 +17,16 @@ from torch import nn
 from hpipe.core.config import ModelConfig, RopeConfig
 from hpipe.core.errors import InputError, ModelSourceError
 from hpipe.core.units import UnitRange
-from hpipe.model import cpu_kernel, packed
-from hpipe.model.dequant import DequantEmbedding, DequantLinear, dequantize
-from hpipe.model.kvcache import StageCache
-from hpipe.model.kvpool import BLOCK_SIZE, BatchKV, Entry, KVPool
-from hpipe.model.layers import Attention, FeedForward, Head, build_unit, checkpoint_names, fused_rows, is_norm
-from hpipe.model.quant import TYPES, QuantEmbedding, QuantizedWeight, QuantLinear, prefill_rows, random_weight
-from hpipe.model.rope import Rotary
-from hpipe.model.weights import WeightStore
+from hpipe.model.compute import packed, stage_kernel
+from hpipe.model.compute.layers import Attention, FeedForward, Head, build_unit, checkpoint_names, fused_rows, is_norm
+from hpipe.model.compute.linear import DequantEmbedding, DequantLinear, QuantEmbedding, QuantLinear, prefill_rows
+from hpipe.model.compute.rope import Rotary
+from hpipe.model.kernels import library
+from hpipe.model.kv.cache import StageCache
+from hpipe.model.kv.pool import BLOCK_SIZE, BatchKV, Entry, KVPool
+from hpipe.model.weights.blocks import TYPES, QuantizedWeight, random_weight
+from hpipe.model.weights.dequant import dequantize
+from hpipe.model.weights.store import WeightStore
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -51,7 +53,7 @@ class StageModel(nn.Module):
         #: each RoPE the stage's attention units turn by (Gemma's sliding layers have their own)
         self.rotaries = {b.rope: Rotary(b.rope, cfg.head_dim, cfg.max_position_embeddings, self.device)
                          for b in self.blocks.values() if isinstance(b, Attention)}
-        self._kernel: cpu_kernel.StageKernel | None = None  # built on its first decode micro-batch
+        self._kernel: stage_kernel.StageKernel | None = None  # built on its first decode micro-batch
         self._low_precision = False  # whether its quantized projections compute prefill rows in bfloat16
 
     # --- construction -------------------------------------------------------------------
@@ -61,7 +63,7 @@ class StageModel(nn.Module):
                         pack: bool | None = None) -> "StageModel":
         """Build the stage and read only its own tensors from ``store``.
 
-        ``pack``: pack float32 CPU projections for MKL (:mod:`hpipe.model.packed`); None (the
+        ``pack``: pack float32 CPU projections for MKL (:mod:`hpipe.model.compute.packed`); None (the
         default): where that pays (:func:`packed.pays`); True or False to compare the layouts.
         """
         stage = cls(cfg, units, dtype=dtype, device=device)
@@ -88,7 +90,7 @@ class StageModel(nn.Module):
     def _place_quantized(self, module: nn.Module, child: str, weight: QuantizedWeight, state: dict) -> None:
         """The linear or embedding ``child`` of ``module`` computes from ``weight``'s blocks (and its
         bias, popped from ``state``, goes with it): through the C++ kernels in float32 on the CPU,
-        dequantized into the stage's dtype at each use on a GPU (:mod:`hpipe.model.dequant`), or,
+        dequantized into the stage's dtype at each use on a GPU (:mod:`hpipe.model.weights.dequant`), or,
         on the CPU in another dtype, from ``weight`` dequantized once into it."""
         embedding = isinstance(getattr(module, child), nn.Embedding)
         if _at_use(self.device):
@@ -98,7 +100,7 @@ class StageModel(nn.Module):
         elif self.dtype != torch.float32:
             state[f"{child}.weight"] = dequantize(weight.data, weight.parts.tolist(), weight.in_features, self.dtype)
         else:
-            cpu_kernel.require("a stage of quantized weights")
+            library.require("a stage of quantized weights")
             setattr(module, child, QuantEmbedding(weight) if embedding else QuantLinear(
                 weight, state.pop(f"{child}.bias", None)))
 
@@ -124,7 +126,7 @@ class StageModel(nn.Module):
 
     def _pack(self) -> None:
         # float32 on the CPU: the block projections' weights packed once for MKL (see
-        # :mod:`hpipe.model.packed`), and the LM head's unless it is this stage's embedding too (a
+        # :mod:`hpipe.model.compute.packed`), and the LM head's unless it is this stage's embedding too (a
         # packed copy would double that tensor): a decode micro-batch of 16 rows took 16 ms through
         # SmolLM2's packed head against 26 ms plain, one row 8.5 against 9.6 ms (one thread)
         if not packed.possible(self.device, self.dtype):
@@ -257,7 +259,7 @@ class StageModel(nn.Module):
             x = x.to(self.device, self.dtype)
         positions = torch.cat([torch.arange(e.start, e.start + e.length) for e in entries]).to(self.device)
         tables = self.rotations(positions)
-        if cpu_kernel.applies(self.device, self.dtype) and cpu_kernel.fits(entries, pool):
+        if library.applies(self.device, self.dtype) and stage_kernel.fits(entries, pool):
             return self._decode_kernel(x, tables, entries, pool)
         kv = BatchKV(entries, pool, self.device) if pool is not None else None
         x = x[None]
@@ -277,9 +279,9 @@ class StageModel(nn.Module):
         return {rope: rotary.cos_sin(positions, self.dtype) for rope, rotary in self.rotaries.items()}
 
     def _decode_kernel(self, x: torch.Tensor, tables: dict, entries: list[Entry], pool: KVPool) -> torch.Tensor | None:
-        """:meth:`forward_batch` of a decode micro-batch through the C++ kernel (:mod:`cpu_kernel`)."""
+        """:meth:`forward_batch` of a decode micro-batch through the C++ kernel (:mod:`hpipe.model.compute.stage_kernel`)."""
         if self._kernel is None:
-            self._kernel = cpu_kernel.StageKernel(
+            self._kernel = stage_kernel.StageKernel(
                 [b for b in self.blocks.values() if isinstance(b, (Attention, FeedForward))], self.cfg)
         if self.units.has_embed:
             x = self.blocks["0"](x)
@@ -303,7 +305,7 @@ class StageModel(nn.Module):
     @property
     def low_precision_prefill(self) -> bool:
         """Whether its quantized projections multiply the rows of prefill slices in bfloat16 (while
-        the process's prefill GEMM is bfloat16: :func:`hpipe.model.quant.prefill_in_bfloat16`)."""
+        the process's prefill GEMM is bfloat16: :func:`hpipe.model.kernels.precision.prefill_in_bfloat16`)."""
         return self._low_precision
 
     def weight_bytes(self) -> int:

@@ -23,10 +23,10 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from hpipe.core.config import ModelConfig
-from hpipe.core.units import ATTN, EMBED, HEAD, MLP, unit_kind
-from hpipe.model.kvpool import BatchKV
-from hpipe.model.quant import own_bf16_attention, prefill_in_bfloat16
-from hpipe.model.rope import apply_rotary
+from hpipe.core.units import ATTN, EMBED, HEAD, MLP, UnitRange, unit_kind
+from hpipe.model.compute.rope import apply_rotary
+from hpipe.model.kernels.precision import own_bf16_attention, prefill_in_bfloat16
+from hpipe.model.kv.pool import BatchKV
 
 #: each family's checkpoint names of a unit's ``norm`` and ``post_norm`` (within ``model.layers.N.``)
 NORM_NAMES = {
@@ -90,7 +90,7 @@ class Attention(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.scale = cfg.attention_scale
         #: a prefill slice's attention in bfloat16 while the quantized kernels' prefill GEMM is
-        #: (set on a stage of quantized weights; :func:`hpipe.model.quant.prefill_in_bfloat16`)
+        #: (set on a stage of quantized weights; :func:`hpipe.model.kernels.precision.prefill_in_bfloat16`)
         self.low_precision_prefill = False
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +146,7 @@ class Attention(nn.Module):
                        v_pool: torch.Tensor, write: torch.Tensor, gather: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
         """One token for each of ``rows`` sequences, ``x [rows, 1, hidden]``, with shapes that never
-        change (what a CUDA graph needs, :mod:`hpipe.model.graphs`): row r writes its key at pool slot
+        change (what a CUDA graph needs, :mod:`hpipe.model.compute.graphs`): row r writes its key at pool slot
         ``write[r]`` and attends over the slots ``gather[r]`` where ``mask[r]`` holds."""
         rows, context = gather.shape
         qk, v = self._project(x, cos, sin)  # [rows, heads (+ kv_heads), head_dim]
@@ -207,7 +207,7 @@ class Attention(nn.Module):
         slice's last query differed from the same query in a 3,000-token slice by a bfloat16
         step; the padding cost 3-10% of the attention's time in five slicings (measured, AVX-512 Xeon).
         In bfloat16 while the quantized kernels' prefill GEMM is (set on a stage of quantized
-        weights: :func:`hpipe.model.quant.prefill_in_bfloat16`): 2.7x float32's speed for a
+        weights: :func:`hpipe.model.kernels.precision.prefill_in_bfloat16`): 2.7x float32's speed for a
         512-token slice over 2,048 keys (AMX), results in float32. Where hpipe's own bfloat16
         GEMM runs (AMD's Zen 4, where SDPA's bfloat16 is no faster than float32), hpipe's own
         attention instead (``kernels/bf16_attention.cpp``: slicing-invariant by construction).
@@ -335,3 +335,8 @@ def checkpoint_names(cfg: ModelConfig, unit: int, module: nn.Module) -> dict[str
         else:
             names[name] = tuple(f"{prefix}{part}.{param}" for part in FUSED.get(child, (child,)))
     return names
+
+
+def tensors_of(cfg: ModelConfig, ranges: list[UnitRange]) -> list[str]:
+    """The checkpoint tensors stages of ``ranges`` read, each once, in order."""
+    return list(dict.fromkeys(n for units in ranges for u in units for n in checkpoint_tensors(cfg, u)))

@@ -4,14 +4,13 @@ Every source resolves to a directory holding ``config.json`` and the tokenizer. 
 directory holds its safetensors weights too. A GGUF file is imported once into a cache directory
 keyed by the file's identity: its config, tokenizer and tensor index (seconds, no weights); stages
 then read their own tensors from the GGUF file, in the blocks it stores
-(:mod:`hpipe.model.gguf_weights`). ``weights(dequantize=True)`` instead reads a float32 copy that
+(:mod:`hpipe.model.weights.gguf`). ``weights(dequantize=True)`` instead reads a float32 copy that
 transformers' GGUF reader writes once, on first request: the path hpipe took before it read
 quantized blocks, kept as the reference they are tested against.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -20,7 +19,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -29,6 +27,7 @@ from hpipe.core.config import ModelConfig
 from hpipe.core.errors import HpipeError, ModelSourceError, UnsupportedModelError
 from hpipe.core.paths import cache_root
 from hpipe.core.shapes import is_random, random_config
+from hpipe.model.weights.files import file_key, write_once
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class ModelSource:
     def weights(self, dequantize: bool = False):
         """The store stages read their tensors from: a GGUF's blocks as stored, or float32 weights
         (a safetensors checkpoint, or with ``dequantize`` a GGUF's float32 import)."""
-        from hpipe.model.weights import WeightStore
+        from hpipe.model.weights.store import WeightStore
 
         if self.gguf is None:
             return WeightStore(self.path)
@@ -67,7 +66,7 @@ class ModelSource:
                                        "it was made from")
             _dequantized_import(self.gguf, self.path)
             return WeightStore(self.path)
-        from hpipe.model.gguf_weights import INDEX, GGUFWeights
+        from hpipe.model.weights.gguf import INDEX, GGUFWeights
 
         return GGUFWeights(self.gguf, self.path / INDEX, self.config)
 
@@ -112,7 +111,7 @@ def resolve_model(spec: str) -> ModelSource:
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelSourceError(f"{path}: directory has no config.json (expected a Hugging Face model directory)")
-        from hpipe.model.quantize import BLOCKS, is_quantized_dir
+        from hpipe.model.weights.quantize import BLOCKS, is_quantized_dir
 
         src = ModelSource(name=path.name, path=path, gguf=path / BLOCKS if is_quantized_dir(path) else None)
         src.config  # validate the architecture now, with a clear error
@@ -155,21 +154,9 @@ def _assembled(name: str, package: str, fname: str) -> Path:
     return path
 
 
-def file_key(path: Path) -> str:
-    """Identity of a model file: its size and a hash of its first and last MiB."""
-    h = hashlib.sha256()
-    size = path.stat().st_size
-    h.update(str(size).encode())
-    with path.open("rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]
-
-
 def import_gguf(gguf: Path, name: str | None = None) -> ModelSource:
     """Import ``gguf``'s config, tokenizer and tensor index into the cache (once)."""
-    from hpipe.model.gguf_weights import INDEX, check_file, write_index
+    from hpipe.model.weights.gguf import INDEX, check_file, write_index
 
     gguf = gguf.resolve()
     name = name or gguf.stem
@@ -213,23 +200,6 @@ def _check_layers(gguf: Path, config: Path, index: Path) -> None:
                                f"[{cfg.get('vocab_size')}, {cfg.get('hidden_size')}]")
 
 
-def write_once(target: Path, write, file: str | None = None) -> None:
-    """Run ``write(tmp_dir)`` and move its result to ``target`` (a directory, or ``file`` inside
-    the temporary directory): readers never see a half-written import, and of two processes
-    importing at once one wins."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".import-", dir=target.parent))
-    try:
-        write(tmp)
-        try:
-            (tmp / file if file else tmp).rename(target)
-        except OSError:
-            if not target.exists():  # not a concurrent import that won
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _write_import(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -263,7 +233,7 @@ def _dequantized_import(gguf: Path, target: Path) -> None:
     log.warning("writing a float32 copy of %s into %s (once, for --dequantize)", gguf.name, target)
 
     def write(tmp: Path) -> None:
-        child = subprocess.run([sys.executable, "-c", "import sys; from hpipe.model.sources import write_dequantized; "
+        child = subprocess.run([sys.executable, "-c", "import sys; from hpipe.model.weights.sources import write_dequantized; "
                                 "sys.exit(write_dequantized(sys.argv[1], sys.argv[2]))", str(gguf), str(tmp)],
                                capture_output=True, text=True)
         if child.returncode:
@@ -295,10 +265,10 @@ def write_dequantized(gguf: str, out: str) -> int:
 
 def quantized_model(spec: str, kind: str | None) -> str:
     """``--model spec --quantize kind``: the directory of ``spec``'s weights in ``kind``'s blocks,
-    made once in the cache (:mod:`hpipe.model.quantize`); ``spec`` itself without ``kind``."""
+    made once in the cache (:mod:`hpipe.model.weights.quantize`); ``spec`` itself without ``kind``."""
     if not kind:
         return spec
-    from hpipe.model.quantize import quantized_dir
+    from hpipe.model.weights.quantize import quantized_dir
 
     return str(quantized_dir(resolve_model(spec), kind))
 
