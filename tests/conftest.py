@@ -108,3 +108,20 @@ def cluster3(tmp_path_factory, smollm2):
     """Three CPU daemons on loopback (real processes), shared by the runtime and profiler tests."""
     with RunningCluster(write_cluster(tmp_path_factory.mktemp("cluster3"), 3)) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def plan_file(cluster3, smollm2, tmp_path_factory):
+    """A plan of SmolLM2 on cluster3 (prompts up to 256 tokens) from a live profile, and the plan;
+    the profile beside it as profile.json."""
+    from planner.costs import Workload
+    from planner.strategies import plan as make_plan
+    from profiler.measure import profile_cluster
+
+    profile = profile_cluster(cluster3.spec, "smollm2-135m", smollm2.config, max_len=256, repeats=1)
+    # interleaved chains allowed: run and bench then also cover daemons holding several stages
+    plan = make_plan(profile, Workload(seq_len=192, max_len=256), max_ranges=3)
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    path.write_text(plan.to_json())
+    (path.parent / "profile.json").write_text(profile.to_json())
+    return path, plan

@@ -201,8 +201,17 @@ def _run_parser(sub) -> None:
                                            "prefilled once, its questions reuse it (the prefix cache)")
     rn.add_argument("--chat", action="store_true")
     rn.add_argument("--max-new-tokens", type=_positive, default=128)
+    rn.add_argument("--long", choices=["map-reduce", "refine", "truncate", "refuse"],
+                    help="documents over the plan's length: cut into parts, each answered and the answers combined "
+                         "(map-reduce, the default), carry an answer through the parts in order (refine), keep what "
+                         "fits (truncate: --truncate says which end), or fail (refuse)")
     rn.add_argument("--truncate", choices=["none", "head", "tail"], default="none",
-                    help="documents over the plan's max length: fail (none), keep the start (head) or end (tail)")
+                    help="with --long truncate (head or tail alone implies it): keep the start (head, the default) "
+                         "or the end (tail)")
+    for kind in ("map", "reduce", "refine"):
+        rn.add_argument(f"--{kind}-prompt", metavar="TEMPLATE",
+                        help=f"the {kind} prompt of a long document ('@FILE' reads it from a file; placeholders: "
+                             "{instruction} {text} {part} {parts} {answers} {answer}: docs/runtime.md)")
     rn.add_argument("--parallel", type=_positive, default=16,
                     help="documents in flight at once: their prefill chunks and decode tokens share micro-batches")
     rn.add_argument("--policy", choices=["gllm", "sarathi", "fcfs", "single", "seesaw"], default="gllm",

@@ -259,7 +259,8 @@ def _run(args: argparse.Namespace, the_plan, cluster, source) -> int:
         raise InputError(f"the plan has no strategy {args.strategy!r} (it has {', '.join(the_plan.strategies)})")
     output = Path(args.output)
     job = JobConfig(instruction=args.instruction or "", chat=args.chat, max_new_tokens=args.max_new_tokens,
-                    truncate=args.truncate, parallel=args.parallel, policy=args.policy,
+                    truncate=args.truncate, long=args.long or ("truncate" if args.truncate != "none" else "map-reduce"),
+                    templates=templates(args), parallel=args.parallel, policy=args.policy,
                     ignore_eos=args.ignore_eos, grace_s=args.grace, dequantize=args.dequantize,
                     strategy=args.strategy.replace("-", "_") if args.strategy else None,
                     questions=read_questions(args.questions) if args.questions else (),
@@ -277,6 +278,23 @@ def _run(args: argparse.Namespace, the_plan, cluster, source) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def templates(args: argparse.Namespace):
+    """The long methods' prompts: the defaults, or those given (``@FILE`` read from a file)."""
+    from hpipe.app.long_docs import Templates
+
+    given = {}
+    for kind in ("map", "reduce", "refine"):
+        value = getattr(args, f"{kind}_prompt")
+        if value and value.startswith("@"):
+            try:
+                value = Path(value[1:]).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise InputError(f"--{kind}-prompt: cannot read {value[1:]}: {e}") from None
+        if value:
+            given[kind] = value
+    return Templates(**given)
 
 
 def bench(args: argparse.Namespace) -> int:

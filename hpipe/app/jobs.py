@@ -11,7 +11,9 @@ together while its blocks are cached. Up to ``parallel`` prompts run at once on 
 one pass over each stage's weights serves every prompt in flight. Results are appended to a JSONL
 file, one whole line per answer as it finishes, a failed one with its error
 (:mod:`hpipe.app.results`); answers already given to the same prompt (document and question) with
-the same settings are skipped, so an interrupted job resumes where it stopped.
+the same settings are skipped, so an interrupted job resumes where it stopped. A document longer
+than the plan allows is cut into parts and answered part by part (``--long``,
+:mod:`hpipe.app.long_docs`; each part a request beside the others), refused, or truncated.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from hpipe.app.long_docs import METHODS, LongDocument, Templates
+from hpipe.app.long_job import LongJob, Prompt
 from hpipe.app.results import ResultsFile, answer_key
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError, InputError
@@ -45,7 +49,9 @@ class JobConfig:
     instruction: str
     chat: bool = False
     max_new_tokens: int = 128
-    truncate: str = "none"  # none | head (keep the start) | tail (keep the end)
+    truncate: str = "none"  # --long truncate keeps the start (head, also for "none") or the end (tail)
+    long: str = "map-reduce"  # documents over the plan's length: map-reduce | refine | truncate | refuse
+    templates: Templates = Templates()  # the long methods' prompts (hpipe.app.long_docs)
     parallel: int = 16      # documents in flight at once
     strategy: str | None = None
     policy: str = "gllm"     # how micro-batches are formed (runtime.coordinator.policies)
@@ -114,7 +120,7 @@ def build_prompt(tokenizer, instruction: str, document: str, chat: bool, limit: 
         return ids, 0
     if truncate == "none":
         raise InputError(f"the prompt has {len(ids)} tokens; at most {limit} fit (the plan's length, with room "
-                         "in the model's context for the answer; use --truncate head|tail)")
+                         "in the model's context for the answer; use --long map-reduce|refine|truncate)")
     doc_ids = tokenizer(document, add_special_tokens=False)["input_ids"]
     over = len(ids) - limit
     for _ in range(4):  # re-tokenising the cut text can shift the count by a few tokens
@@ -130,11 +136,193 @@ def describe(summary: dict) -> str:
     """A job's summary in one line."""
     line = (f"{summary['documents']} documents, {summary['answers']} answers, {summary['skipped']} skipped, "
             f"{len(summary['failed'])} failed; {summary['tokens_per_s']} tokens/s")
+    long = summary.get("long")
+    if long and long["documents"]:
+        line += (f"; {long['documents']} long documents in {long['parts']} parts ({long['computed']} prompts "
+                 f"computed, {long['reused']} read back)")
     cache = summary["prefix_cache"]
     if cache and cache["lookups"]:
         line += (f"; prefix cache: {cache['hits']} of {cache['lookups']} prompts hit, {cache['cached_tokens']} "
                  f"tokens not prefilled, {cache['evictions']} blocks evicted")
     return line
+
+
+def stored_answers(path: Path) -> dict[str, str]:
+    """The answers a results file holds, by key (the long methods' parts among them)."""
+    out = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and "answer" in row and "error" not in row and "key" in row:
+                out[row["key"]] = row["answer"]
+    return out
+
+
+class JobRun:
+    """One ``hpipe run``: its prompts, its results file, its tallies."""
+
+    def __init__(self, plan: Plan, source, out: ResultsFile, job: JobConfig, stored: dict[str, str]):
+        self.plan, self.job, self.out = plan, job, out
+        self.tokenizer = source.tokenizer()
+        self.eos = frozenset(() if job.ignore_eos else source.eos_token_ids())
+        self.strategy = job.strategy or plan.strategy
+        self.settings = {"model": plan.model_name, "dtype": plan.dtype, "max_new_tokens": job.max_new_tokens,
+                         "ignore_eos": job.ignore_eos, "sampling": "greedy"}
+        self.failures: dict[str, str] = {}
+        self.stats = {"documents": 0, "answers": 0, "prompt_tokens": 0, "cached_tokens": 0, "new_tokens": 0}
+        self.prompts: list[tuple] = []  # (name, question, ids, dropped, key)
+        self.long_docs: list[tuple[LongDocument, str]] = []  # and the key of its own line
+        self.skipped = self.documents_read = 0
+        self.engine = self.bar = None
+        self.t0 = time.perf_counter()
+        self.long = LongJob(self.tokenizer, job.chat, prompt_limit(plan), job.max_new_tokens, job.templates,
+                            self.settings, stored, self._submit, self._long_done)
+
+    def label(self, name: str, question: str | None) -> str:
+        return name if not self.job.questions or question is None else f"{name} [{question}]"
+
+    def failed(self, name: str, question: str | None, key: str | None, error: str) -> None:
+        self.failures[self.label(name, question)] = error
+        log.error("%s: %s", self.label(name, question), error)
+        self.out.append({"document": name, **({"question": question} if self.job.questions else {}), "key": key,
+                         "error": error})
+
+    # --- reading ----------------------------------------------------------------------------------
+    def read(self, documents: list[str], answered: set[str]) -> None:
+        """Every (document, question) prompt not answered yet; a long document's parts where its
+        method cuts it."""
+        for name in documents:
+            try:
+                text = read_document(name)
+                if not text.strip():
+                    raise InputError("the document is empty")
+            except HpipeError as e:
+                self.failed(name, None, None, str(e))
+                continue
+            self.documents_read += 1
+            for question in self.job.questions or (self.job.instruction,):
+                try:
+                    self._prompt(name, question, text, answered)
+                except HpipeError as e:
+                    self.failed(name, question, None, str(e))
+
+    def _prompt(self, name: str, question: str, text: str, answered: set[str]) -> None:
+        job, limit = self.job, prompt_limit(self.plan)
+        ids = encode_prompt(self.tokenizer, prompt_text(question, text), job.chat)
+        method = job.long if len(ids) > limit else "fits"
+        if method in ("map-reduce", "refine"):
+            key = answer_key(ids, **self.settings, long=method, templates=vars(job.templates), limit=limit)
+            if key in answered:
+                self.skipped += 1
+            else:
+                self.long_docs.append((self.long.document(name, question, text, method), key))
+            return
+        side = "none" if method in ("fits", "refuse") else "head" if job.truncate == "none" else job.truncate
+        ids, dropped = build_prompt(self.tokenizer, question, text, job.chat, limit, side)
+        key = answer_key(ids, **self.settings)
+        if key in answered:
+            self.skipped += 1
+        else:
+            self.prompts.append((name, question, ids, dropped, key))
+
+    # --- answers ----------------------------------------------------------------------------------
+    def _row(self, r: Request) -> dict:
+        return {"answer": self.tokenizer.decode(r.tokens, skip_special_tokens=True),
+                "prompt_tokens": len(r.prompt), "cached_tokens": r.cached_tokens, "answer_tokens": len(r.tokens),
+                # the answer budget, cut below --max-new-tokens where the context is short
+                "max_new_tokens": r.max_new_tokens, "slices": len(r.slices),
+                "first_token_s": round(r.first_token_s - r.arrival_s, 4),
+                # from when it started running: what its prefill took, queueing aside
+                "first_token_after_start_s": round(r.first_token_s - r.admitted_s, 4),
+                "decode_tokens_per_s": round((len(r.tokens) - 1) / (r.done_s - r.first_token_s), 2)
+                if len(r.tokens) > 1 and r.done_s > r.first_token_s else None,
+                "token_ids": r.tokens}
+
+    def _count(self, r: Request) -> None:
+        self.stats["prompt_tokens"] += len(r.prompt)
+        self.stats["cached_tokens"] += r.cached_tokens
+        self.stats["new_tokens"] += len(r.tokens)
+        self.bar.update(1)
+        elapsed = time.perf_counter() - self.t0
+        self.bar.set_postfix_str(f"{(self.stats['prompt_tokens'] + self.stats['new_tokens']) / max(elapsed, 1e-9):.0f}"
+                                 " tok/s")
+
+    def finished(self, r: Request) -> None:
+        name, question, key, dropped = r.tag
+        if r.error:
+            self.failed(name, question, key, r.error)
+        else:
+            self.out.append({"document": name, **({"question": question} if self.job.questions else {}),
+                             "key": key, **self._row(r), "truncated_tokens": dropped})
+            self.stats["answers"] += 1
+        self._count(r)
+
+    def _submit(self, p: Prompt) -> None:
+        budget = answer_budget(self.job.max_new_tokens, len(p.ids), self.plan.model.max_position_embeddings)
+        self.bar.total += 1  # a long document's prompts are counted as they are asked
+        self.bar.refresh()
+        self.engine.add(Request(p.ids, budget, eos=self.eos, slicer=self.plan.slicer(self.strategy), tag=p,
+                                on_done=self._part_done))
+
+    def _part_done(self, r: Request) -> None:
+        p: Prompt = r.tag
+        if r.error:
+            self.failed(p.row["document"], None, p.key, f"{p.row.get('stage')} prompt: {r.error}")
+        else:
+            row = self._row(r)
+            self.out.append({**p.row, "key": p.key, **row})
+            p.done(row["answer"])
+        self._count(r)
+
+    def _long_done(self, doc: LongDocument, extra: dict) -> None:
+        key = next(k for d, k in self.long_docs if d is doc)
+        if self.label(doc.name, doc.question) in self.failures:
+            return
+        self.out.append({"document": doc.name, **({"question": doc.question} if self.job.questions else {}),
+                         "key": key, "answer": doc.answer, "long": doc.record(), **extra})
+        self.stats["answers"] += 1
+
+    # --- running ----------------------------------------------------------------------------------
+    def run(self, engine) -> None:
+        self.engine = engine
+        long = bool(self.long_docs)
+        self.bar = tqdm(total=len(self.prompts), desc="prompts" if long else "documents",
+                        unit="prompt" if long else "doc", file=sys.stderr, disable=not sys.stderr.isatty())
+        for name, question, ids, dropped, key in self.prompts:
+            budget = answer_budget(self.job.max_new_tokens, len(ids), self.plan.model.max_position_embeddings)
+            if budget < self.job.max_new_tokens:
+                log.warning("%s: the model's context leaves room for %d answer tokens of the %d asked", name, budget,
+                            self.job.max_new_tokens)
+            engine.add(Request(ids, budget, eos=self.eos, slicer=self.plan.slicer(self.strategy),
+                               tag=(name, question, key, dropped), on_done=self.finished))
+        for doc, _ in self.long_docs:
+            try:
+                self.long.start(doc)
+            except HpipeError as e:
+                self.failed(doc.name, doc.question, None, str(e))
+        try:
+            engine.run()  # Ctrl-C stops it here: every answer so far is on disk, whole
+        except HpipeError as e:
+            engine.fail_all(str(e))
+        finally:
+            self.bar.close()
+
+    def summary(self, deployed, redeploy) -> dict:
+        elapsed = time.perf_counter() - self.t0
+        stats, engine = self.stats, self.engine
+        stats["documents"] = self.documents_read if self.job.questions else stats["answers"]
+        return {**stats, "skipped": self.skipped, "failed": self.failures, "elapsed_s": round(elapsed, 3),
+                "tokens_per_s": round((stats["prompt_tokens"] + stats["new_tokens"]) / elapsed, 1) if elapsed else None,
+                "strategy": self.strategy, "policy": self.job.policy, "micro_batches": engine.micro_batches,
+                "prefix_cache": engine.cache.stats() if engine.cache is not None else None,
+                "seesaw_switches": deployed.phases.switches if deployed.phases is not None else None,
+                "long": {"documents": len(self.long_docs), "parts": sum(len(d.parts) for d, _ in self.long_docs),
+                         "computed": self.long.computed, "reused": self.long.reused},
+                "recoveries": [{**event, **(resumed or {})}
+                               for event, resumed in itertools.zip_longest(redeploy.events, engine.resumes)]}
 
 
 def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], results: Path, job: JobConfig,
@@ -143,106 +331,23 @@ def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], resu
     recorded in the results file with its error, and in the summary. A stage that dies is waited
     for and redeployed, or (``replan(survivors, stages)`` given, :mod:`hpipe.app.replan`) planned around, and the documents in
     flight go on (:mod:`runtime.coordinator.recovery`); the summary's ``recoveries`` says what happened."""
-    tokenizer = source.tokenizer()
-    eos = frozenset(() if job.ignore_eos else source.eos_token_ids())
-    strategy = job.strategy or plan.strategy
     if job.policy not in POLICIES and job.policy != "seesaw":
         raise InputError(f"unknown policy {job.policy!r} (choose from {', '.join(POLICIES)}, seesaw)")
-    settings = {"model": plan.model_name, "dtype": plan.dtype, "max_new_tokens": job.max_new_tokens,
-                "ignore_eos": job.ignore_eos, "sampling": "greedy"}
-    questions = job.questions or (job.instruction,)
-    failures: dict[str, str] = {}
-    stats = {"documents": 0, "answers": 0, "prompt_tokens": 0, "cached_tokens": 0, "new_tokens": 0}
+    if job.long not in METHODS:
+        raise InputError(f"unknown --long method {job.long!r} (choose from {', '.join(METHODS)})")
     with ResultsFile(results) as out:
-        answered = out.answered()
-
-        def failed(name: str, question: str | None, key: str | None, error: str) -> None:
-            label = name if not job.questions or question is None else f"{name} [{question}]"
-            failures[label] = error
-            log.error("%s: %s", label, error)
-            out.append({"document": name, **({"question": question} if job.questions else {}), "key": key,
-                        "error": error})
-
-        prompts, skipped, documents_read = [], 0, 0
-        for name in documents:
-            try:
-                text = read_document(name)
-                if not text.strip():
-                    raise InputError("the document is empty")
-            except HpipeError as e:
-                failed(name, None, None, str(e))
-                continue
-            documents_read += 1
-            for question in questions:
-                try:
-                    ids, dropped = build_prompt(tokenizer, question, text, job.chat, prompt_limit(plan), job.truncate)
-                except HpipeError as e:
-                    failed(name, question, None, str(e))
-                    continue
-                key = answer_key(ids, **settings)
-                if key in answered:
-                    skipped += 1
-                else:
-                    prompts.append((name, question, ids, dropped, key))
-        if skipped:
-            log.warning("skipping %d answers already given in %s", skipped, results)
-        deployed = deploy(plan, cluster, strategy=strategy, grace_s=job.grace_s, replan=replan,
+        run = JobRun(plan, source, out, job, stored_answers(results))
+        run.read(documents, out.answered())
+        if run.skipped:
+            log.warning("skipping %d answers already given in %s", run.skipped, results)
+        deployed = deploy(plan, cluster, strategy=run.strategy, grace_s=job.grace_s, replan=replan,
                           dequantize=job.dequantize, seesaw=job.policy == "seesaw")
-        redeploy = deployed.recovery
-        t0 = time.perf_counter()
-        bar = tqdm(total=len(prompts), desc="documents", unit="doc", file=sys.stderr, disable=not sys.stderr.isatty())
+        run.t0 = time.perf_counter()
         policy = deployed.phases if job.policy == "seesaw" else POLICIES[job.policy]()
-        engine = deployed.engine(policy, max_running=max(1, job.parallel),
-                                 prefix_cache=job.prefix_cache)
-
-        def finished(r: Request) -> None:
-            name, question, key, dropped = r.tag
-            if r.error:
-                failed(name, question, key, r.error)
-            else:
-                out.append({"document": name, **({"question": question} if job.questions else {}), "key": key,
-                            "answer": tokenizer.decode(r.tokens, skip_special_tokens=True),
-                            "prompt_tokens": len(r.prompt), "cached_tokens": r.cached_tokens,
-                            "answer_tokens": len(r.tokens),
-                            # the answer budget, cut below --max-new-tokens where the context is short
-                            "max_new_tokens": r.max_new_tokens,
-                            "truncated_tokens": dropped, "slices": len(r.slices),
-                            "first_token_s": round(r.first_token_s - r.arrival_s, 4),
-                            # from when it started running: what its prefill took, queueing aside
-                            "first_token_after_start_s": round(r.first_token_s - r.admitted_s, 4),
-                            "decode_tokens_per_s": round((len(r.tokens) - 1) / (r.done_s - r.first_token_s), 2)
-                            if len(r.tokens) > 1 and r.done_s > r.first_token_s else None,
-                            "token_ids": r.tokens})
-                stats["answers"] += 1
-                stats["prompt_tokens"] += len(r.prompt)
-                stats["cached_tokens"] += r.cached_tokens
-                stats["new_tokens"] += len(r.tokens)
-            bar.update(1)
-            elapsed = time.perf_counter() - t0
-            bar.set_postfix_str(f"{(stats['prompt_tokens'] + stats['new_tokens']) / max(elapsed, 1e-9):.0f} tok/s")
-
-        for name, question, ids, dropped, key in prompts:
-            budget = answer_budget(job.max_new_tokens, len(ids), plan.model.max_position_embeddings)
-            if budget < job.max_new_tokens:
-                log.warning("%s: the model's context leaves room for %d answer tokens of the %d asked", name, budget,
-                            job.max_new_tokens)
-            engine.add(Request(ids, budget,
-                               eos=eos, slicer=plan.slicer(strategy), tag=(name, question, key, dropped),
-                               on_done=finished))
+        engine = deployed.engine(policy, max_running=max(1, job.parallel), prefix_cache=job.prefix_cache)
         try:
-            engine.run()  # Ctrl-C stops it here: every answer so far is on disk, whole
-        except HpipeError as e:
-            engine.fail_all(str(e))
+            run.run(engine)
         finally:
             engine.close()
             deployed.close()
-            bar.close()
-    elapsed = time.perf_counter() - t0
-    stats["documents"] = documents_read if job.questions else stats["answers"]
-    return {**stats, "skipped": skipped, "failed": failures, "elapsed_s": round(elapsed, 3),
-            "tokens_per_s": round((stats["prompt_tokens"] + stats["new_tokens"]) / elapsed, 1) if elapsed else None,
-            "strategy": strategy, "policy": job.policy, "micro_batches": engine.micro_batches,
-            "prefix_cache": engine.cache.stats() if engine.cache is not None else None,
-            "seesaw_switches": deployed.phases.switches if deployed.phases is not None else None,
-            "recoveries": [{**event, **(resumed or {})}
-                           for event, resumed in itertools.zip_longest(redeploy.events, engine.resumes)]}
+    return run.summary(deployed, deployed.recovery)

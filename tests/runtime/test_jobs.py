@@ -10,22 +10,8 @@ from hpipe.app.jobs import build_prompt
 from hpipe.core.errors import ModelSourceError
 from hpipe.model.generate.local import LocalModel, generate_ids
 from hpipe.model.kernels.precision import set_prefill_gemm
-from planner.costs import Workload
-from planner.strategies import plan as make_plan
-from profiler.measure import profile_cluster
 
 INSTRUCTION = "Summarize in one sentence."
-
-
-@pytest.fixture(scope="module")
-def plan_file(cluster3, smollm2, tmp_path_factory):
-    profile = profile_cluster(cluster3.spec, "smollm2-135m", smollm2.config, max_len=256, repeats=1)
-    # interleaved chains allowed: run and bench then also cover daemons holding several stages
-    plan = make_plan(profile, Workload(seq_len=192, max_len=256), max_ranges=3)
-    path = tmp_path_factory.mktemp("plan") / "plan.json"
-    path.write_text(plan.to_json())
-    (path.parent / "profile.json").write_text(profile.to_json())
-    return path, plan
 
 
 def test_run_matches_single_process_and_resumes(cluster3, smollm2, plan_file, tmp_path, capsys):
@@ -40,7 +26,7 @@ def test_run_matches_single_process_and_resumes(cluster3, smollm2, plan_file, tm
     out = tmp_path / "results.jsonl"
     args = ["run", "--plan", str(path), "--cluster", str(cluster3.path), "--chat", "--instruction", INSTRUCTION,
             "--max-new-tokens", "8", "-o", str(out)]
-    assert main(args + docs + [str(long_doc)]) == 1  # the long document fails, the others are done
+    assert main(args + ["--long", "refuse"] + docs + [str(long_doc)]) == 1  # the long one fails, the others are done
     err = capsys.readouterr().err
     assert "long.txt" in err and "at most 256" in err
     rows = [json.loads(l) for l in out.read_text().splitlines()]
