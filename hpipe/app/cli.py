@@ -97,6 +97,9 @@ def _generate_parser(sub) -> None:
     g.add_argument("--cuts", type=_int_list, help="unit indices where stages change (c1,c2,...)")
     g.add_argument("--slices", type=_int_list, help="prompt token slice lengths (must sum to the prompt length)")
     g.add_argument("--cluster", help="run through the daemons of this cluster file instead of in-process")
+    g.add_argument("--speculate", choices=["off", "ngram"], default="off",
+                   help="ngram: guess the next tokens from where the last ones occur in the prompt or the answer, "
+                        "verify them in one pass (greedy answers unchanged; docs/runtime.md)")
     _dequantize_argument(g)
     _quantize_argument(g)
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -212,6 +215,9 @@ def _run_parser(sub) -> None:
         rn.add_argument(f"--{kind}-prompt", metavar="TEMPLATE",
                         help=f"the {kind} prompt of a long document ('@FILE' reads it from a file; placeholders: "
                              "{instruction} {text} {part} {parts} {answers} {answer}: docs/runtime.md)")
+    rn.add_argument("--speculate", choices=["off", "ngram"], default="off",
+                    help="ngram: guess each answer's next tokens from where its last ones occur in the document or "
+                         "the answer, verified in one pass through the pipeline (greedy answers unchanged)")
     rn.add_argument("--parallel", type=_positive, default=16,
                     help="documents in flight at once: their prefill chunks and decode tokens share micro-batches")
     rn.add_argument("--policy", choices=["gllm", "sarathi", "fcfs", "single", "seesaw"], default="gllm",
@@ -302,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--metrics-public", action="store_true",
                     help="/metrics without the API key (every other route but /health needs it where there is one)")
     sv.add_argument("--policy", choices=["gllm", "sarathi", "fcfs", "single"], default="gllm")
+    sv.add_argument("--speculate", choices=["off", "ngram"], default="off",
+                    help="requests that do not say (the request field \"speculate\"): ngram guesses tokens from the "
+                         "prompt and the answer so far, verified in one pass (greedy answers unchanged)")
     sv.add_argument("--max-queue", type=_positive, default=256,
                     help="requests waiting to start before new ones get 429 (and as many running at once)")
     sv.add_argument("--served-model-name", help="the model's id in the API (default: the plan's model)")

@@ -60,6 +60,13 @@ def generate(args: argparse.Namespace) -> int:
     args.model = quantized_model(args.model, args.quantize)
     source = resolve_model(args.model)
     dtype = parse_dtype(args.dtype, args.device)
+    if args.speculate != "off":
+        from hpipe.model.generate.speculate import refused
+
+        why = refused(source.gguf is not None and not args.dequantize,
+                      [d.device for d in cluster.daemons] if cluster is not None else [args.device])
+        if why:
+            raise InputError(why)
     tokenizer = source.tokenizer()
     if cluster is not None:
         result = _generate_on_cluster(args, cluster, source, dtype, tokenizer, prompt, sampling)
@@ -67,7 +74,7 @@ def generate(args: argparse.Namespace) -> int:
         model = LocalModel(source, dtype=dtype, device=args.device, cuts=args.cuts or (), dequantize=args.dequantize)
         result = local_generate(model.open, tokenizer, prompt, context=source.config.max_position_embeddings,
                                 eos_ids=source.eos_token_ids(), chat=args.chat, max_new_tokens=args.max_new_tokens,
-                                sampling=sampling, slices=args.slices)
+                                sampling=sampling, slices=args.slices, speculate=args.speculate)
     if args.json:
         print(json.dumps({"model": source.name, **result.as_dict()}))
     else:
@@ -89,7 +96,8 @@ def _generate_on_cluster(args, cluster, source, dtype, tokenizer, prompt, sampli
     try:
         pipe.load(model, cut_stages(cluster, cuts, cfg.num_units), dtype)
         return generate_on_cluster(pipe, source, tokenizer, prompt, chat=args.chat,
-                                   max_new_tokens=args.max_new_tokens, sampling=sampling, slices=args.slices)
+                                   max_new_tokens=args.max_new_tokens, sampling=sampling, slices=args.slices,
+                                   speculate=args.speculate)
     finally:
         pipe.close()
 
@@ -260,7 +268,7 @@ def _run(args: argparse.Namespace, the_plan, cluster, source) -> int:
     output = Path(args.output)
     job = JobConfig(instruction=args.instruction or "", chat=args.chat, max_new_tokens=args.max_new_tokens,
                     truncate=args.truncate, long=args.long or ("truncate" if args.truncate != "none" else "map-reduce"),
-                    templates=templates(args), parallel=args.parallel, policy=args.policy,
+                    templates=templates(args), parallel=args.parallel, policy=args.policy, speculate=args.speculate,
                     ignore_eos=args.ignore_eos, grace_s=args.grace, dequantize=args.dequantize,
                     strategy=args.strategy.replace("-", "_") if args.strategy else None,
                     questions=read_questions(args.questions) if args.questions else (),
@@ -359,7 +367,7 @@ def serve(args: argparse.Namespace) -> int:
                           default_max_tokens=args.default_max_tokens,
                           grace_s=args.grace, drain_s=args.drain, dequantize=args.dequantize,
                           prefix_cache=args.prefix_cache_budget if args.prefix_cache else None,
-                          metrics_public=args.metrics_public)
+                          metrics_public=args.metrics_public, speculate=args.speculate)
     # without the interpreter's teardown: a gRPC or torch C++ thread still alive then aborted the
     # process (``terminate called without an active exception``, exit -6) in about one SIGTERM of
     # eight even with the backend's threads joined, so a clean drain read as a crash to a supervisor

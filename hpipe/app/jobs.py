@@ -36,6 +36,7 @@ from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError, InputError
 from hpipe.core.plan import Plan, Stage
 from hpipe.model.generate.local import encode_prompt
+from hpipe.model.generate.speculate import refused
 from runtime.coordinator.deploy import deploy
 from runtime.coordinator.engine import Request
 from runtime.coordinator.policies import POLICIES
@@ -52,6 +53,7 @@ class JobConfig:
     truncate: str = "none"  # --long truncate keeps the start (head, also for "none") or the end (tail)
     long: str = "map-reduce"  # documents over the plan's length: map-reduce | refine | truncate | refuse
     templates: Templates = Templates()  # the long methods' prompts (hpipe.app.long_docs)
+    speculate: str = "off"  # "ngram": decode speculatively (runtime.coordinator.speculation)
     parallel: int = 16      # documents in flight at once
     strategy: str | None = None
     policy: str = "gllm"     # how micro-batches are formed (runtime.coordinator.policies)
@@ -319,6 +321,7 @@ class JobRun:
                 "strategy": self.strategy, "policy": self.job.policy, "micro_batches": engine.micro_batches,
                 "prefix_cache": engine.cache.stats() if engine.cache is not None else None,
                 "seesaw_switches": deployed.phases.switches if deployed.phases is not None else None,
+                "speculation": {"drafted": engine.drafted, "kept": engine.kept} if self.job.speculate != "off" else None,
                 "long": {"documents": len(self.long_docs), "parts": sum(len(d.parts) for d, _ in self.long_docs),
                          "computed": self.long.computed, "reused": self.long.reused},
                 "recoveries": [{**event, **(resumed or {})}
@@ -335,6 +338,11 @@ def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], resu
         raise InputError(f"unknown policy {job.policy!r} (choose from {', '.join(POLICIES)}, seesaw)")
     if job.long not in METHODS:
         raise InputError(f"unknown --long method {job.long!r} (choose from {', '.join(METHODS)})")
+    why = refused(source.gguf is not None and not job.dequantize, [d.device for d in cluster.daemons]) \
+        if job.speculate != "off" else None
+    if why or (job.speculate != "off" and job.policy == "seesaw"):
+        raise InputError(why or "--speculate does not run with --policy seesaw (a layout switch moves KV that "
+                                "guesses not kept may still occupy)")
     with ResultsFile(results) as out:
         run = JobRun(plan, source, out, job, stored_answers(results))
         run.read(documents, out.answered())
@@ -344,7 +352,8 @@ def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], resu
                           dequantize=job.dequantize, seesaw=job.policy == "seesaw")
         run.t0 = time.perf_counter()
         policy = deployed.phases if job.policy == "seesaw" else POLICIES[job.policy]()
-        engine = deployed.engine(policy, max_running=max(1, job.parallel), prefix_cache=job.prefix_cache)
+        engine = deployed.engine(policy, max_running=max(1, job.parallel), prefix_cache=job.prefix_cache,
+                                 speculate=job.speculate)
         try:
             run.run(engine)
         finally:

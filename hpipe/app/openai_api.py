@@ -74,6 +74,9 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: keep going past end-of-sequence (benchmarks)
+    # hpipe's: guess tokens from the prompt and verify them in one pass ("ngram"), or not ("off");
+    # None: the server's --speculate. Greedy answers are the same either way
+    speculate: Literal["ngram", "off"] | None = None
 
 
 class TextPart(BaseModel):

@@ -32,7 +32,7 @@ def read_key(path: str | None) -> str | None:
 def serve(plan, cluster, source, *, host: str, port: int, api_key: str | None, policy: str, max_queue: int,
           model_name: str | None = None, default_max_tokens: int = 1024, grace_s: float = 60.0,
           drain_s: float = 10.0, dequantize: bool = False, prefix_cache: float | None = 1.0,
-          metrics_public: bool = False) -> int:
+          metrics_public: bool = False, speculate: str = "off") -> int:
     """Serve until SIGINT or SIGTERM: then stop accepting, give running requests ``drain_s`` seconds
     to finish, cancel the rest and return the exit code: 0, or 1 if the engine itself failed (so
     that a supervisor restarts the server). The caller ends the process with it
@@ -52,7 +52,7 @@ def serve(plan, cluster, source, *, host: str, port: int, api_key: str | None, p
 
     backend = Backend(plan, cluster, source, policy=policy, max_queue=max_queue, api_key=api_key,
                       model_name=model_name, default_max_tokens=default_max_tokens, grace_s=grace_s,
-                      on_fatal=fatal, dequantize=dequantize, prefix_cache=prefix_cache)
+                      on_fatal=fatal, dequantize=dequantize, prefix_cache=prefix_cache, speculate=speculate)
     server = uvicorn.Server(uvicorn.Config(create_app(backend, metrics_public), host=host, port=port,
                                            log_level="warning",
                                            timeout_graceful_shutdown=drain_s))

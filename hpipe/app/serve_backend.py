@@ -19,6 +19,7 @@ from hpipe.core.errors import HpipeError, InputError
 from hpipe.core.plan import Plan
 from hpipe.model.generate.local import encode_chat
 from hpipe.model.generate.sampling import SamplingParams
+from hpipe.model.generate.speculate import refused
 from runtime.coordinator.deploy import Deployed, deploy
 from runtime.coordinator.engine import Engine, Request
 from runtime.coordinator.pipeline import Pipeline
@@ -64,7 +65,7 @@ class Backend:
                  api_key: str | None = None, model_name: str | None = None,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, grace_s: float = GRACE_S,
                  on_fatal: Callable[[], None] | None = None, dequantize: bool = False,
-                 prefix_cache: float | None = 1.0):
+                 prefix_cache: float | None = 1.0, speculate: str = "off"):
         if policy not in POLICIES:
             raise InputError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
         self.plan, self.cluster, self.source, self.policy = plan, cluster, source, policy
@@ -77,6 +78,12 @@ class Backend:
         self.default_max_tokens, self.grace_s, self.on_fatal = default_max_tokens, grace_s, on_fatal
         self.dequantize = dequantize
         self.prefix_cache = prefix_cache  # the engine's (runtime.coordinator.prefix_cache); None: off
+        self.speculate = speculate  # requests that do not say: "ngram" or "off" (runtime.coordinator.speculation)
+        #: why requests cannot speculate here (None: they can; hpipe.model.generate.speculate.refused)
+        self.speculation_refused = refused(source.gguf is not None and not dequantize,
+                                           [d.device for d in cluster.daemons])
+        if speculate != "off" and self.speculation_refused:
+            raise InputError(self.speculation_refused)
         self.model_name = model_name or plan.model_name
         self.started = int(time.time())
         self.metrics = Metrics()
@@ -110,7 +117,7 @@ class Backend:
                           dequantize=self.dequantize)
         try:
             engine = deployed.engine(POLICIES[self.policy](), max_running=self.max_queue,
-                                     prefix_cache=self.prefix_cache)
+                                     prefix_cache=self.prefix_cache, speculate=self.speculate)
         except BaseException:
             deployed.close()
             raise
@@ -228,6 +235,8 @@ class Backend:
         if room < 1 or (max_tokens or 1) > room:
             raise TooLong(f"{len(prompt)} prompt tokens and {max_tokens} new ones exceed the model's context of "
                           f"{self.context} tokens")
+        if body.speculate == "ngram" and self.speculation_refused:
+            raise InputError(f"this server cannot speculate: {self.speculation_refused}")
         engine = self.engine
         with self._lock:
             if len(engine.waiting) >= self.max_queue:
@@ -250,7 +259,7 @@ class Backend:
             request = Request(prompt, max_tokens or min(self.default_max_tokens, room), params=params,
                               eos=frozenset() if body.ignore_eos else self.eos,
                               slicer=self.plan.slicer(), on_token=on_token, on_done=done,
-                              logprobs=top_logprobs)
+                              logprobs=top_logprobs, speculate=body.speculate)
             return engine.add(request)
 
     def finish(self, r: Request, reason: str) -> None:

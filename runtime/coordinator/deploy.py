@@ -49,15 +49,15 @@ class Deployed:
                 raise
             return self.recovery(str(e))
 
-    def engine(self, policy, max_running: int, prefix_cache: float | None = None) -> Engine:
+    def engine(self, policy, max_running: int, prefix_cache: float | None = None, speculate: str = "off") -> Engine:
         """An engine on a new session of this deployment, recovering through :attr:`recovery`
         (also while it starts: a daemon lost as it asks for the pools is waited for);
-        ``prefix_cache`` as :class:`Engine` takes it."""
+        ``prefix_cache`` and ``speculate`` as :class:`Engine` takes them."""
         session = self.session()
         while True:
             try:
                 return Engine(session, policy, depth=len(self.pipe.stages), max_running=max_running,
-                              recover=self.recovery, prefix_cache=prefix_cache)
+                              recover=self.recovery, prefix_cache=prefix_cache, speculate=speculate)
             except StageFailure as e:
                 session.close()
                 if e.lasting:

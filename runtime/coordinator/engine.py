@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -42,6 +42,7 @@ from runtime.coordinator.preemption import Preempting
 from runtime.coordinator.rebind import Rebinding
 from runtime.coordinator.request import Request
 from runtime.coordinator.session import Session, StageFailure
+from runtime.coordinator.speculation import Speculating
 from runtime.coordinator.stall import StallGuard
 from runtime.wire.logits import TOP_LOGITS
 from runtime.wire.messages import pb
@@ -62,6 +63,8 @@ class Planned:
     sampled: bool = False
     keep: list[int] | None = None  # the cached blocks it fills, once sent
     seq_id: int = 0                # its request's sequence when sent
+    drafts: list[int] = field(default_factory=list)  # guesses after its last token (runtime.coordinator.speculation)
+    start: int = 0                 # its first position, once sent
 
 
 @dataclass
@@ -73,18 +76,18 @@ class Sent:
     decode: int
 
 
-class Engine(Preempting, Rebinding):
+class Engine(Preempting, Rebinding, Speculating):
     """Runs :class:`Request` s on a session, ``depth`` micro-batches in flight, formed by ``policy``."""
 
     def __init__(self, session: Session, policy, depth: int, max_running: int = 64,
                  recover: Callable[[str, Session], Session] | None = None, prefix_cache: float | None = None,
-                 swap: bool = True, top_logits: bool = True):
+                 swap: bool = True, top_logits: bool = True, speculate: str = "off"):
         """``prefix_cache``: keep a prefix cache, with room for this share of the tightest stage's
         pool in blocks nobody holds (None: no cache); ``swap``: preempt into the host tier;
         ``top_logits``: a request that needs only its row's largest logits gets only those from the
         last stage (runtime/wire/logits.py), not the whole row."""
         self.session, self.policy, self.depth, self.max_running = session, policy, max(1, depth), max_running
-        self.top_logits = top_logits
+        self.top_logits, self.speculate = top_logits, speculate
         #: when the pipeline breaks: (error, the broken session's id) -> a new session on a working
         #: pipeline that took over its sequences where it could, or StageFailure (runtime.coordinator.recovery)
         self.recover = recover
@@ -200,7 +203,9 @@ class Engine(Preempting, Rebinding):
 
     def _send_one(self) -> bool:
         with self._lock:
-            planned = self._make_room(self.policy.form(self))
+            formed = self.policy.form(self)
+            self._draft(formed)
+            planned = self._make_room(formed)
             if not planned:
                 return False
             entries, tokens = [], []
@@ -217,12 +222,15 @@ class Engine(Preempting, Rebinding):
                     prefill += p.length
                     p.keep = self.cache.keep(r, start, start + p.length) if r.claimed else None
                 else:
-                    tokens.append(r.tokens[-1])
-                    decode += 1
-                entries.append(pb.Entry(sequence_id=r.seq_id, start=start, length=p.length,
-                                        logits=self._logits(r) if p.sampled else pb.NO_LOGITS,
+                    tokens += [r.tokens[-1], *p.drafts]
+                    decode += p.length
+                p.start = start
+                logits = (self._draft_logits(r) if p.drafts else self._logits(r)) if p.sampled else pb.NO_LOGITS
+                entries.append(pb.Entry(sequence_id=r.seq_id, start=start, length=p.length, logits=logits,
                                         max_len=r.max_len if first else 0, cached=r.hit if first else (),
-                                        keep=p.keep or (), prefill_end=len(r.prompt) if r.prefilling else 0))
+                                        keep=p.keep or (),
+                                        # guesses are decode rows: computed as one-at-a-time decoding computes them
+                                        prefill_end=len(r.prompt) if r.prefilling else start if p.drafts else 0))
                 r.laid_out += p.length
                 r.in_flight += 1
         mb = self.session.submit(entries, torch.tensor(tokens, dtype=torch.long))
@@ -243,7 +251,7 @@ class Engine(Preempting, Rebinding):
         with self._lock:
             sent = self._in_flight.pop(result.micro_batch)
             self.log.append({"sent_s": sent.sent_s, "back_s": now, "prefill": sent.prefill, "decode": sent.decode})
-            rows, samplers, owners = [], [], []
+            rows, samplers, owners, verifications = [], [], [], []
             row = 0
             for p in sent.planned:
                 r = p.request
@@ -252,7 +260,11 @@ class Engine(Preempting, Rebinding):
                 if p.keep and failed is None and r.seq_id == p.seq_id and not r.finished:
                     self.cache.filled(p.keep)  # every stage computed them: later requests may begin with them
                     r.filled += len(p.keep)
-                if p.sampled:
+                if p.sampled and p.drafts:  # every row of a speculative entry: verified below
+                    if failed is None and not r.finished and r in self.running:
+                        verifications.append((p, list(range(row, row + p.length))))
+                    row += p.length
+                elif p.sampled:
                     if failed is None and not r.finished and r in self.running:
                         rows.append(row)
                         samplers.append(r.sampler)
@@ -279,6 +291,8 @@ class Engine(Preempting, Rebinding):
                     if r.logprobs is not None:
                         r.token_logprobs.append(logprobs(logits[i], token, r.logprobs))
                     self._take(r, token, now)
+            for p, at in verifications:
+                self._take_verified(p, result.logits[at], now)
 
     def _sample(self, owners: list[Request], samplers: list, logits: torch.Tensor) -> list[int | None]:
         """Each row's token, or None for a request whose row could not be sampled: that request

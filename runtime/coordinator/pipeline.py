@@ -266,9 +266,25 @@ class RemoteRunner:
         self.seq.submit(torch.tensor([[token]]), prefill=False)
         return self.seq.result()[0]
 
+    @property
+    def position(self) -> int:
+        return self.seq.position
+
+    def verify(self, tokens: list[int]) -> torch.Tensor:
+        """``tokens`` at the next positions as one entry of decode rows; every row's logits
+        (hpipe.model.generate.speculate)."""
+        self.seq.submit(torch.tensor([tokens]), all_logits=True, prefill=False)
+        return self.seq.result()[0]
+
+    def rewind(self, position: int) -> None:
+        """The next entry starts at ``position``: each stage drops what it holds past it then."""
+        if not 0 < position <= self.seq.position:
+            raise InputError(f"cannot rewind a sequence of {self.seq.position} positions to {position}")
+        self.seq.position = position
+
 
 def generate_on_cluster(pipe: Pipeline, source, tokenizer, prompt: str, *, chat: bool, max_new_tokens: int,
-                        sampling, slices):
+                        sampling, slices, speculate: str = "off"):
     """:func:`hpipe.model.generate.local.generate` through a deployed pipeline, with per-stage timings."""
     from hpipe.model.generate.local import generate
 
@@ -284,7 +300,7 @@ def generate_on_cluster(pipe: Pipeline, source, tokenizer, prompt: str, *, chat:
     try:
         result = generate(open_runner, tokenizer, prompt, context=source.config.max_position_embeddings,
                           eos_ids=source.eos_token_ids(), chat=chat, max_new_tokens=max_new_tokens,
-                          sampling=sampling, slices=slices)
+                          sampling=sampling, slices=slices, speculate=speculate)
     finally:
         for seq in opened:
             seq.close()

@@ -132,6 +132,13 @@ class GLLM:
             self._apart = self._apart + 1 if apart else 0
         return planned
 
+    def draft_budget(self, engine: Engine, planned: list[Planned]) -> int:
+        """Speculative guesses a micro-batch may carry (runtime.coordinator.speculation): the
+        prefill budget less the tokens it carries already, halved while prompts wait to be read."""
+        budget = self.max_prefill - sum(p.length for p in planned)
+        if engine.waiting or any(r.prefilling for r in engine.running):
+            budget //= 2
+        return max(0, budget)
 
 
 class Sarathi:
@@ -144,6 +151,10 @@ class Sarathi:
         planned = [Planned(r, 1) for r in _decoding(engine)[:self.budget]]
         prefill_chunks(engine, self.budget - len(planned), planned, shortest_first=False)
         return planned
+
+    def draft_budget(self, engine: Engine, planned: list[Planned]) -> int:
+        """Guesses fill what the token budget leaves (runtime.coordinator.speculation)."""
+        return max(0, self.budget - sum(p.length for p in planned))
 
 
 

@@ -61,6 +61,8 @@ class Request:
     first_token_s: float | None = None
     done_s: float | None = None
     sampler: Sampler | None = None
+    speculate: str | None = None               # "ngram" or "off"; None: the engine's default
+    drafter: object = None                     # its guesser while it speculates (PromptLookup)
     token_logprobs: list = field(default_factory=list)  # (token, logprob, [(token, logprob)] * logprobs)
     done: threading.Event = field(default_factory=threading.Event)
 

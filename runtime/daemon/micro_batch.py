@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 #: what the model computes for an entry (a LAST_TOP entry: its last position's logits, of which
 #: only the largest are sent on)
-LOGITS = {pb.NO_LOGITS: "none", pb.LAST_LOGITS: "last", pb.ALL_LOGITS: "all", pb.LAST_TOP: "last"}
+LOGITS = {pb.NO_LOGITS: "none", pb.LAST_LOGITS: "last", pb.ALL_LOGITS: "all", pb.LAST_TOP: "last", pb.ALL_TOP: "all"}
 
 
 class MicroBatches:

@@ -25,9 +25,9 @@ TOP_LOGITS = 64
 
 def top_rows(entries) -> list[bool]:
     """The rows of a micro-batch's result, in order, for its layout's ``entries`` (``pb.Entry``):
-    each sent as its top logits (a ``LAST_TOP`` entry's) or whole."""
-    return [e.logits == pb.LAST_TOP for e in entries if e.logits != pb.NO_LOGITS
-            for _ in range(e.length if e.logits == pb.ALL_LOGITS else 1)]
+    each sent as its top logits (a ``LAST_TOP`` or ``ALL_TOP`` entry's) or whole."""
+    return [e.logits in (pb.LAST_TOP, pb.ALL_TOP) for e in entries if e.logits != pb.NO_LOGITS
+            for _ in range(e.length if e.logits in (pb.ALL_LOGITS, pb.ALL_TOP) else 1)]
 
 
 def pack(out: torch.Tensor, top: list[bool]) -> torch.Tensor:

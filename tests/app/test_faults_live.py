@@ -167,7 +167,7 @@ def test_a_prompt_that_leaves_no_room_is_refused_and_a_cut_budget_is_reported(ti
         short.write_text(doc_of(context - 5))
         out = tmp_path / "out.jsonl"
         summary = run_job(plan, cluster_of(*daemons), source, [str(full), str(short)], out,
-                          JobConfig(instruction=INSTRUCTION, max_new_tokens=20, ignore_eos=True))
+                          JobConfig(instruction=INSTRUCTION, max_new_tokens=20, ignore_eos=True, long="refuse"))
         assert "room in the model's context for the answer" in summary["failed"][str(full)]
         row = [json.loads(line) for line in out.read_text().splitlines() if "short" in line][0]
         assert row["max_new_tokens"] == 5 and row["answer_tokens"] == 5

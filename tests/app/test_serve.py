@@ -129,7 +129,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv_on_every_stage(server
 
 @pytest.mark.parametrize("case,status,code", [
     ("malformed", 400, None), ("bad key", 401, "invalid_api_key"), ("unknown model", 404, "model_not_found"),
-    ("too long", 413, "context_length_exceeded"), ("n > 1", 400, None), ("top_k < -1", 400, None)])
+    ("too long", 413, "context_length_exceeded"), ("n > 1", 400, None), ("top_k < -1", 400, None),
+    ("speculate on dense weights", 400, None), ("speculate how", 400, None)])
 def test_error_statuses(server, case, status, code):
     base, *_ = server
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -146,8 +147,14 @@ def test_error_statuses(server, case, status, code):
         body["n"] = 2
     elif case == "top_k < -1":
         body["top_k"] = -2
+    elif case == "speculate on dense weights":  # the tiny model's float32 rows could change with guesses
+        body["speculate"] = "ngram"
+    elif case == "speculate how":
+        body["speculate"] = "draft"
     r = httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers)
     assert r.status_code == status, r.text
+    if case == "speculate on dense weights":
+        assert "quantized (GGUF) weights" in r.json()["error"]["message"]
     error = r.json()["error"]
     assert error["message"] and error["type"] and error["code"] == code
 

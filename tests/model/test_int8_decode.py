@@ -214,3 +214,21 @@ def test_the_heads_decode_rows_multiply_as_decode_rows_and_its_prefill_rows_in_f
         assert torch.equal(out[~prefill], decode(x, w)[~prefill])
         assert not torch.equal(out[~prefill], floats[~prefill]) or not (~prefill).any()
     assert torch.equal(head(x), floats)  # outside a stage's rows: float32, as before
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16"])
+def test_float_decode_rows_of_every_type_are_the_same_bits_whatever_shares_the_call(name):
+    """The block types decode rows multiply in float32 (SmolLM2's Q4_1, Gemma 3's Q5_0 and Q8_0
+    tensors): a row's bits must not depend on how many rows share its call, one to forty (past the
+    fused loop's few rows, past the GEMM's threshold), or a speculative entry that verifies several
+    tokens of one sequence at once would answer other than one token at a time. The default
+    decode mode (integer K-quants) marks every row a decode row."""
+    t = next(t for t, (n, _, _) in TYPES.items() if n == name)
+    g = torch.Generator().manual_seed(11)
+    w = random_weight(t, 37, 512, g)  # an odd number of weight rows: the last one alone
+    x = torch.randn(40, 512, generator=g)
+    alone = torch.cat([decode(x[i:i + 1], w) for i in range(40)])
+    ref = x.double() @ w.dequantize().double().T
+    assert float((alone.double() - ref).abs().max() / ref.abs().max()) <= 1e-5
+    for m in (2, 3, 5, 16, 40):
+        assert torch.equal(decode(x[:m], w), alone[:m]), m

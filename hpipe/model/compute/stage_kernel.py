@@ -17,7 +17,9 @@ eager path, which gives the same results up to float rounding (tests/model/test_
 with an error logged; quantized stages refuse to load (:func:`require`) rather than crawl. With
 ``HPIPE_CPU_KERNEL=off`` stages do not use it.
 
-It takes micro-batches whose entries are all one live decode token; each row reads its
+It takes micro-batches whose rows are all live decode tokens: one an entry, or several (a
+speculative decode's verification rows, each at its own position of the sequence, every row's KV
+written before any row reads, each row reading its positions up to its own); each row reads its
 sequence's keys and values as runs of consecutive pool slots (one run as a rule: the allocator
 keeps a sequence consecutive; two when it began with a cached prefix, more in a pool under
 pressure). Other micro-batches, and every prefill, run the eager path.
@@ -37,10 +39,13 @@ from hpipe.model.kv.pool import Entry, KVPool
 
 
 def fits(entries: list[Entry], pool: KVPool | None) -> bool:
-    """Whether the kernel takes this micro-batch: every entry one live decode token (a prompt's
-    token, :attr:`Entry.prefill`, is computed as a prefill slice's)."""
-    return pool is not None and bool(entries) and all(e.length == 1 and not e.prefill and e.kv is not None
+    """Whether the kernel takes this micro-batch: every row a live decode token (a prompt's token,
+    :attr:`Entry.prefill`, is computed as a prefill slice's). An entry may hold several: a
+    speculative decode's verification rows, each its own position of the sequence, each computed
+    as it would be alone."""
+    return pool is not None and bool(entries) and all(e.length >= 1 and not e.prefill and e.kv is not None
                                                       for e in entries)
+
 
 class StageKernel:
     """The attention and MLP units of a stage (``blocks``, in order), their weights listed once in
@@ -70,7 +75,7 @@ class StageKernel:
                 raise TypeError(f"the decode kernel runs attention and MLP units, not {type(block).__name__}")
 
     def __call__(self, x: torch.Tensor, tables: dict, entries: list[Entry], pool: KVPool) -> torch.Tensor:
-        """The residual stream ``x [rows, hidden]`` (float32, one row per entry) through the units,
+        """The residual stream ``x [rows, hidden]`` (float32, one row per position of the entries) through the units,
         turned by ``tables`` (:meth:`StageModel.rotations`); each row's key and value are written
         into its sequence's slot of ``pool``."""
         if self.ropes:
@@ -78,15 +83,17 @@ class StageKernel:
             ssin = torch.stack([tables[r][1][:, 0] for r in self.ropes])
         else:
             cos = ssin = x.new_empty(0, x.shape[0], self.cfg.head_dim)
-        cfg, writes, runs = self.cfg, [], []
+        cfg, positions, writes, runs = self.cfg, [], [], []
         for e in entries:
-            row = e.kv.runs(e.start + 1)
-            writes.append(row[-1][0] + row[-1][1] - 1)  # the slot of its own position, the last one
-            runs.append(len(row))
-            for slot, count in row:
-                runs += (slot, count)
+            for position in range(e.start, e.start + e.length):
+                row = e.kv.runs(position + 1)
+                positions.append(position)
+                writes.append(row[-1][0] + row[-1][1] - 1)  # the slot of its own position, the last one
+                runs.append(len(row))
+                for slot, count in row:
+                    runs += (slot, count)
         return torch.ops.hpipe.decode_units(
-            x.contiguous(), cos, ssin, [e.start for e in entries], writes, runs,
+            x.contiguous(), cos, ssin, positions, writes, runs,
             self.kinds, self._params, [pool.k[i] for i in self.layers], [pool.v[i] for i in self.layers],
             self.windows, self.rope_of_unit, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
             cfg.attention_scale, cfg.hidden_act != "silu", library.vector_attention_on())

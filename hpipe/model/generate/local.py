@@ -17,6 +17,7 @@ from hpipe.core.errors import InputError
 from hpipe.core.units import UnitRange, ranges_from_cuts
 from hpipe.model.compute.stage import StageModel
 from hpipe.model.generate.sampling import Sampler, SamplingParams
+from hpipe.model.generate.speculate import METHODS, PromptLookup, verify
 from hpipe.model.weights.sources import ModelSource
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,9 @@ class Runner(Protocol):
 
     def step(self, token: int) -> torch.Tensor:
         """Feed one token at the next position; return its logits ``[vocab]``."""
+
+    # and, to decode speculatively: ``position`` (the positions fed), ``verify(tokens)`` (each
+    # one's logits from one pass, as ``step`` would give them) and ``rewind(position)``
 
 
 @dataclass
@@ -110,8 +114,11 @@ def decode_loop(
     eos_ids: Sequence[int],
     slices: Sequence[int],
     on_token: Callable[[int], None] | None = None,
+    drafter: PromptLookup | None = None,
 ) -> tuple[list[int], float, float, str]:
-    """Prefill ``prompt_ids`` in ``slices``, then sample up to ``max_new_tokens``.
+    """Prefill ``prompt_ids`` in ``slices``, then sample up to ``max_new_tokens``; with ``drafter``,
+    speculatively (:mod:`hpipe.model.generate.speculate`: the runner verifies guesses in one pass
+    and forgets those not kept; the same tokens as without, greedy).
 
     Returns (new token ids, prefill seconds, decode seconds, stop reason).
     """
@@ -121,18 +128,24 @@ def decode_loop(
     out: list[int] = []
     reason = "length"
     t1 = time.perf_counter()
+    pending = [sampler(logits)]
     while True:
-        token = sampler(logits)
-        out.append(token)
-        if on_token:
-            on_token(token)
-        if token in eos_ids:
-            reason = "eos"
-            break
-        if len(out) >= max_new_tokens:
-            break
-        logits = runner.step(token)
-    return out, prefill_s, time.perf_counter() - t1, reason
+        for token in pending:
+            out.append(token)
+            if on_token:
+                on_token(token)
+            if token in eos_ids:
+                return out, prefill_s, time.perf_counter() - t1, "eos"
+            if len(out) >= max_new_tokens:
+                return out, prefill_s, time.perf_counter() - t1, reason
+        drafts = drafter.propose(prompt_ids + out, max_new_tokens - len(out) - 1) if drafter is not None else []
+        if not drafts:
+            pending = [sampler(runner.step(out[-1]))]
+            continue
+        start = runner.position
+        pending = verify(sampler, runner.verify([out[-1], *drafts]), drafts)
+        drafter.record(len(drafts), len(pending) - 1)
+        runner.rewind(start + len(pending))  # the last token and the guesses kept; not the rest
 
 
 class LocalRunner:
@@ -157,6 +170,21 @@ class LocalRunner:
 
     def step(self, token: int) -> torch.Tensor:
         return self._forward(torch.tensor([[token]]), logits=True, prefill=False)
+
+    def verify(self, tokens: list[int]) -> torch.Tensor:
+        """Feed ``tokens`` at the next positions as decode tokens in one pass: each one's logits
+        ``[len(tokens), vocab]``, each row what :meth:`step` would have given there."""
+        x = torch.tensor([tokens])
+        for stage, cache in zip(self.stages, self.caches):
+            x = stage(x, self.position, cache, all_logits=True, prefill=False)
+        self.position += len(tokens)
+        return x[0]
+
+    def rewind(self, position: int) -> None:
+        """Forget the positions from ``position`` on (guesses that were not kept)."""
+        for cache in self.caches:
+            cache.rewind(position)
+        self.position = position
 
 
 class LocalModel:
@@ -185,11 +213,12 @@ def generate(
     max_new_tokens: int = 128,
     sampling: SamplingParams = SamplingParams(),
     slices: Sequence[int] | None = None,
+    speculate: str = "off",
 ) -> GenerationResult:
     """Generate from ``prompt`` on whatever ``open_runner(max_len)`` opens (local or remote)."""
     prompt_ids = encode_prompt(tokenizer, prompt, chat)
     return generate_ids(open_runner, tokenizer, prompt_ids, context=context, eos_ids=eos_ids,
-                        max_new_tokens=max_new_tokens, sampling=sampling, slices=slices)
+                        max_new_tokens=max_new_tokens, sampling=sampling, slices=slices, speculate=speculate)
 
 
 def generate_ids(
@@ -202,12 +231,22 @@ def generate_ids(
     max_new_tokens: int = 128,
     sampling: SamplingParams = SamplingParams(),
     slices: Sequence[int] | None = None,
+    speculate: str = "off",
 ) -> GenerationResult:
+    """``speculate``: ``ngram`` guesses tokens from the text so far and verifies them in one pass
+    (:mod:`hpipe.model.generate.speculate`; the runner must offer ``verify`` and ``rewind``)."""
+    if speculate not in METHODS:
+        raise InputError(f"--speculate is one of {', '.join(METHODS)}, not {speculate!r}")
     slices = check_slices(slices, len(prompt_ids))
     max_new_tokens, max_len = plan_lengths(len(prompt_ids), max_new_tokens, context)
+    runner = open_runner(max_len)
+    drafter = PromptLookup() if speculate == "ngram" else None
+    if drafter is not None and not hasattr(runner, "verify"):
+        raise InputError("this runner cannot verify guesses")
     new, prefill_s, decode_s, reason = decode_loop(
-        open_runner(max_len), prompt_ids, max_new_tokens=max_new_tokens, sampler=Sampler(sampling),
-        eos_ids=eos_ids, slices=slices,
+        runner, prompt_ids, max_new_tokens=max_new_tokens, sampler=Sampler(sampling),
+        eos_ids=eos_ids, slices=slices, drafter=drafter,
     )
     text = tokenizer.decode(new, skip_special_tokens=True)
-    return GenerationResult(text, new, len(prompt_ids), prefill_s, decode_s, reason)
+    extra = {"speculation": drafter.stats()} if drafter is not None else {}
+    return GenerationResult(text, new, len(prompt_ids), prefill_s, decode_s, reason, extra)

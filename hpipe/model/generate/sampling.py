@@ -140,6 +140,15 @@ def _penalise(row: torch.Tensor, s: Sampler) -> None:
         row[tokens] -= counts * p.frequency_penalty + p.presence_penalty
 
 
+def probabilities(sampler: Sampler, row: torch.Tensor) -> torch.Tensor:
+    """The distribution ``sampler`` draws its next token from, given the logits ``row [vocab]``
+    (its penalties, temperature, top-k and top-p applied), without drawing."""
+    row = row.detach().to("cpu", torch.float32).clone()
+    if sampler.params.penalised:
+        _penalise(row, sampler)
+    return _probabilities(row[None], [sampler.params])[0]
+
+
 def _probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax of each row at its temperature, cut to its top-k and top-p."""
     logits = logits / torch.tensor([p.temperature for p in params])[:, None]

@@ -389,7 +389,7 @@ Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& pa
                                reinterpret_cast<const uint16_t*>(xb.data_ptr()), static_cast<int>(k), dst,
                                static_cast<int>(k), 0.0f, out.data_ptr<float>() + col + n0, static_cast<int>(n_out));
       }
-    } else if (m >= kGemmRows) {
+    } else if (m >= kGemmRows && !integer) {  // (decode rows never: MKL's sums for a row depend on m)
       const int64_t panel_rows = std::max<int64_t>(16, kPanelValues / k);
       float* dst = panel_room<float>(std::min(panel_rows, p.rows) * k);
       for (int64_t n0 = 0; n0 < p.rows; n0 += panel_rows) {

@@ -286,6 +286,32 @@ HPIPE_INLINE void fused_dots(int64_t type, const uint8_t* src, const float* x, i
   for (int r = 0; r < R; ++r) res[r] = sum16(even[r] + odd[r]);
 }
 
+// fused_dots from a row dequantized into w (dequant_row: the same values): each 32 values' first
+// 16 into one sum per row, the next 16 into another. A row of x gets the same bits as fused_dots
+// gives it, with any number of rows beside it: what a decode row's result must not depend on (a
+// speculative decode verifies several tokens of one sequence as one entry, and its answers must be
+// those of decoding one token at a time). Two weight rows at a time, so that each vector of x read
+// serves both.
+template <int R>
+HPIPE_INLINE void half_dots2(const float* w0, const float* w1, const float* x, int64_t ldx, int64_t k, float* res0,
+                             float* res1) {
+  V16 e0[R] = {}, o0[R] = {}, e1[R] = {}, o1[R] = {};
+  for (int64_t i = 0; i < k; i += 32) {
+    const V16 u0 = load16f(w0 + i), v0 = load16f(w0 + i + 16), u1 = load16f(w1 + i), v1 = load16f(w1 + i + 16);
+    for (int r = 0; r < R; ++r) {
+      const V16 xu = load16f(x + r * ldx + i), xv = load16f(x + r * ldx + i + 16);
+      e0[r] += u0 * xu;
+      o0[r] += v0 * xv;
+      e1[r] += u1 * xu;
+      o1[r] += v1 * xv;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    res0[r] = sum16(e0[r] + o0[r]);
+    res1[r] = sum16(e1[r] + o1[r]);
+  }
+}
+
 // res[r] = w . x[r] for R rows of x (row stride ldx): two vectors of V floats per row at a time
 // (U vectors per row at a time: enough independent sums to hide the latency of a multiply-add)
 template <int R, int U>
@@ -368,6 +394,30 @@ void rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_
     return;
   }
   int64_t n = n0;
+  if (!float_type(type)) {  // block types: each row's bits as fused_dots gives them, whatever m
+    for (; n < n1; n += 2) {
+      const int64_t second = n + 1 < n1 ? n + 1 : n;  // an odd last row: itself twice
+      for (int64_t a = n + kPrefetchRows; a < std::min(n + kPrefetchRows + 2, n1); ++a)
+        prefetch_row(blocks + a * row_bytes, row_bytes);
+      dequant_row(type, blocks + n * row_bytes, w, k);
+      dequant_row(type, blocks + second * row_bytes, w + k, k);
+      float res1[4];
+      int64_t r = 0;
+      for (; r + 4 <= m; r += 4) {
+        half_dots2<4>(w, w + k, x + r * k, k, k, res, res1);
+        for (int i = 0; i < 4; ++i) {
+          out[(r + i) * ldo + n] = res[i];
+          out[(r + i) * ldo + second] = res1[i];
+        }
+      }
+      for (; r < m; ++r) {
+        half_dots2<1>(w, w + k, x + r * k, k, k, res, res1);
+        out[r * ldo + n] = res[0];
+        out[r * ldo + second] = res1[0];
+      }
+    }
+    return;
+  }
   for (; n + 2 <= n1; n += 2) {  // two weight rows at a time
     for (int64_t a = n + kPrefetchRows; a < std::min(n + kPrefetchRows + 2, n1); ++a)
       prefetch_row(blocks + a * row_bytes, row_bytes);
@@ -395,8 +445,8 @@ void rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_
       dots<4, 2>(w, x + r * k, k, k, res);
       for (int i = 0; i < 4; ++i) out[(r + i) * ldo + n] = res[i];
     }
-    for (; r < m; ++r) {
-      dots<1, 4>(w, x + r * k, k, k, res);
+    for (; r < m; ++r) {  // the same sums as the rows beside it: U = 2 alike
+      dots<1, 2>(w, x + r * k, k, k, res);
       out[r * ldo + n] = res[0];
     }
   }

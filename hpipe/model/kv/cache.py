@@ -46,6 +46,15 @@ class StageCache:
                 f"positions up to {start + tokens} exceed the sequence's declared max length {self.max_len}"
             )
 
+    def rewind(self, length: int) -> None:
+        """Keep positions ``[0, length)`` only (a speculative decode's guesses that were not kept):
+        the next slice starts there, and the blocks past it go back to the pool."""
+        if not 0 <= length <= self.length:
+            raise InputError(f"cannot rewind a sequence of {self.length} positions to {length}")
+        for row in self.rows:
+            row.truncate(length)
+        self.length = length
+
     def entries(self, start: int, tokens: int, logits: str, prefill: bool | None = None) -> list[Entry]:
         """The rows' entries for positions ``[start, start + tokens)`` (their blocks taken).
         ``prefill``: True, the positions are the prompt's (prefill rows, whatever their number);
