@@ -269,6 +269,8 @@ class Engine(Preempting, Rebinding, Speculating):
                         rows.append(row)
                         samplers.append(r.sampler)
                         owners.append(r)
+                        if r.drafter is not None and not r.prefilling:
+                            r.drafter.timed(0, now - sent.sent_s)  # a plain step's round trip
                     row += 1
                 if failed is not None and not r.finished and r in self.running:
                     self._refused(r, *failed)
@@ -292,6 +294,7 @@ class Engine(Preempting, Rebinding, Speculating):
                         r.token_logprobs.append(logprobs(logits[i], token, r.logprobs))
                     self._take(r, token, now)
             for p, at in verifications:
+                p.request.drafter.timed(len(p.drafts), now - sent.sent_s)
                 self._take_verified(p, result.logits[at], now)
 
     def _sample(self, owners: list[Request], samplers: list, logits: torch.Tensor) -> list[int | None]:

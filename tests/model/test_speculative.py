@@ -6,6 +6,7 @@ same with speculation on; sampled ones keep their distribution."""
 import pytest
 import torch
 
+from hpipe.model.generate import speculate
 from hpipe.model.generate.local import LocalModel, encode_prompt, generate_ids
 from hpipe.model.generate.sampling import Sampler, SamplingParams
 from hpipe.model.generate.speculate import PromptLookup, verify
@@ -53,7 +54,8 @@ def test_a_rewound_sequence_continues_as_if_the_guesses_had_never_been_fed(smoll
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_greedy_answers_are_the_same_with_speculation_and_guesses_are_kept(request, name):
+def test_greedy_answers_are_the_same_with_speculation_and_guesses_are_kept(request, name, monkeypatch):
+    monkeypatch.setattr(speculate, "WEIGH_COSTS", False)  # guess whether it pays or not: count what is kept
     source = request.getfixturevalue(name)
     model, tok = LocalModel(source), source.tokenizer()
     chat = bool(getattr(tok, "chat_template", None))  # Gemma 3 270M's file has none
@@ -67,7 +69,7 @@ def test_greedy_answers_are_the_same_with_speculation_and_guesses_are_kept(reque
 
 
 def test_prompt_lookup_guesses_what_followed_the_last_tokens_and_adapts():
-    d = PromptLookup()
+    d = PromptLookup(weigh=False)
     assert d.propose([5, 6, 7, 8, 9, 5, 6, 7], room=10) == [8, 9, 5, 6]  # after (5, 6, 7): 8, 9, ...
     assert d.propose([1, 2, 3], room=10) == []  # nothing repeats
     d.record(4, 4)
@@ -97,3 +99,21 @@ def test_rejection_sampling_keeps_the_distribution():
         first = verify(sampler, torch.stack([logits, logits]), [1])[0]
         draws[first] += 1
     assert torch.allclose(draws / n, torch.tensor([0.5, 0.3, 0.2]), atol=0.025), draws / n
+
+
+def test_guesses_are_made_only_where_they_pay():
+    """Timed passes: where a verification of k rows costs k + 1 steps (compute-bound rows), no
+    number of guesses pays and guessing pauses; where it costs about one step (rows bound by
+    reading the weights, or by a link's latency), it guesses as many as it may."""
+    d = PromptLookup()
+    d.record(4, 2)  # kept half
+    d.timed(0, 0.010)
+    for k in range(1, 9):
+        d.timed(k, 0.010 * (k + 1))
+    assert d.worth(8) == 0
+    assert d.propose([5, 6, 7, 8, 9, 5, 6, 7], room=10) == [] and d.paused > 0
+    cheap = PromptLookup()
+    cheap.record(4, 3)
+    cheap.timed(0, 0.010)
+    cheap.timed(4, 0.011)
+    assert cheap.worth(4) == 4 and cheap.propose([5, 6, 7, 8, 9, 5, 6, 7], room=10)[:3] == [8, 9, 5]

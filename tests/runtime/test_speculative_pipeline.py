@@ -3,7 +3,16 @@
 
 import json
 
+import pytest
+
 from hpipe.app.cli import main
+from hpipe.model.generate import speculate
+
+
+@pytest.fixture(autouse=True)
+def every_guess(monkeypatch):
+    """Guess whether it pays or not (timings decide that, and they vary): count what is kept."""
+    monkeypatch.setattr(speculate, "WEIGH_COSTS", False)
 
 DOCUMENT = ("The harbour office opens at seven. Boats pay a fee of four crowns a night. The clerk, Anna Berg, "
             "keeps the ledger of every boat that stays. ") * 3

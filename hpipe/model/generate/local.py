@@ -139,11 +139,15 @@ def decode_loop(
             if len(out) >= max_new_tokens:
                 return out, prefill_s, time.perf_counter() - t1, reason
         drafts = drafter.propose(prompt_ids + out, max_new_tokens - len(out) - 1) if drafter is not None else []
+        t = time.perf_counter()
         if not drafts:
             pending = [sampler(runner.step(out[-1]))]
+            if drafter is not None:
+                drafter.timed(0, time.perf_counter() - t)
             continue
         start = runner.position
         pending = verify(sampler, runner.verify([out[-1], *drafts]), drafts)
+        drafter.timed(len(drafts), time.perf_counter() - t)
         drafter.record(len(drafts), len(pending) - 1)
         runner.rewind(start + len(pending))  # the last token and the guesses kept; not the rest
 

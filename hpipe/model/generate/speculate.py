@@ -36,11 +36,26 @@ PAUSE = 16
 METHODS = ("off", "ngram")
 
 
+#: what a verification of k guesses is taken to cost, in steps of one token, until measured:
+#: 1 + PRIOR_COST x k (guessing then starts at once, and its own timings correct it)
+PRIOR_COST = 0.15
+#: the weight of a new timing in a cost's running average
+EMA = 0.3
+#: whether guessers weigh guesses against their timings (tests that count kept guesses turn it off:
+#: timings make the count vary from run to run, never the answers)
+WEIGH_COSTS = True
+
+
 @dataclass
 class PromptLookup:
-    """Guesses from the tokens so far (prompt and answer), and how many to make: one more than the
-    last verification kept (at most :data:`MAX_DRAFT`), none for a while after :data:`MISSES`
-    verifications that kept none."""
+    """Guesses from the tokens so far (prompt and answer), and how many to make: up to one more
+    than the last verification kept (at most :data:`MAX_DRAFT`), as many as pay by the timings of
+    this sequence's own steps and verifications (:meth:`timed`): k guesses kept at a rate a give
+    1 + a + ... + a^k tokens a pass, against what a pass of k + 1 rows costs over one of one row
+    (on a CPU stage rows cost compute, so a small model's verification of 5 rows took 3.3 steps:
+    there guessing does not pay and stops; over slow links and for models whose steps are bound by
+    reading their weights it does). None for a while after :data:`MISSES` verifications that kept
+    none, or when no number of guesses pays."""
 
     max_draft: int = MAX_DRAFT
     length: int = 4  # how many to guess next
@@ -51,6 +66,43 @@ class PromptLookup:
     verifications: int = 0
     _index: dict = field(default_factory=dict, repr=False)  # n-gram -> the position after its last occurrence
     _seen: int = 0  # tokens indexed
+    _cost: dict = field(default_factory=dict, repr=False)  # guesses -> seconds a pass (running average)
+    weigh: bool = field(default_factory=lambda: WEIGH_COSTS)  # guess only as many as pay (else: length)
+    _probe: bool = False  # the next proposal is one guess, after a pause for not paying
+
+    def timed(self, guesses: int, seconds: float) -> None:
+        """A pass with ``guesses`` guesses (0: a plain step) took ``seconds``."""
+        old = self._cost.get(guesses)
+        self._cost[guesses] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def _relative_cost(self, k: int) -> float:
+        """A pass of k guesses over a plain step: measured, else interpolated, else the prior."""
+        step = self._cost.get(0)
+        if step is None or step <= 0:
+            return 1 + PRIOR_COST * k
+        known = sorted(g for g in self._cost if g > 0)
+        if k in self._cost:
+            return self._cost[k] / step
+        below = [g for g in known if g < k]
+        above = [g for g in known if g > k]
+        if below and above:
+            a, b = below[-1], above[0]
+            return (self._cost[a] + (self._cost[b] - self._cost[a]) * (k - a) / (b - a)) / step
+        if below:  # past the largest measured: its cost per guess, onwards
+            a = below[-1]
+            return (self._cost[a] + (self._cost[a] - step) / a * (k - a)) / step
+        return 1 + PRIOR_COST * k
+
+    def worth(self, limit: int) -> int:
+        """How many guesses (up to ``limit``) give the most tokens a second; 0 if none beat a step."""
+        rate = (self.accepted + 1.2) / (self.proposed + 2)  # kept so far, from a prior of 0.6 over 2 guesses
+        best, best_gain = 0, 1.0
+        for k in range(1, limit + 1):
+            tokens = sum(rate ** i for i in range(k + 1))
+            gain = tokens / max(self._relative_cost(k), 1e-9)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
 
     def _update_index(self, tokens: list[int]) -> None:
         for end in range(max(self._seen, 1), len(tokens)):  # n-grams ending before position `end`
@@ -64,8 +116,22 @@ class PromptLookup:
         if self.paused > 0:
             self.paused -= 1
             return []
-        want = min(self.length, room, self.max_draft)
-        if want <= 0 or len(tokens) < 2:
+        if self._probe:  # after a pause for not paying: one guess, timed and counted
+            self._probe = False
+            return self._lookup(tokens, min(1, room))
+        if self.weigh and self._cost.get(0) is None and self.verifications:  # a plain step, to time one
+            return []
+        limit = min(self.length, room, self.max_draft)
+        want = self.worth(limit) if self.weigh else limit
+        if want <= 0:
+            if self._cost.get(0) is not None and self.verifications:  # it does not pay: look again later,
+                self.paused, self._probe = PAUSE, True  # with one guess to learn from
+            return []
+        return self._lookup(tokens, want)
+
+    def _lookup(self, tokens: list[int], want: int) -> list[int]:
+        """Up to ``want`` tokens that followed the latest earlier occurrence of the last 3, 2 or 1."""
+        if len(tokens) < 2 or want <= 0:
             return []
         self._update_index(tokens[:-1])  # the last n-gram is the query: its earlier occurrences count
         for n in NGRAMS:
