@@ -17,6 +17,7 @@ from hpipe.app.serve_metrics import Collector, Metrics
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError, InputError
 from hpipe.core.plan import Plan
+from hpipe.core.retry import until_done
 from hpipe.model.generate.local import encode_chat
 from hpipe.model.generate.sampling import SamplingParams
 from hpipe.model.generate.speculate import refused
@@ -135,14 +136,16 @@ class Backend:
 
     def _run(self) -> None:
         try:
-            while self.engine is None and not self._stop.is_set():
+            if self.engine is None and not self._stop.is_set():  # a daemon down fails at once: tried again
+                # every RETRY_S, not spun on
                 try:
-                    self._deploy()
-                except StageFailure as e:
-                    if self._gave_up(e):
-                        return
-                    self._state = f"deploying: {e}"
-                    self._stop.wait(RETRY_S)  # a daemon down fails at once: do not spin
+                    until_done(self._deploy, again=lambda e: isinstance(e, StageFailure) and not e.lasting,
+                               stop=self._stop, wait_s=RETRY_S, failed=self._deploying)
+                except StageFailure as e:  # a lasting one: /health says so until a restart
+                    self._gave_up(e)
+                    return
+                if self.engine is None:
+                    return
             while not self._stop.is_set():
                 error = None
                 try:
@@ -164,21 +167,27 @@ class Backend:
             if self.on_fatal is not None:
                 self.on_fatal()
 
+    def _deploying(self, e: BaseException) -> None:
+        self._state = f"deploying: {e}"
+
     def _recover(self, error: str) -> None:
         """Until the pipeline works again (or the server stops): wait for the daemons, redeploy,
         and go on on a new session. ``/health`` says what is being waited for meanwhile."""
-        old = self.engine.session
-        old.close()
-        while not self._stop.is_set():
-            self._state = f"recovering: {error}"
-            try:
-                self.engine.rebind(self.deployed.recovery(error))
-                self._state = "ok"
-                log.warning("serving again")
-                return
-            except StageFailure as e:
-                error = str(e)
-                self._stop.wait(RETRY_S)
+        self.engine.session.close()
+        self._state = f"recovering: {error}"
+        last = [error]
+
+        def rebind() -> None:
+            self.engine.rebind(self.deployed.recovery(last[0]))
+
+        def failed(e: BaseException) -> None:
+            last[0] = str(e)
+            self._state = f"recovering: {e}"
+
+        until_done(rebind, again=lambda e: isinstance(e, StageFailure), stop=self._stop, wait_s=RETRY_S, failed=failed)
+        if not self._stop.is_set():
+            self._state = "ok"
+            log.warning("serving again")
 
     def watch(self) -> None:
         """Called by the collector: an idle pipeline whose daemon came back empty is redeployed now,

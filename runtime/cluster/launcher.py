@@ -10,14 +10,12 @@ then finds it serving again and redeploys (:mod:`runtime.coordinator.recovery`).
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import subprocess
 import sys
-import time
 
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.errors import HpipeError
+from hpipe.core.retry import poll
 from runtime.cluster.processes import (
     MAX_RESTARTS,
     RESTART_WINDOW_S,
@@ -28,6 +26,7 @@ from runtime.cluster.processes import (
     read_pid,
     spawn,
     state_dir,
+    stop_all,
 )
 from runtime.wire.channels import DaemonClient, Security
 
@@ -97,12 +96,7 @@ def down(cluster: ClusterSpec, timeout_s: float = 15.0) -> dict[str, str]:
     sup = read_pid(sdir / SUPERVISOR_PID)
     (sdir / SUPERVISOR_PID).unlink(missing_ok=True)  # first: it must not restart what stops now
     if sup and pid_alive(sup):
-        os.kill(sup, signal.SIGTERM)
-        deadline = time.monotonic() + 5.0
-        while pid_alive(sup) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if pid_alive(sup):
-            os.kill(sup, signal.SIGKILL)
+        stop_all([sup], 5.0)
         status["supervisor"] = f"stopped (pid {sup})"
     for d in cluster.daemons:
         if d.ssh:
@@ -114,20 +108,13 @@ def down(cluster: ClusterSpec, timeout_s: float = 15.0) -> dict[str, str]:
             continue
         pid = int(pidf.read_text())
         if pid_alive(pid):
-            os.kill(pid, signal.SIGTERM)
             pids[d.name] = pid
         else:
             status[d.name] = "not running"
         pidf.unlink()
-    deadline = time.monotonic() + timeout_s
+    killed = stop_all(list(pids.values()), timeout_s)
     for name, pid in pids.items():
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
-            status[name] = f"killed (pid {pid}, no exit after SIGTERM)"
-        else:
-            status[name] = f"stopped (pid {pid})"
+        status[name] = f"killed (pid {pid}, no exit after SIGTERM)" if pid in killed else f"stopped (pid {pid})"
     from runtime.cluster.emulate import Emulation
 
     for item in Emulation(cluster, sdir).teardown():
@@ -144,12 +131,9 @@ def _start_remote(cluster: ClusterSpec, d, security: Security, timeout_s: float)
     try:
         remote.check_version()
         how = remote.start(cluster.token_file)
-        deadline = time.monotonic() + timeout_s
-        while not client.health(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise HpipeError(f"daemon {d.name} ({d.address}) not healthy after {timeout_s:.0f}s; its log on "
-                                 f"{remote.to}:\n{remote.log_tail()}")
-            time.sleep(0.3)
+        if not poll(lambda: client.health(timeout=1.0), timeout_s, 0.3):
+            raise HpipeError(f"daemon {d.name} ({d.address}) not healthy after {timeout_s:.0f}s; its log on "
+                             f"{remote.to}:\n{remote.log_tail()}")
         return how
     finally:
         client.close()

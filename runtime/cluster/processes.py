@@ -8,12 +8,14 @@ import hashlib
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+import psutil
 
 from hpipe.core.cluster import ClusterSpec, DaemonSpec
 from hpipe.core.errors import HpipeError
 from hpipe.core.paths import cache_root
+from hpipe.core.retry import poll
 from runtime.wire.channels import DaemonClient, Security
 
 #: the supervisor restarts one daemon at most this many times within the window
@@ -42,17 +44,34 @@ def daemon_command(d: DaemonSpec) -> list[str]:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended but not reaped, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    # a zombie child still answers kill(0): look at its state
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
+
+
+def stop_all(pids: list[int], timeout_s: float) -> set[int]:
+    """SIGTERM to each of ``pids``, SIGKILL to those still running ``timeout_s`` later; the pids
+    that had to be killed."""
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            p.terminate()
+            procs.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5.0)
+    return {p.pid for p in alive}
 
 
 def spawn(d: DaemonSpec, sdir: Path, emu) -> subprocess.Popen:
@@ -80,16 +99,19 @@ def await_healthy(d: DaemonSpec, proc: subprocess.Popen, security: Security, sdi
                    timeout_s: float) -> str:
     """Wait until ``proc`` (daemon ``d``) answers health checks; put it under its CPU quota."""
     client = DaemonClient(d.address, security, d.name)
-    deadline = time.monotonic() + timeout_s
+
+    def healthy() -> bool:
+        if client.health(timeout=1.0):
+            return True
+        if proc.poll() is not None:
+            tail = (sdir / f"{d.name}.log").read_text(errors="replace")[-2000:]
+            raise HpipeError(f"daemon {d.name} ({d.address}) exited with code {proc.returncode}:\n{tail}")
+        return False
+
     try:
-        while not client.health(timeout=1.0):
-            if proc.poll() is not None:
-                tail = (sdir / f"{d.name}.log").read_text(errors="replace")[-2000:]
-                raise HpipeError(f"daemon {d.name} ({d.address}) exited with code {proc.returncode}:\n{tail}")
-            if time.monotonic() > deadline:
-                raise HpipeError(f"daemon {d.name} ({d.address}) not healthy after {timeout_s:.0f}s; "
-                                 f"see {sdir / (d.name + '.log')}")
-            time.sleep(0.2)
+        if not poll(healthy, timeout_s, 0.2):
+            raise HpipeError(f"daemon {d.name} ({d.address}) not healthy after {timeout_s:.0f}s; "
+                             f"see {sdir / (d.name + '.log')}")
     finally:
         client.close()
     status = f"started (pid {proc.pid})"

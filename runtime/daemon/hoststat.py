@@ -1,4 +1,4 @@
-"""CPU time the hypervisor took from this machine ("steal"), read from Linux's ``/proc/stat``, and
+"""CPU time the hypervisor took from this machine ("steal"), from psutil (Linux's ``/proc/stat``), and
 the CPU time a daemon spends outside its device worker.
 
 On a virtual machine the physical cores behind the virtual CPUs may also run other guests. The
@@ -15,37 +15,28 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from pathlib import Path
 
-#: index of the steal counter in a split ``cpuN`` line: cpuN user nice system idle iowait irq softirq steal
-_STEAL_FIELD = 8
+import psutil
 
 
-def steal_seconds(cpus: Iterable[int] | None = None, stat: str | None = None) -> float | None:
-    """Steal since boot, in seconds summed over ``cpus`` (default: the CPUs this process may run on).
+def steal_seconds(cpus: Iterable[int] | None = None, times: list | None = None) -> float | None:
+    """Steal since boot, in seconds summed over ``cpus`` (default: the CPUs this process may run on),
+    from psutil's per-CPU times (``/proc/stat`` on Linux).
 
-    ``None`` where it cannot be known: no ``/proc/stat`` (not Linux), a kernel without steal
-    accounting, or none of ``cpus`` listed. ``stat`` is the file's text (for tests)."""
-    if stat is None:
+    ``None`` where it cannot be known: a platform or kernel without steal accounting, or none of
+    ``cpus`` listed. ``times`` is psutil's per-CPU list (for tests)."""
+    if times is None:
         try:
-            stat = Path("/proc/stat").read_text()
-        except OSError:
+            times = psutil.cpu_times(percpu=True)
+        except (OSError, NotImplementedError):
             return None
     if cpus is None and hasattr(os, "sched_getaffinity"):
         cpus = os.sched_getaffinity(0)
-    wanted = None if cpus is None else {f"cpu{c}" for c in cpus}
-    ticks, seen = 0, False
-    for line in stat.splitlines():
-        fields = line.split()
-        if not fields or fields[0] == "cpu" or not fields[0].startswith("cpu"):
-            continue
-        if wanted is not None and fields[0] not in wanted:
-            continue
-        if len(fields) <= _STEAL_FIELD:
-            return None
-        ticks += int(fields[_STEAL_FIELD])
-        seen = True
-    return ticks / os.sysconf("SC_CLK_TCK") if seen else None
+    wanted = range(len(times)) if cpus is None else [c for c in cpus if 0 <= c < len(times)]
+    steal = [getattr(times[c], "steal", None) for c in wanted]
+    if not steal or any(s is None for s in steal):
+        return None
+    return float(sum(steal))
 
 
 def thread_clock(thread: threading.Thread) -> int | None:

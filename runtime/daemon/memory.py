@@ -76,7 +76,7 @@ def peak(device: torch.device) -> int:
     """Peak since the last :func:`reset_peak`: CUDA allocations, or the resident set's high-water mark."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    try:
+    try:  # the resident set's high-water mark: Linux's VmHWM, which psutil does not report
         for line in open("/proc/self/status"):
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024

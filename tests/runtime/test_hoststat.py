@@ -1,32 +1,32 @@
-"""Reading the hypervisor's steal from /proc/stat, and a worker thread's CPU clock."""
+"""Reading the hypervisor's steal (psutil's per-CPU times), and a worker thread's CPU clock."""
 
 import os
 import sys
 import threading
+from collections import namedtuple
 
 import pytest
 
 from runtime.daemon.hoststat import host_cpu_seconds, steal_seconds, thread_clock
 
-HZ = os.sysconf("SC_CLK_TCK")
-STAT = """cpu  2894300 0 346040 4989651 13983 0 48407 350 0 0
-cpu0 1140016 0 139620 2756649 3355 0 16228 100 0 0
-cpu1 1754284 0 206420 2233001 10627 0 32178 250 0 0
-intr 123 4 5
-ctxt 99
-"""
+
+def _times(*steal):
+    """psutil's per-CPU times with these steal seconds (None: a kernel that does not count it)."""
+    fields = ("user", "system", "idle") + (("steal",) if steal and steal[0] is not None else ())
+    row = namedtuple("scputimes", fields)
+    return [row(1.0, 1.0, 1.0, *(() if s is None else (s,))) for s in steal]
 
 
-def test_steal_is_summed_over_the_cpus_asked_for_not_the_total_line():
-    assert steal_seconds([0], STAT) == pytest.approx(100 / HZ)
-    assert steal_seconds([1], STAT) == pytest.approx(250 / HZ)
-    assert steal_seconds([0, 1], STAT) == pytest.approx(350 / HZ)
+def test_steal_is_summed_over_the_cpus_asked_for():
+    times = _times(1.0, 2.5)
+    assert steal_seconds([0], times) == pytest.approx(1.0)
+    assert steal_seconds([1], times) == pytest.approx(2.5)
+    assert steal_seconds([0, 1], times) == pytest.approx(3.5)
 
 
 def test_unknown_steal_is_none_not_zero():
-    assert steal_seconds([5], STAT) is None  # no such CPU
-    old_kernel = "cpu  1 2 3 4\ncpu0 1 2 3 4\n"  # no steal column
-    assert steal_seconds([0], old_kernel) is None
+    assert steal_seconds([5], _times(1.0, 2.5)) is None  # no such CPU
+    assert steal_seconds([0], _times(None)) is None  # no steal counted
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
