@@ -276,7 +276,10 @@ class JobRun:
         else:
             row = self._row(r)
             self.out.append({**p.row, "key": p.key, **row})
-            p.done(row["answer"])
+            try:
+                p.done(row["answer"])  # the document's next prompts (a reduce that cannot fit: its error)
+            except HpipeError as e:
+                self.failed(p.row["document"], None, None, str(e))
         self._count(r)
 
     def _long_done(self, doc: LongDocument, extra: dict) -> None:

@@ -123,3 +123,13 @@ def test_one_supported_answer_is_the_answer_and_refine_goes_in_order(tok):
     assert [p.row["part"] for p in asked] == list(range(1, len(doc.parts) + 1))
     assert doc.answer == f"after part {len(doc.parts)}" and f"after part {len(doc.parts) - 1}" in \
         tok.decode(asked[-1].ids)
+
+
+def test_answers_too_long_for_any_reduce_prompt_are_a_clear_error(tok):
+    """Two answers of the whole budget each do not fit one reduce prompt of the plan: the document
+    fails with the reason, not silently (hpipe run records it)."""
+    job, asked, emitted = _driver(tok, 256, 100, {}, lambda p: " ".join(["harbour"] * 130))
+    doc = job.document("d", "Where?", TEXT, "map-reduce")
+    with pytest.raises(InputError, match="reduce prompt has .* tokens, over the plan's 256"):
+        job.start(doc)
+    assert emitted == []
