@@ -53,6 +53,9 @@ class Metrics:
         self.queue = Gauge("hpipe_queue_length", "requests waiting to start", registry=r)
         self.running = Gauge("hpipe_requests_running", "requests running", registry=r)
         self.preemptions = Gauge("hpipe_preemptions", "requests preempted for KV memory so far", registry=r)
+        self.guesses = Gauge("hpipe_speculative_guesses", "tokens guessed by speculative decoding so far", registry=r)
+        self.guesses_kept = Gauge("hpipe_speculative_guesses_kept", "guessed tokens the model agreed to so far",
+                                  registry=r)
         self.daemons_up = Gauge("hpipe_daemons_up", "daemons of the pipeline that answer and hold the model",
                                 registry=r)
 
@@ -101,6 +104,8 @@ class Collector:
             m.queue.set(len(engine.waiting))
             m.running.set(len(engine.running))
             m.preemptions.set(engine.preemptions)
+            m.guesses.set(engine.drafted)
+            m.guesses_kept.set(engine.kept)
         pipe = b.pipe
         if pipe is None:
             return

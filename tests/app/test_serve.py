@@ -191,7 +191,7 @@ def test_metrics_are_prometheus(server):
     base, *_ = server
     text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     for name in ("hpipe_http_requests_total", "hpipe_time_to_first_token_seconds_bucket", "hpipe_kv_blocks_used",
-                 "hpipe_queue_length", "hpipe_generated_tokens_total"):
+                 "hpipe_queue_length", "hpipe_generated_tokens_total", "hpipe_speculative_guesses_kept"):
         assert name in text, name
 
 
