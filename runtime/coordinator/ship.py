@@ -16,6 +16,7 @@ the first from its own disk and makes the second.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -95,8 +96,9 @@ class Shipment:
         (None: it reads the model itself) and what moved."""
         entries = self.manifest.entries(tensors_of(self.source.config, ranges))
         hashes = list(dict.fromkeys(e.hash for e in entries))
-        reply = client.call("HeldTensors", pb.HeldRequest(model=self.model, file_key=self.key, hashes=hashes),
-                            timeout=60.0)
+        key = secrets.token_bytes(16)  # this transfer's: only its chunks add to the tensors it asks for
+        reply = client.call("HeldTensors", pb.HeldRequest(model=self.model, file_key=self.key, hashes=hashes,
+                                                          transfer_key=key), timeout=60.0)
         if reply.local:
             return None, Transfer(name, local=True)
         held, partial = set(reply.held), dict(reply.partial)
@@ -106,7 +108,7 @@ class Shipment:
         if missing:
             todo = sum(e.nbytes - partial.get(e.hash, 0) for e in missing)
             t0 = time.perf_counter()
-            put = client.call("PutTensors", _chunks(self.source.gguf, missing, partial), timeout=60.0 + todo / SLOWEST_RATE)
+            put = client.call("PutTensors", _chunks(self.source.gguf, missing, partial, key), timeout=60.0 + todo / SLOWEST_RATE)
             transfer.seconds = time.perf_counter() - t0
             transfer.sent_bytes = put.bytes
         (log.warning if transfer.sent_bytes else log.info)("weights: %s", transfer.describe())
@@ -116,7 +118,7 @@ class Shipment:
                                architecture=self.manifest.architecture, tensors=tensors), transfer
 
 
-def _chunks(gguf: Path, entries: list[TensorEntry], partial: dict[str, int]):
+def _chunks(gguf: Path, entries: list[TensorEntry], partial: dict[str, int], key: bytes):
     """The bytes of ``entries`` still missing, as chunks, read from the file as they are sent."""
     with open(gguf, "rb") as f:
         for e in entries:
@@ -128,7 +130,7 @@ def _chunks(gguf: Path, entries: list[TensorEntry], partial: dict[str, int]):
                 data = f.read(min(CHUNK_BYTES, e.nbytes - offset))
                 if not data:
                     return  # the file shrank under us: the daemon's hash check refuses what came
-                yield pb.TensorChunk(hash=e.hash, offset=offset, total=e.nbytes, data=data)
+                yield pb.TensorChunk(hash=e.hash, offset=offset, total=e.nbytes, data=data, transfer_key=key)
                 offset += len(data)
 
 

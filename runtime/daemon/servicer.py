@@ -30,7 +30,7 @@ from runtime.daemon.stage_server import StageServer
 from runtime.daemon.weights_cache import WeightsCache
 from runtime.wire.backoff import TokenBackoff, grpc_host
 from runtime.wire.channels import TOKEN_HEADER, DaemonClient, Security
-from runtime.wire.messages import CHANNEL_OPTIONS, dtype_from_wire, pb, pb_grpc, stage_from_wire, stage_to_wire
+from runtime.wire.messages import SERVER_OPTIONS, dtype_from_wire, pb, pb_grpc, stage_from_wire, stage_to_wire
 from runtime.wire.transport import client_context, server_context
 
 log = logging.getLogger(__name__)
@@ -146,16 +146,21 @@ class StageServicer(pb_grpc.StageServiceServicer):
     @handled
     def HeldTensors(self, request, context):
         local = self.server.reads_locally(request.model, request.file_key)
-        held, partial = ([], {}) if local else self.server.weights_cache.held(list(request.hashes))
+        held, partial = ([], {}) if local else self.server.weights_cache.held(list(request.hashes), request.transfer_key)
         return pb.HeldReply(local=local, held=held, partial=partial)
 
     @handled
     def PutTensors(self, request_iterator, context):
-        cache, received, completed = self.server.weights_cache, 0, []
-        for chunk in request_iterator:
-            if cache.receive(chunk.hash, chunk.offset, chunk.total, chunk.data):
-                completed.append(chunk.hash)
-            received += len(chunk.data)
+        cache, received, completed, keys = self.server.weights_cache, 0, [], set()
+        try:
+            for chunk in request_iterator:
+                keys.add(chunk.transfer_key)
+                if cache.receive(chunk.hash, chunk.offset, chunk.total, chunk.data, chunk.transfer_key):
+                    completed.append(chunk.hash)
+                received += len(chunk.data)
+        finally:
+            for key in keys:
+                cache.stream_ended(key)
         return pb.PutReply(bytes=received, completed=completed)
 
     @handled
@@ -198,7 +203,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
         backoff = backoff or TokenBackoff()
         waiting = threading.BoundedSemaphore(WAITING_REFUSALS)
 
-        def deny(request, context):
+        def deny(requests, context):  # never reads the request: its bytes are dropped with the stream
             host = grpc_host(context.peer())
             if waiting.acquire(blocking=False):
                 try:
@@ -209,7 +214,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
                 backoff.delay(host)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny = grpc.stream_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, handler_call_details):
         sent = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_HEADER, "")
@@ -247,7 +252,7 @@ def build_server(options: DaemonOptions, services: tuple[Service, ...] = (),
     interceptors = [TokenInterceptor(security.token)] if security.token else []
     # so_reuseport off: a second daemon on a port in use must fail to bind, not share it unseen
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=RPC_THREADS, thread_name_prefix="grpc"),
-                         interceptors=interceptors, options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)])
+                         interceptors=interceptors, options=SERVER_OPTIONS + [("grpc.so_reuseport", 0)])
     pb_grpc.add_StageServiceServicer_to_server(StageServicer(stage, security), server)
     for add in services:
         add(server, stage, security)

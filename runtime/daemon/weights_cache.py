@@ -9,8 +9,16 @@ are hashed once more then). A complete entry's hash is checked before it is rena
 (atomically), and again each time a stage loads it; a wrong one is deleted, so it is fetched again. The cache keeps at most
 ``budget`` bytes on disk, partial entries counted at their whole size from their first chunk: a
 partial entry no chunk has reached for :data:`PARTIAL_IDLE_S` goes first when room is needed, then
-the entries used least recently, never those a deployment has asked for or holds. Only weights are
-cached, never activations.
+the entries used least recently, never those a deployment holds or a live transfer asked for.
+Only weights are cached, never activations.
+
+Transfers belong to whoever began them. A coordinator names the tensors it is about to send with a
+random transfer key (``HeldTensors``) and sends that key with every chunk (``PutTensors``): a chunk
+of a tensor no transfer asked for is refused, and so is one of a tensor another transfer is
+sending (its stream is open and a chunk came in the last :data:`CLAIM_IDLE_S`), so a caller cannot
+restart or interleave another's transfer. What a transfer asked for is kept from eviction only while the
+transfer lives (:data:`PARTIAL_IDLE_S` after its last call); what a ``Load`` holds, until the next
+``Load``. Content addressing makes the bytes themselves trustworthy: an entry is its hash.
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import hmac
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import blake3
@@ -32,8 +42,23 @@ log = logging.getLogger(__name__)
 _HASH = re.compile(r"[0-9a-f]{64}")
 #: the largest tensor a daemon accepts (a 128k-token vocabulary's bf16 embedding of width 16k is 4 GiB)
 MAX_TENSOR_BYTES = 16 << 30
-#: a partial entry no chunk has reached for this long is abandoned: removed when room is needed
+#: a partial entry no chunk has reached for this long is abandoned: removed when room is needed; a
+#: transfer's claim on the tensors it asked for lapses as long after its last call
 PARTIAL_IDLE_S = 600.0
+#: a transfer whose stream sent nothing for this long lets another one that asks take its tensors
+#: over (at once once its stream ended: a coordinator that retries goes on from what arrived)
+CLAIM_IDLE_S = 30.0
+#: the most tensors live transfers may have asked for at once
+MAX_CLAIMS = 1 << 16
+#: the shortest transfer key (as a session's, runtime.daemon.owners)
+MIN_KEY_BYTES = 16
+
+
+@dataclass
+class _Claim:
+    key: bytes
+    touched: float  # time.monotonic() of the transfer's last call naming it
+    sending: bool = False  # a PutTensors stream of the transfer is open
 
 
 def check_hash(h: str) -> str:
@@ -48,33 +73,53 @@ class WeightsCache:
         self._partial = self.root / "partial"
         self._partial.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._pinned: set[str] = set()  # what deployments asked for or hold: never evicted
+        self._pinned: set[str] = set()  # what the deployment holds: never evicted
+        self._claims: dict[str, _Claim] = {}  # what live transfers asked for, by hash
         self._hashing: dict[str, tuple[blake3.blake3, int]] = {}  # a partial entry's hash so far, and its bytes
         self._bytes: int | None = None  # whole entries' bytes (counted when first needed)
         self._expected: dict[str, int] = {}  # a partial entry's whole size, reserved at its first chunk
 
     # --- what a coordinator asks --------------------------------------------------------------
-    def held(self, hashes: list[str]) -> tuple[list[str], dict[str, int]]:
-        """Which of ``hashes`` are here whole, and how many bytes of the others arrived; they are
-        kept from eviction from now on (a deployment is about to use them)."""
+    def held(self, hashes: list[str], key: bytes) -> tuple[list[str], dict[str, int]]:
+        """Which of ``hashes`` are here whole, and how many bytes of the others arrived. The
+        transfer of ``key`` now owns them (kept from eviction while it lives), except those another
+        live transfer is sending: their bytes so far are not reported (a chunk of them is refused)."""
+        if len(key) < MIN_KEY_BYTES:
+            raise StatusError("INVALID_ARGUMENT", f"a transfer needs a key of {MIN_KEY_BYTES} bytes or more")
         whole, partial = [], {}
+        now = time.monotonic()
         with self._lock:
+            self._lapse(now)
             for h in map(check_hash, hashes):
-                self._pinned.add(h)
+                claim = self._claims.get(h)
+                mine = claim is None or hmac.compare_digest(claim.key, key) or not claim.sending \
+                    or now - claim.touched > CLAIM_IDLE_S
+                if mine:
+                    if len(self._claims) >= MAX_CLAIMS and h not in self._claims:
+                        raise StatusError("RESOURCE_EXHAUSTED", f"live transfers have asked for {MAX_CLAIMS} tensors")
+                    self._claims[h] = _Claim(key, now)
                 if (self.root / h).exists():
                     whole.append(h)
-                elif (self._partial / h).exists():
+                elif mine and (self._partial / h).exists():
                     partial[h] = (self._partial / h).stat().st_size
         return whole, partial
 
-    def receive(self, h: str, offset: int, total: int, data: bytes) -> bool:
-        """Append a chunk of ``h``'s bytes at ``offset`` (of ``total``); True once the entry is whole
-        and its hash checked. A chunk at 0 starts the entry over; any other not at the end of what
-        arrived is refused (the sender asks :meth:`held` where to go on)."""
+    def receive(self, h: str, offset: int, total: int, data: bytes, key: bytes) -> bool:
+        """Append a chunk of ``h``'s bytes at ``offset`` (of ``total``), sent by the transfer of
+        ``key``; True once the entry is whole and its hash checked. A chunk at 0 starts the entry
+        over; any other not at the end of what arrived is refused (the sender asks :meth:`held`
+        where to go on), as is one of a tensor this transfer did not ask for."""
         check_hash(h)
         if not 0 < total <= MAX_TENSOR_BYTES or offset < 0 or offset + len(data) > total:
             raise StatusError("INVALID_ARGUMENT", f"a chunk of {len(data)} bytes at {offset} of a {total}-byte tensor")
         with self._lock:
+            claim = self._claims.get(h)
+            if claim is None or time.monotonic() - claim.touched > PARTIAL_IDLE_S:
+                raise StatusError("FAILED_PRECONDITION", f"tensor {h[:12]}: no transfer asked for it (HeldTensors "
+                                  "first, with the transfer's key)")
+            if not hmac.compare_digest(claim.key, key):
+                raise StatusError("ABORTED", f"tensor {h[:12]} is being sent by another transfer")
+            claim.touched, claim.sending = time.monotonic(), True
             if (self.root / h).exists():
                 return True  # another transfer brought it
             part = self._partial / h
@@ -130,9 +175,29 @@ class WeightsCache:
         return p
 
     def hold_only(self, hashes: set[str]) -> None:
-        """The entries the daemon's stages now hold: the ones kept from eviction."""
+        """The entries the daemon's stages now hold: kept from eviction until the next Load. The
+        transfers that brought whole entries are done: their claims go (partial ones stay)."""
         with self._lock:
             self._pinned = set(hashes)
+            for h in [h for h in self._claims if (self.root / h).exists()]:
+                del self._claims[h]
+
+    def stream_ended(self, key: bytes) -> None:
+        """A PutTensors stream of the transfer of ``key`` ended (done, cut or cancelled): what it
+        asked for stays kept while its claim lives, but another transfer may now go on with it."""
+        with self._lock:
+            for c in self._claims.values():
+                if c.sending and hmac.compare_digest(c.key, key):
+                    c.sending = False
+
+    def _lapse(self, now: float) -> None:
+        """Forget the claims of transfers gone quiet for :data:`PARTIAL_IDLE_S`."""
+        for h in [h for h, c in self._claims.items() if now - c.touched > PARTIAL_IDLE_S]:
+            del self._claims[h]
+
+    def _kept(self) -> set[str]:
+        self._lapse(time.monotonic())
+        return self._pinned | self._claims.keys()
 
     def _drop_partial(self, h: str) -> None:
         (self._partial / h).unlink(missing_ok=True)
@@ -156,10 +221,11 @@ class WeightsCache:
         entries = sorted((p for p in self.root.iterdir() if p.is_file()), key=lambda p: p.stat().st_mtime)
         total = self._bytes = sum(p.stat().st_size for p in entries)
         incoming += self._reserved()
+        kept = self._kept()
         for p in entries:
             if total + incoming <= self.budget:
                 return
-            if p.name in self._pinned:
+            if p.name in kept:
                 continue
             total -= p.stat().st_size
             self._bytes = total

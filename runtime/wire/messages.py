@@ -7,6 +7,8 @@ into a tensor of the size its layout declares, refusing any other count. No pick
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hpipe.core.errors import InputError
@@ -22,18 +24,27 @@ TO_WIRE = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16
 FROM_WIRE = {v: k for k, v in TO_WIRE.items()}
 
 #: the control plane's largest message (activations travel on the data plane, runtime/wire/transport.py):
-#: a link probe of up to 32 MiB, with room. gRPC reads a message whole before the token check, so
-#: this also bounds what an unauthenticated caller can make a daemon hold.
+#: a link probe of up to 32 MiB, with room.
 MAX_MESSAGE_BYTES = 64 << 20
-CHANNEL_OPTIONS = [
+#: the HTTP/2 stream window a client gives a daemon's replies (link probes' echoes). With the default
+#: 64 KB window and bandwidth-delay probing, a 100 Mbit/s tc-shaped link carried gRPC at 7.8-11.7 MB/s
+#: from run to run while raw TCP held 11.3-12.0; with a fixed 16 MiB one, five runs measured 11.57-11.65.
+CLIENT_WINDOW_BYTES = 16 << 20
+#: the window a daemon gives each stream sent to it (weights, KV, probes), smaller: it admits these
+#: bytes on every stream before the token check has refused it, so 500 callers without the token
+#: sending large messages would make a daemon hold 500 windows (16 MiB ones: gigabytes). 2 MiB still
+#: covers a 1 Gbit/s link's bandwidth-delay product up to 16 ms.
+SERVER_WINDOW_BYTES = int(os.environ.get("HPIPE_SERVER_WINDOW", 2 << 20))
+_COMMON = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # A fixed 16 MiB HTTP/2 stream window. With the default 64 KB window and bandwidth-delay probing,
-    # a 100 Mbit/s tc-shaped link carried gRPC at 7.8-11.7 MB/s from run to run while raw TCP held
-    # 11.3-12.0; with this, five runs measured 11.57-11.65.
-    ("grpc.http2.lookahead_bytes", 16 << 20),
     ("grpc.http2.bdp_probe", 0),
 ]
+CHANNEL_OPTIONS = _COMMON + [("grpc.http2.lookahead_bytes", CLIENT_WINDOW_BYTES)]
+#: the most streams one connection may have open on a daemon (a coordinator uses a handful)
+MAX_STREAMS_PER_CONNECTION = 64
+SERVER_OPTIONS = _COMMON + [("grpc.http2.lookahead_bytes", SERVER_WINDOW_BYTES),
+                            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)]
 
 
 def dtype_to_wire(dtype: torch.dtype) -> int:

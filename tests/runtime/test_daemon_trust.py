@@ -1,6 +1,7 @@
 """A caller with the cluster's token touches only its own sessions, and connections that never
 authenticate cost a daemon next to nothing (runtime.daemon.owners, runtime.wire.data_server)."""
 
+import json
 import logging
 import os
 import random
@@ -190,6 +191,39 @@ def test_a_thousand_unauthenticated_connections_cost_next_to_nothing(tmp_path):
     finally:
         for s in socks:
             s.close()
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_callers_without_the_token_sending_large_messages_cost_little(tmp_path):
+    """Issue 64: gRPC read each message whole (up to 64 MiB), and admitted a 16 MiB window on
+    every stream, before the token check refused it: 100 such callers made a daemon grow by 2.3 GB
+    and an authorized Status wait 1.8 s. Now a refusal reads no message and a daemon's streams
+    admit 2 MiB each."""
+    proc, port, _ = _start_daemon(tmp_path)
+    client = DaemonClient(f"127.0.0.1:{port}", Security(token=TOKEN))
+    flood = None
+    try:
+        time.sleep(1.0)
+        idle = psutil.Process(proc.pid).memory_info().rss
+        flood = subprocess.Popen([sys.executable, "-m", "tests.runtime.grpc_flood", f"127.0.0.1:{port}",
+                                  "--clients", "100", "--mib", "32", "--timeout", "10"], stdout=subprocess.PIPE,
+                                 text=True)
+        peak, slowest, deadline = idle, 0.0, time.monotonic() + 120
+        while flood.poll() is None and time.monotonic() < deadline:
+            peak = max(peak, psutil.Process(proc.pid).memory_info().rss)
+            t0 = time.perf_counter()
+            client.call("Status", pb.StatusRequest(), timeout=10)
+            slowest = max(slowest, time.perf_counter() - t0)
+            time.sleep(0.05)
+        answers = json.loads(flood.communicate(timeout=60)[0])["answers"]
+        assert not [a for a in answers if a.endswith(" OK")], answers
+        assert peak - idle < 150 << 20, f"{(peak - idle) >> 20} MiB more while refusing large messages"
+        assert slowest < 1.0, f"an authorized Status took {slowest:.2f} s"
+    finally:
+        if flood is not None and flood.poll() is None:
+            flood.kill()
+        client.close()
         proc.terminate()
         proc.wait(timeout=30)
 

@@ -107,12 +107,15 @@ def test_a_cut_transfer_goes_on_from_what_arrived(bare, smollm2, reference):
     with open(smollm2.gguf, "rb") as f:
         f.seek(big.offset)
         head = f.read(big.nbytes // 2)
-    client = d.client()
-    client.call("PutTensors", iter([pb.TensorChunk(hash=big.hash, offset=0, total=big.nbytes, data=head)]))
-    held = client.call("HeldTensors", pb.HeldRequest(model=str(smollm2.gguf), hashes=[big.hash]))
+    client, key = d.client(), b"k" * 16
+    client.call("HeldTensors", pb.HeldRequest(model=str(smollm2.gguf), hashes=[big.hash], transfer_key=key))
+    client.call("PutTensors", iter([pb.TensorChunk(hash=big.hash, offset=0, total=big.nbytes, data=head,
+                                                   transfer_key=key)]))
+    held = client.call("HeldTensors", pb.HeldRequest(model=str(smollm2.gguf), hashes=[big.hash], transfer_key=key))
     assert not held.local and dict(held.partial) == {big.hash: len(head)}
     with pytest.raises(grpc.RpcError) as e:  # a chunk that is not where the bytes stopped
-        client.call("PutTensors", iter([pb.TensorChunk(hash=big.hash, offset=10, total=big.nbytes, data=head)]))
+        client.call("PutTensors", iter([pb.TensorChunk(hash=big.hash, offset=10, total=big.nbytes, data=head,
+                                                       transfer_key=key)]))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     spec = ClusterSpec("one", (DaemonSpec.at(d.name, d.address),))
     pipe = Pipeline(spec)
@@ -143,29 +146,32 @@ def test_the_weights_cache_stays_within_its_budget(tmp_path):
     from hpipe.model.weights.manifest import content_hash
     from runtime.daemon.weights_cache import WeightsCache
 
-    cache = WeightsCache(tmp_path / "w", budget=3000)
+    cache, key = WeightsCache(tmp_path / "w", budget=3000), b"k" * 16
     blobs = [os.urandom(1000) for _ in range(4)]
     names = [content_hash(b) for b in blobs]
     for h, b in zip(names[:3], blobs[:3]):
-        assert cache.held([h]) == ([], {})
-        assert cache.receive(h, 0, len(b), b)
-    cache.hold_only({names[0]})
+        assert cache.held([h], key) == ([], {})
+        assert cache.receive(h, 0, len(b), b, key)
+    cache.hold_only({names[0]})  # a Load: it holds names[0]; the transfers that brought the others are done
     cache.path(names[1])  # used lately: names[2] is now the least recently used unpinned entry
     os.utime(cache.root / names[2], (1, 1))
-    assert cache.receive(names[3], 0, 1000, blobs[3])
+    cache.held([names[3]], key)
+    assert cache.receive(names[3], 0, 1000, blobs[3], key)
     assert sorted(p.name for p in cache.root.iterdir() if p.is_file()) == sorted([names[0], names[1], names[3]])
-    blob = os.urandom(500)
+    blob, x = os.urandom(500), content_hash(b"x" * 10)
     cache.hold_only(set(names))
-    for call, code in ((lambda: cache.receive(content_hash(b"x" * 10), 0, 10, b"y" * 10), "RESOURCE_EXHAUSTED"),
-                       (lambda: cache.receive(content_hash(blob), 0, 500, blob), "RESOURCE_EXHAUSTED"),  # none may go
-                       (lambda: cache.held(["../../etc/passwd"]), "INVALID_ARGUMENT")):
+    cache.held([x, content_hash(blob)], key)
+    for call, code in ((lambda: cache.receive(x, 0, 10, b"y" * 10, key), "RESOURCE_EXHAUSTED"),
+                       (lambda: cache.receive(content_hash(blob), 0, 500, blob, key), "RESOURCE_EXHAUSTED"),
+                       (lambda: cache.held(["../../etc/passwd"], key), "INVALID_ARGUMENT"),
+                       (lambda: cache.held([x], b"short"), "INVALID_ARGUMENT")):
         with pytest.raises(StatusError) as e:
             call()
         assert e.value.code == code, e.value
     assert not list((cache.root / "partial").iterdir())  # nothing half-kept
     cache.hold_only(set())
     with pytest.raises(StatusError, match="DATA_LOSS|arrived with hash"):
-        cache.receive(content_hash(b"x" * 10), 0, 10, b"y" * 10)
+        cache.receive(x, 0, 10, b"y" * 10, key)
     assert not list((cache.root / "partial").iterdir())
 
 
@@ -180,20 +186,63 @@ def test_partial_entries_count_against_the_budget_and_abandoned_ones_go(tmp_path
 
     cache = WeightsCache(tmp_path / "w", budget=3000)
     a, b = os.urandom(2000), os.urandom(2000)
-    assert not cache.receive(content_hash(a), 0, 2000, a[:100])  # 2,000 bytes reserved, 100 arrived
+    ka, kb = b"a" * 16, b"b" * 16
+    cache.held([content_hash(a)], ka)
+    cache.held([content_hash(b)], kb)
+    assert not cache.receive(content_hash(a), 0, 2000, a[:100], ka)  # 2,000 bytes reserved, 100 arrived
     with pytest.raises(StatusError) as e:
-        cache.receive(content_hash(b), 0, 2000, b[:100])
+        cache.receive(content_hash(b), 0, 2000, b[:100], kb)
     assert e.value.code == "RESOURCE_EXHAUSTED"
     assert [p.name for p in (cache.root / "partial").iterdir()] == [content_hash(a)]
     with pytest.raises(StatusError, match="was 2000 bytes, not 1000"):
-        cache.receive(content_hash(a), 100, 1000, a[100:200])
+        cache.receive(content_hash(a), 100, 1000, a[100:200], ka)
     part = cache.root / "partial" / content_hash(a)
     os.utime(part, (1, 1))  # no chunk for longer than PARTIAL_IDLE_S
     assert weights_cache.PARTIAL_IDLE_S < time.time() - 1
-    assert cache.receive(content_hash(b), 0, 2000, b)
+    assert cache.receive(content_hash(b), 0, 2000, b, kb)
     assert not part.exists() and (cache.root / content_hash(b)).exists()
     with pytest.raises(StatusError, match="DATA_LOSS|arrived with hash|0 bytes have arrived"):  # the sender learns it
-        cache.receive(content_hash(a), 100, 2000, a[100:])
+        cache.receive(content_hash(a), 100, 2000, a[100:], ka)
+
+
+def test_a_transfer_belongs_to_whoever_began_it(tmp_path):
+    """Issue 64: any token holder could send chunks of any tensor (filling the disk with entries
+    no deployment asked for), start another's transfer over, and keep any entry it named from
+    eviction for good. Now a chunk needs its transfer's key, another transfer's tensor is refused
+    while that one lives, and a transfer's claim lapses with it."""
+    from hpipe.core.errors import StatusError
+    from hpipe.model.weights.manifest import content_hash
+    from runtime.daemon import weights_cache
+    from runtime.daemon.weights_cache import WeightsCache
+
+    cache, mine, theirs = WeightsCache(tmp_path / "w", budget=4000), b"m" * 16, b"t" * 16
+    a, junk = os.urandom(2000), os.urandom(1500)
+    with pytest.raises(StatusError, match="no transfer asked for it") as e:  # nothing asked for it
+        cache.receive(content_hash(junk), 0, 1500, junk, theirs)
+    assert e.value.code == "FAILED_PRECONDITION" and not list((cache.root / "partial").iterdir())
+    cache.held([content_hash(a)], mine)
+    assert not cache.receive(content_hash(a), 0, 2000, a[:1000], mine)  # its stream is open
+    assert cache.held([content_hash(a)], theirs) == ([], {})  # another's transfer: its bytes are not said
+    for offset, data in ((0, a[:10]), (1000, a[1000:])):  # start it over, or go on with it
+        with pytest.raises(StatusError, match="another transfer") as e:
+            cache.receive(content_hash(a), offset, 2000, data, theirs)
+        assert e.value.code == "ABORTED"
+    cache.stream_ended(mine)  # cut off: a transfer that asks again (a coordinator's retry) goes on from there
+    retry = b"r" * 16
+    assert cache.held([content_hash(a)], retry) == ([], {content_hash(a): 1000})
+    assert cache.receive(content_hash(a), 1000, 2000, a[1000:], retry)
+    cache.held([content_hash(junk)], theirs)  # a token holder's own entry: kept while its transfer lives
+    assert cache.receive(content_hash(junk), 0, 1500, junk, theirs)
+    b = os.urandom(1500)
+    cache.held([content_hash(b)], mine)
+    with pytest.raises(StatusError) as e:  # a Load holds a; junk's transfer still lives
+        cache.hold_only({content_hash(a)})
+        cache.held([content_hash(junk)], theirs)  # and keeps asking
+        cache.receive(content_hash(b), 0, 1500, b, mine)
+    assert e.value.code == "RESOURCE_EXHAUSTED"
+    cache._claims[content_hash(junk)].touched -= weights_cache.PARTIAL_IDLE_S + 1  # its transfer went quiet
+    assert cache.receive(content_hash(b), 0, 1500, b, mine)
+    assert not (cache.root / content_hash(junk)).exists() and (cache.root / content_hash(a)).exists()
 
 
 def test_a_new_plan_moves_only_the_units_that_changed_hands(bare, smollm2):
