@@ -62,13 +62,13 @@ def check_device(device: str) -> None:
 def load_profile(path: str):
     from hpipe.core.profile import Profile
 
-    return Profile.from_json(read_text(path, "profile"))
+    return Profile.from_json(read_text(path, "profile"), str(path))
 
 
 def load_plan(path: str):
     from hpipe.core.plan import Plan
 
-    return Plan.from_json(read_text(path, "plan"))
+    return Plan.from_json(read_text(path, "plan"), str(path))
 
 
 def cluster_for(plan, cluster_file: str | None):

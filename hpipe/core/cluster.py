@@ -23,7 +23,8 @@ daemons:
 
 :class:`DaemonOptions` is the one definition of what a daemon is started with: the cluster file's
 daemon entries are read into it, ``hpipe daemon``'s flags are made from its fields, and ``hpipe
-cluster up`` turns it back into those flags (:meth:`DaemonOptions.argv`).
+cluster up`` turns it back into those flags (:meth:`DaemonOptions.argv`). The file's other keys are
+declared in :class:`hpipe.core.schemas.ClusterFile`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 import yaml
 
 from hpipe.core.errors import HpipeError
+from hpipe.core.schemas import ClusterFile, DeviceSpec, Ssh, validated
 from hpipe.core.shared_gpus import with_memory_shares
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.I)
@@ -263,24 +265,14 @@ def split_address(address: str, who: str) -> tuple[str, int]:
     return host, int(m.group(2) or m.group(4))
 
 
-def _spec(who: str, spec) -> dict:
-    if not spec:
-        return {}
-    need = ("peak_tflops", "mem_bw_gbs", "memory")
-    if not isinstance(spec, dict) or any(k not in spec for k in need):
-        raise HpipeError(f"{who}: spec needs {', '.join(need)}")
-    return {**spec, "memory": parse_size(spec["memory"])}
+def _spec(spec: DeviceSpec | None) -> dict:
+    return {**spec.model_dump(exclude_none=True), "memory": parse_size(spec.memory)} if spec else {}
 
 
-def _ssh(who: str, ssh, rel) -> dict:
+def _ssh(ssh: str | Ssh | None, rel) -> dict:
     """``ssh: user@host`` or ``ssh: {to: user@host, port, key, known_hosts, hpipe}`` (paths relative
     to the cluster file)."""
-    if not ssh:
-        return {}
-    ssh = {"to": ssh} if isinstance(ssh, str) else ssh
-    if not isinstance(ssh, dict) or not re.fullmatch(r"[^@\s]+@[^@\s]+", str(ssh.get("to", ""))) or \
-            set(ssh) - {"to", "port", "key", "known_hosts", "hpipe"}:
-        raise HpipeError(f"{who}: ssh is user@host, or {{to: user@host, port, key, known_hosts, hpipe}}")
+    ssh = {"to": ssh} if isinstance(ssh, str) else ssh.model_dump(exclude_none=True) if ssh else {}
     return {**ssh, **{k: str(rel(ssh[k])) for k in ("key", "known_hosts") if ssh.get(k)}}
 
 
@@ -322,6 +314,11 @@ class ClusterSpec:
             if dup:
                 raise HpipeError(f"cluster {self.name!r}: duplicate daemon {kind}s {sorted(dup)}")
 
+    @property
+    def where(self) -> str:
+        """The cluster's file, or its name where it has none (for errors)."""
+        return str(self.path) if self.path else f"cluster {self.name!r}"
+
     def daemon(self, name: str) -> DaemonSpec:
         for d in self.daemons:
             if d.name == name:
@@ -342,36 +339,38 @@ class ClusterSpec:
             where = getattr(e, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
             raise HpipeError(f"{path}: not valid YAML{at} ({getattr(e, 'problem', None) or 'syntax error'})") from None
-        if not isinstance(raw, dict) or not isinstance(raw.get("daemons"), list):
-            raise HpipeError(f"{path}: a cluster file needs a 'daemons' list")
+        f = validated(ClusterFile, raw, str(path))
+        try:
+            return cls._of_file(f, path)
+        except HpipeError as e:  # what spans keys, or a daemon's options: said with the file's name
+            raise HpipeError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
+
+    @classmethod
+    def _of_file(cls, f: ClusterFile, path: Path) -> "ClusterSpec":
         base = path.resolve().parent
 
         def rel(p):
             return (base / str(p)) if p else None
 
-        token_file, tls_ca = rel(raw.get("token_file")), rel(raw.get("tls_ca"))
+        token_file, tls_ca = rel(f.token_file), rel(f.tls_ca)
         daemons = []
-        for i, d in enumerate(raw["daemons"]):
-            who = f"{path}: daemon #{i}"
-            if not isinstance(d, dict) or "address" not in d:
-                raise HpipeError(f"{who} needs at least an address (host:port)")
-            d = dict(d)
-            host, port = split_address(str(d.pop("address")), who)
-            emulate, spec, ssh = d.pop("emulate", None) or {}, d.pop("spec", None), _ssh(who, d.pop("ssh", None), rel)
-            if not isinstance(emulate, dict):
-                raise HpipeError(f"{who}: emulate must be a mapping")
+        for i, d in enumerate(f.daemons):
+            who = f"{path}: daemons.{i}"
+            options = dict(d.model_extra or {})
+            host, port = split_address(d.address, who)
             for key in ("tls_cert", "tls_key"):
-                if d.get(key):
-                    d[key] = rel(d[key])
-            if "token_file" in d or "tls_ca" in d:
+                if options.get(key):
+                    options[key] = rel(options[key])
+            if "token_file" in options or "tls_ca" in options:
                 raise HpipeError(f"{who}: token_file and tls_ca are set for the whole cluster, at the top level")
-            if raw.get("model_dirs") and "model_dirs" not in d:
-                d["model_dirs"] = raw["model_dirs"]
-            options = DaemonOptions.from_values({"name": f"d{i}", **d, "host": host, "port": port}, who)
-            daemons.append(DaemonSpec(**{**vars(options), "token_file": token_file, "tls_ca": tls_ca},
-                                      emulate=emulate, spec=_spec(who, spec), ssh=ssh))
-        return cls(name=str(raw.get("name", path.stem)), daemons=with_memory_shares(daemons), path=path.resolve(),
-                   token_file=token_file, tls_ca=tls_ca, links=dict(raw.get("links") or {}))
+            if f.model_dirs and "model_dirs" not in options:
+                options["model_dirs"] = f.model_dirs
+            parsed = DaemonOptions.from_values({"name": f"d{i}", **options, "host": host, "port": port}, who)
+            daemons.append(DaemonSpec(**{**vars(parsed), "token_file": token_file, "tls_ca": tls_ca},
+                                      emulate=d.emulate.model_dump(exclude_none=True) if d.emulate else {},
+                                      spec=_spec(d.spec), ssh=_ssh(d.ssh, rel)))
+        return cls(name=f.name or path.stem, daemons=with_memory_shares(daemons), path=path.resolve(),
+                   token_file=token_file, tls_ca=tls_ca, links=f.links.model_dump(exclude_none=True) if f.links else {})
 
     def link_specs(self) -> dict[tuple[str, str], tuple[float, float]]:
         """What-if links as {(src, dst): (latency s, bandwidth bytes/s)} for every directed pair."""
@@ -379,7 +378,7 @@ class ClusterSpec:
             try:
                 return float(entry.get("latency_ms", 0.1)) / 1e3, float(entry["gbit_s"]) * 1e9 / 8
             except (KeyError, TypeError, ValueError):
-                raise HpipeError(f"cluster {self.name!r}: link {what} needs gbit_s (and optional latency_ms)") from None
+                raise HpipeError(f"{self.where}: link {what} needs gbit_s (and optional latency_ms)") from None
 
         pairs = {(p["src"], p["dst"]): conv(p, f"{p.get('src')}->{p.get('dst')}")
                  for p in self.links.get("pairs", [])}
@@ -393,6 +392,7 @@ class ClusterSpec:
                     continue
                 kind = "same_host" if a.host == b.host else "between_hosts"
                 if kind not in self.links:
-                    raise HpipeError(f"cluster {self.name!r}: no '{kind}' link spec for {a.name}->{b.name}")
+                    raise HpipeError(f"{self.where}: links: no '{kind}' link for {a.name}->{b.name} (what-if "
+                                     "planning needs one)")
                 out[a.name, b.name] = conv(self.links[kind], kind)
         return out

@@ -133,6 +133,10 @@ class ModelConfig:
         return self.local_rope if self.local_rope is not None and self.sliding_windows[layer] else self.rope
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ModelSourceError(f"config.json: {name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads ({self.num_heads}) is not a multiple of "
@@ -183,7 +187,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "ModelConfig":
+        if not isinstance(raw, Mapping):
+            raise ModelSourceError(f"config.json is not a mapping of keys (found {type(raw).__name__})")
         archs = raw.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs) \
+                or not isinstance(raw.get("model_type", ""), (str, type(None))):
+            raise ModelSourceError("config.json: architectures is a list of names, model_type a name")
         arch = archs[0] if archs else None
         model_type = raw.get("model_type")
         if arch is None:
@@ -234,6 +243,8 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ModelSourceError(f"config.json lacks the required key {e.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError, OverflowError, ZeroDivisionError) as e:
+            raise ModelSourceError(f"config.json has a value of the wrong kind ({e})") from None
         return cfg
 
     @classmethod

@@ -14,6 +14,7 @@ from typing import Any
 
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import HpipeError
+from hpipe.core.schemas import PlanFile, StageFile, validated
 from hpipe.core.units import UnitRange, num_layers_of
 
 FORMAT_VERSION = 2
@@ -44,9 +45,9 @@ class Stage:
                 "compute_s": self.compute_s}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], num_layers: int) -> "Stage":
-        return cls(d["daemon"], d["address"], UnitRange(int(d["unit_start"]), int(d["unit_end"]), num_layers),
-                   int(d.get("memory_bytes", 0)), int(d.get("memory_limit", 0)), float(d.get("compute_s", 0.0)))
+    def from_file(cls, s: StageFile, num_layers: int) -> "Stage":
+        return cls(s.daemon, s.address, UnitRange(s.unit_start, s.unit_end, num_layers), s.memory_bytes,
+                   s.memory_limit, s.compute_s)
 
 
 def stages_from_cuts(daemons: list[tuple[str, str]], cuts: list[int], num_units: int) -> list[Stage]:
@@ -157,33 +158,36 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+    def from_dict(cls, d: dict[str, Any], where: str = "plan") -> "Plan":
+        """A plan from ``plan.json``'s contents (``where``: the file, for errors), its keys and
+        types checked against :class:`hpipe.core.schemas.PlanFile`."""
+        if isinstance(d, dict) and isinstance(d.get("version"), int) and d["version"] != FORMAT_VERSION:
+            raise PlanError(f"{where}: plan format version {d['version']} is not supported (expected "
+                            f"{FORMAT_VERSION}): make it again with `hpipe plan`")
+        f = validated(PlanFile, d, where, PlanError)
         try:
-            model = ModelConfig.from_dict(d["model"])
-            strategies = {}
-            for k, v in d["strategies"].items():
-                stages = tuple(Stage.from_dict(s, model.num_layers) for s in v["stages"])
-                pred = v["predicted_s"] if v["predicted_s"] is not None else math.inf
-                strategies[k] = StrategyPlan(v["name"], stages, int(v["micro_batches"]), tuple(v["slices"]), pred)
-            # plans written before the slicing table had its own name called it the schedule
-            slicing = d["slicing"] if "slicing" in d else d["schedule"]
-            slicing_for = d.get("slicing_for", d.get("schedule_for", "hpipe"))
-            return cls(d["model_name"], model, d["dtype"], int(d["batch"]), int(d["seq_len"]),
-                       int(d["max_len"]), int(d["granularity"]), d["strategy"], strategies,
-                       {int(k): tuple(v) for k, v in slicing.items()}, float(d.get("ideal_s", 0.0)),
-                       int(d["version"]), dict(d.get("meta", {})), str(slicing_for))
-        except (KeyError, TypeError, ValueError, HpipeError) as e:
-            raise PlanError(f"not a valid hpipe plan: {e!r}") from None
+            model = ModelConfig.from_dict(f.model)
+            strategies = {k: StrategyPlan(v.name, tuple(Stage.from_file(s, model.num_layers) for s in v.stages),
+                                          v.micro_batches, tuple(v.slices),
+                                          math.inf if v.predicted_s is None else v.predicted_s)
+                          for k, v in f.strategies.items()}
+            slicing = f.slicing if f.slicing is not None else (f.schedule or {})
+            return cls(f.model_name, model, f.dtype, f.batch, f.seq_len, f.max_len, f.granularity, f.strategy,
+                       strategies, {int(k): tuple(v) for k, v in slicing.items()}, f.ideal_s, f.version, dict(f.meta),
+                       f.slicing_for if f.slicing is not None or f.schedule_for is None else f.schedule_for)
+        except HpipeError as e:
+            raise PlanError(f"{where}: {e}") from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str, where: str = "plan") -> "Plan":
         try:
-            return cls.from_dict(json.loads(text))
+            raw = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PlanError(f"plan is not valid JSON: {e}") from None
+            raise PlanError(f"{where}: not valid JSON ({e})") from None
+        return cls.from_dict(raw, where)
 
 
 def fit_slices(slices: tuple[int, ...], length: int) -> list[int]:

@@ -25,6 +25,7 @@ import numpy as np
 
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import HpipeError
+from hpipe.core.schemas import GridFile, ProfileFile, validated
 from hpipe.core.units import ATTN, EMBED, HEAD, UNIT_KINDS
 
 FORMAT_VERSION = 2
@@ -96,8 +97,12 @@ class ComputeGrid:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ComputeGrid":
-        return cls(tuple(d["batches"]), tuple(d["tokens"]), tuple(d["contexts"]),
-                   tuple(tuple(tuple(float(x) for x in c) for c in r) for r in d["seconds"]))
+        return cls.from_file(validated(GridFile, d, "compute grid", ProfileError))
+
+    @classmethod
+    def from_file(cls, g: GridFile) -> "ComputeGrid":
+        return cls(tuple(g.batches), tuple(g.tokens), tuple(g.contexts),
+                   tuple(tuple(tuple(float(x) for x in c) for c in r) for r in g.seconds))
 
 
 @lru_cache(maxsize=4096)
@@ -268,23 +273,35 @@ class Profile:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+    def from_dict(cls, d: dict[str, Any], where: str = "profile") -> "Profile":
+        """A profile from ``profile.json``'s contents (``where``: the file, for errors), its keys
+        and types checked against :class:`hpipe.core.schemas.ProfileFile`."""
+        _check_version(d, where)
+        f = validated(ProfileFile, d, where, ProfileError)
         try:
-            devices = tuple(DaemonProfile(x["name"], x["address"], x["device"], int(x["memory_bytes"]),
-                                          {k: ComputeGrid.from_dict(g) for k, g in x["compute"].items()},
-                                          x.get("fingerprint", "")) for x in d["daemons"])
-            links = tuple(LinkProfile(**l) for l in d["links"])
-            return cls(ModelConfig.from_dict(d["model"]), d["model_name"], d["dtype"], devices, links, d.get("source", "measured"),
-                       int(d["version"]), dict(d.get("meta", {})), float(d.get("weight_bits", 0.0)))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ProfileError(f"not a valid hpipe profile: {e!r}") from None
+            devices = tuple(DaemonProfile(x.name, x.address, x.device, x.memory_bytes,
+                                          {k: ComputeGrid.from_file(g) for k, g in x.compute.items()}, x.fingerprint)
+                            for x in f.daemons)
+            links = tuple(LinkProfile(**l.model_dump()) for l in f.links)
+            return cls(ModelConfig.from_dict(f.model), f.model_name, f.dtype, devices, links, f.source, f.version,
+                       dict(f.meta), f.weight_bits)
+        except HpipeError as e:
+            raise ProfileError(f"{where}: {e}") from None
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Profile":
+    def from_json(cls, text: str, where: str = "profile") -> "Profile":
         try:
-            return cls.from_dict(json.loads(text))
+            raw = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ProfileError(f"profile is not valid JSON: {e}") from None
+            raise ProfileError(f"{where}: not valid JSON ({e})") from None
+        return cls.from_dict(raw, where)
+
+
+def _check_version(d, where: str) -> None:
+    """An older or newer format says so before its keys are checked."""
+    if isinstance(d, dict) and isinstance(d.get("version"), int) and d["version"] != FORMAT_VERSION:
+        raise ProfileError(f"{where}: profile format version {d['version']} is not supported (expected "
+                           f"{FORMAT_VERSION}): measure it again with `hpipe profile`")

@@ -17,8 +17,12 @@ def test_sizes():
 
 
 @pytest.mark.parametrize("body,match", [
-    ("daemons: []", "no daemons"),
-    ("daemons:\n  - name: a\n", "needs at least an address"),
+    ("daemons: []", "daemons: List should have at least 1 item"),
+    ("daemons:\n  - name: a\n", "daemons.0.address: missing"),
+    ("- a\n- b\n", "expected a mapping of keys at the top, found a list"),
+    ("name: x\ndaemon:\n  - {address: '127.0.0.1:1'}\n", "daemon: not a key hpipe knows here"),
+    ("daemons:\n  - {address: '127.0.0.1:1'}\nlinks: [1]\n", "links: Input should be a valid dictionary"),
+    ("daemons:\n  - {address: '127.0.0.1:1', emulate: {rate: fast}}\n", "daemons.0.emulate.rate: should be a rate"),
     ("daemons:\n  - address: nohostport\n", "not host:port"),
     ("daemons:\n  - address: 127.0.0.1:1\n    device: tpu\n", "not cpu or cuda"),
     ("daemons:\n  - {name: a, address: '127.0.0.1:1'}\n  - {name: a, address: '127.0.0.1:2'}\n", "duplicate"),
@@ -95,7 +99,7 @@ def test_ssh_entries(tmp_path):
     assert "--ssh" not in " ".join(b.options().argv())  # how to reach it is the launcher's, not the daemon's
     for bad in ("10.0.0.1", "{to: me@h, password: x}", "{port: 22}"):
         (tmp_path / "c.yaml").write_text(f"name: s\ndaemons:\n  - {{name: a, address: '10.0.0.1:5000', ssh: {bad}}}\n")
-        with pytest.raises(HpipeError, match="ssh is user@host"):
+        with pytest.raises(HpipeError, match="daemons.0.ssh(.to|.password)?: (should be user@host|not a key|missing)"):
             ClusterSpec.load(tmp_path / "c.yaml")
 
 

@@ -68,11 +68,10 @@ def test_emulation_settings_are_checked(tmp_path, monkeypatch):
         p.write_text(text)
         return ClusterSpec.load(p)
 
-    bad = load("daemons:\n  - {name: a, address: '127.0.0.1:1', emulate: {turbo: 2}}\n")
-    with pytest.raises(HpipeError, match="unknown emulate settings"):
-        emulate.validate(bad)
-    with pytest.raises(HpipeError, match="cpu_quota must be a number"):
-        emulate.validate(load("daemons:\n  - {name: a, address: '127.0.0.1:1', emulate: {cpu_quota: fast}}\n"))
+    with pytest.raises(HpipeError, match="daemons.0.emulate.turbo: not a key hpipe knows here"):
+        load("daemons:\n  - {name: a, address: '127.0.0.1:1', emulate: {turbo: 2}}\n")
+    with pytest.raises(HpipeError, match="daemons.0.emulate.cpu_quota: Input should be a valid number"):
+        load("daemons:\n  - {name: a, address: '127.0.0.1:1', emulate: {cpu_quota: fast}}\n")
     gpu_on_cpu = load("daemons:\n  - {name: a, address: '127.0.0.1:1', emulate: {gpu_share: 50}}\n")
     with pytest.raises(HpipeError, match="gpu_share needs a CUDA device"):
         emulate.validate(gpu_on_cpu)
