@@ -41,8 +41,10 @@ _COMMON = [
     ("grpc.http2.bdp_probe", 0),
 ]
 CHANNEL_OPTIONS = _COMMON + [("grpc.http2.lookahead_bytes", CLIENT_WINDOW_BYTES)]
-#: the most streams one connection may have open on a daemon (a coordinator uses a handful)
-MAX_STREAMS_PER_CONNECTION = 64
+#: the most streams one connection may have open on a daemon. A coordinator uses a handful; a client
+#: that opens more at once has the surplus refused (RST_STREAM REFUSED_STREAM, seen as UNAVAILABLE)
+#: when they race the count of the streams closing, so this stays well above any caller's own use.
+MAX_STREAMS_PER_CONNECTION = 256
 SERVER_OPTIONS = _COMMON + [("grpc.http2.lookahead_bytes", SERVER_WINDOW_BYTES),
                             ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)]
 
