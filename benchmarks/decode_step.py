@@ -35,7 +35,49 @@ def timed(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def main() -> None:
+def summary(args, rounds: dict, weight_bytes: int, kernel: bool, stages: list, batches: list[int]) -> dict:
+    """The rounds' medians and ranges, and the step's ratios to streaming the weights."""
+    out = {"model": args.model, "weight_bytes": weight_bytes, "threads": args.threads, "prompt": args.prompt,
+           "kernel": kernel, "one_step_eager_s": statistics.median(rounds["one_step_eager_s"]),
+           "one_step_eager_range_s": [min(rounds["one_step_eager_s"]), max(rounds["one_step_eager_s"])],
+           "stream_s": statistics.median(rounds["stream_s"]), "stream_range_s": [min(rounds["stream_s"]),
+                                                                                   max(rounds["stream_s"])],
+           "one_step_s": statistics.median(rounds["one_step_s"]),
+           "one_step_range_s": [min(rounds["one_step_s"]), max(rounds["one_step_s"])],
+           "stages": [str(s.units) for s in stages],
+           "batch_step_s": {b: [statistics.median(r[j] for r in rounds[f"batch{b}"]) for j in range(len(stages))]
+                            for b in batches},
+           "batch_step_eager_s": {b: [statistics.median(r[j] for r in rounds[f"eager{b}"])
+                                      for j in range(len(stages))] for b in batches}}
+    out["one_step_over_stream"] = out["one_step_s"] / out["stream_s"]
+    out["one_step_eager_over_stream"] = out["one_step_eager_s"] / out["stream_s"]
+    # each round's own ratio (the step and the stream timed side by side), for the spread
+    ratios = [s / b for s, b in zip(rounds["one_step_s"], rounds["stream_s"])]
+    out["one_step_over_stream_range"] = [min(ratios), max(ratios)]
+    return out
+
+
+def report(args, out: dict, weight_bytes: int, kernel: bool) -> None:
+    print(f"{args.model}: {weight_bytes / 1e6:.0f} MB of weights, {args.threads} threads")
+    print(f"stream the weights once: {out['stream_s'] * 1e3:.1f} ms "
+          f"({out['stream_range_s'][0] * 1e3:.1f}-{out['stream_range_s'][1] * 1e3:.1f})")
+    path = "the C++ kernel" if kernel else "eager: the kernel is not built (python -m hpipe.model.kernels)"
+    print(f"one sequence's decode step (whole model, after {args.prompt} tokens), {path}: "
+          f"{out['one_step_s'] * 1e3:.1f} ms ({out['one_step_range_s'][0] * 1e3:.1f}-"
+          f"{out['one_step_range_s'][1] * 1e3:.1f}); {out['one_step_over_stream']:.2f}x the stream "
+          f"(rounds {out['one_step_over_stream_range'][0]:.2f}-{out['one_step_over_stream_range'][1]:.2f})")
+    print(f"  eager: {out['one_step_eager_s'] * 1e3:.1f} ms ({out['one_step_eager_range_s'][0] * 1e3:.1f}-"
+          f"{out['one_step_eager_range_s'][1] * 1e3:.1f}); {out['one_step_eager_over_stream']:.2f}x the stream")
+    print("decode micro-batch per stage, ms (" + ", ".join(out["stages"]) + "), and per sequence in all;"
+          " eager in the same rounds:")
+    for b, per in out["batch_step_s"].items():
+        eager = out["batch_step_eager_s"][b]
+        print(f"  {b:>3} sequences: " + " / ".join(f"{t * 1e3:6.1f}" for t in per)
+              + f"   total {sum(per) * 1e3:6.1f} ms, {sum(per) * 1e3 / b:5.2f} ms per sequence"
+              + f"   (eager {sum(eager) * 1e3:6.1f} ms: {sum(per) / sum(eager):.2f}x)")
+
+
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompt", type=int, default=619)
@@ -45,7 +87,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     source = resolve_model(args.model)
     cfg = source.config
@@ -113,43 +159,11 @@ def main() -> None:
                 steps = [batch_step(b) for _ in range(args.steps)]
                 rounds[key].append([statistics.median(s[j] for s in steps) for j in range(len(stages))])
         library.enable(True)
-    out = {"model": args.model, "weight_bytes": weight_bytes, "threads": args.threads, "prompt": args.prompt,
-           "kernel": kernel, "one_step_eager_s": statistics.median(rounds["one_step_eager_s"]),
-           "one_step_eager_range_s": [min(rounds["one_step_eager_s"]), max(rounds["one_step_eager_s"])],
-           "stream_s": statistics.median(rounds["stream_s"]), "stream_range_s": [min(rounds["stream_s"]),
-                                                                                   max(rounds["stream_s"])],
-           "one_step_s": statistics.median(rounds["one_step_s"]),
-           "one_step_range_s": [min(rounds["one_step_s"]), max(rounds["one_step_s"])],
-           "stages": [str(s.units) for s in stages],
-           "batch_step_s": {b: [statistics.median(r[j] for r in rounds[f"batch{b}"]) for j in range(len(stages))]
-                            for b in batches},
-           "batch_step_eager_s": {b: [statistics.median(r[j] for r in rounds[f"eager{b}"])
-                                      for j in range(len(stages))] for b in batches}}
-    out["one_step_over_stream"] = out["one_step_s"] / out["stream_s"]
-    out["one_step_eager_over_stream"] = out["one_step_eager_s"] / out["stream_s"]
-    # each round's own ratio (the step and the stream timed side by side), for the spread
-    ratios = [s / b for s, b in zip(rounds["one_step_s"], rounds["stream_s"])]
-    out["one_step_over_stream_range"] = [min(ratios), max(ratios)]
+    out = summary(args, rounds, weight_bytes, kernel, stages, batches)
     if args.json:
         print(json.dumps(out))
         return
-    print(f"{args.model}: {weight_bytes / 1e6:.0f} MB of weights, {args.threads} threads")
-    print(f"stream the weights once: {out['stream_s'] * 1e3:.1f} ms "
-          f"({out['stream_range_s'][0] * 1e3:.1f}-{out['stream_range_s'][1] * 1e3:.1f})")
-    path = "the C++ kernel" if kernel else "eager: the kernel is not built (python -m hpipe.model.kernels)"
-    print(f"one sequence's decode step (whole model, after {args.prompt} tokens), {path}: "
-          f"{out['one_step_s'] * 1e3:.1f} ms ({out['one_step_range_s'][0] * 1e3:.1f}-"
-          f"{out['one_step_range_s'][1] * 1e3:.1f}); {out['one_step_over_stream']:.2f}x the stream "
-          f"(rounds {out['one_step_over_stream_range'][0]:.2f}-{out['one_step_over_stream_range'][1]:.2f})")
-    print(f"  eager: {out['one_step_eager_s'] * 1e3:.1f} ms ({out['one_step_eager_range_s'][0] * 1e3:.1f}-"
-          f"{out['one_step_eager_range_s'][1] * 1e3:.1f}); {out['one_step_eager_over_stream']:.2f}x the stream")
-    print("decode micro-batch per stage, ms (" + ", ".join(out["stages"]) + "), and per sequence in all;"
-          " eager in the same rounds:")
-    for b, per in out["batch_step_s"].items():
-        eager = out["batch_step_eager_s"][b]
-        print(f"  {b:>3} sequences: " + " / ".join(f"{t * 1e3:6.1f}" for t in per)
-              + f"   total {sum(per) * 1e3:6.1f} ms, {sum(per) * 1e3 / b:5.2f} ms per sequence"
-              + f"   (eager {sum(eager) * 1e3:6.1f} ms: {sum(per) / sum(eager):.2f}x)")
+    report(args, out, weight_bytes, kernel)
 
 
 if __name__ == "__main__":

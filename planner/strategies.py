@@ -147,17 +147,7 @@ def _uniforms(length: int):
     return [uniform(length, k) for k in counts]
 
 
-def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granularity: int = GRANULARITY,
-         max_ranges: int = MAX_RANGES, mix: Mix | None = None, progress=None) -> Plan:
-    """Plan hpipe and every baseline for ``work``; ``strategy`` is the one the plan executes.
-
-    ``max_ranges``: the most unit ranges hpipe may give one device. Interleaved chains are
-    candidates like any other, chosen only where the simulator says they are faster (1: none; see
-    docs/decisions/interleaving.md for the measurements behind the default).
-    ``mix``: also plan ``throughput``, the split for serving many requests of that mean shape
-    (:mod:`planner.serving`), sliced by Algorithm 2 like hpipe's."""
-    t_start = time.perf_counter()
-    cost = CostModel(profile)
+def _check_asked(profile: Profile, work: Workload, strategy: str, mix: Mix | None, max_ranges: int) -> None:
     context = profile.model.max_position_embeddings
     if work.seq_len < 1 or work.batch < 1:
         raise InfeasibleError("sequence length and batch must be >= 1")
@@ -169,6 +159,41 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
         raise InfeasibleError(f"length {work.kv_len} exceeds the model's context of {context} tokens")
     if work.kv_len < work.seq_len:
         raise InfeasibleError(f"--max-len {work.kv_len} is below --seq-len {work.seq_len}")
+
+
+def _best_hpipe(cost: CostModel, work: Workload, splits: list, mbs: list[int], max_ranges: int, granularity: int,
+                hpipe_slicings) -> Candidate:
+    """hpipe's schedule: each split as it is and interleaved (each device holding several unit
+    ranges), scheduled; the best few refined; the fastest."""
+    L = work.seq_len
+    starts = []
+    for bounds, devices in splits:
+        starts.append(_best(cost, work, bounds, devices, mbs, hpipe_slicings(bounds, devices)))
+        for v in (v for v in INTERLEAVE if v <= max_ranges):
+            chain = interleave(bounds, devices, v)
+            if chain and _fits(cost, work, *chain):
+                starts.append(_best(cost, work, *chain, mbs, lambda m: _uniforms(L)))
+    starts.sort(key=lambda c: c.makespan)
+    best = None
+    for c in starts[:REFINE_STARTS]:
+        c = _refined(cost, work, c, granularity)
+        if best is None or c.makespan < best.makespan:
+            best = c
+    return best
+
+
+def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granularity: int = GRANULARITY,
+         max_ranges: int = MAX_RANGES, mix: Mix | None = None, progress=None) -> Plan:
+    """Plan hpipe and every baseline for ``work``; ``strategy`` is the one the plan executes.
+
+    ``max_ranges``: the most unit ranges hpipe may give one device. Interleaved chains are
+    candidates like any other, chosen only where the simulator says they are faster (1: none; see
+    docs/decisions/interleaving.md for the measurements behind the default).
+    ``mix``: also plan ``throughput``, the split for serving many requests of that mean shape
+    (:mod:`planner.serving`), sliced by Algorithm 2 like hpipe's."""
+    t_start = time.perf_counter()
+    cost = CostModel(profile)
+    _check_asked(profile, work, strategy, mix, max_ranges)
     n = len(cost.daemons)
     L = work.seq_len
     mbs = _divisors(work.batch)
@@ -198,20 +223,7 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
         return gen
 
     results: dict[str, Candidate | None] = {}
-    # candidates: each split as it is, and interleaved (each device holding several unit ranges)
-    starts = []
-    for bounds, devices in splits:
-        starts.append(_best(cost, work, bounds, devices, mbs, hpipe_slicings(bounds, devices)))
-        for v in (v for v in INTERLEAVE if v <= max_ranges):
-            chain = interleave(bounds, devices, v)
-            if chain and _fits(cost, work, *chain):
-                starts.append(_best(cost, work, *chain, mbs, lambda m: _uniforms(L)))
-    starts.sort(key=lambda c: c.makespan)
-    best_h = None
-    for c in starts[:REFINE_STARTS]:
-        c = _refined(cost, work, c, granularity)
-        if best_h is None or c.makespan < best_h.makespan:
-            best_h = c
+    best_h = _best_hpipe(cost, work, splits, mbs, max_ranges, granularity, hpipe_slicings)
     results["hpipe"] = best_h
     results["base"] = _best(cost, work, *even, [1], one) if even_ok else None
     results["gpipe"] = _best(cost, work, *even, mbs, one) if even_ok else None

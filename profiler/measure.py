@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from tqdm import tqdm
 
-from hpipe.core.cluster import ClusterSpec, memory_system
+from hpipe.core.cluster import ClusterSpec, DaemonSpec, memory_system
 from hpipe.core.config import ModelConfig
 from hpipe.core.errors import HpipeError
 from hpipe.core.profile import DTYPE_BYTES, ComputeGrid, DaemonProfile, LinkProfile, Profile
@@ -52,6 +52,66 @@ log = logging.getLogger(__name__)
 LINK_PROBE_TOKENS = 2048  # link probes reach at least this many tokens' activations
 #: seconds of each reference-stage run a daemon keeps its neighbours company with (see _group_grids)
 LOAD_CHUNK_S = 1.0
+
+
+def _device_info(d: DaemonSpec, client: DaemonClient):
+    try:
+        return client.call("GetDeviceInfo", pb.DeviceInfoRequest(), timeout=10.0)
+    except grpc.RpcError as e:
+        raise daemon_error(d, "is down or unreachable", e) from None
+
+
+def _measure_links(cluster: ClusterSpec, clients: dict, act: int, max_len: int, link_repeats: int,
+                   bar) -> list[LinkProfile]:
+    """Every directed link's latency and bandwidth, and the host CPU a message costs either end
+    (``act``: a token's activation bytes)."""
+    # activation-sized probes, capped: beyond a few tens of MB a transfer is all bandwidth. They go
+    # up to 2048 tokens' worth whatever max_len is: the bandwidth fit needs transfers long enough
+    # for TCP to settle (with max_len 512 the largest probes were 0.15-1.2 MB, and a 100 Mbit/s
+    # link once read 9.9 MB/s from them; with probes up to 2048 tokens it read 11.4-11.6)
+    top = max(max_len, LINK_PROBE_TOKENS)
+    sizes = sorted({min(act * t, MAX_PROBE_BYTES) for t in (1, 16, 64, 256, 512, 1024, 2048, 4096, max_len)
+                    if t <= top})
+    links = []
+    data_ports = {d.name: _status(clients[d.name]).data_port for d in cluster.daemons}
+    for a in cluster.daemons:
+        for b in cluster.daemons:
+            if a is b:
+                continue
+            bar.set_postfix_str(f"link {a.name}->{b.name}")
+            try:
+                probe = functools.partial(clients[a.name].call, "MeasureLink", timeout=300.0)
+                target = dict(target_address=b.address, target_data_port=data_ports[b.name])
+                pilot = probe(pb.LinkRequest(**target, sizes=[PILOT_BYTES], repeats=1)).seconds[0]
+                these, repeats = fit_probes(sizes, link_repeats, PILOT_BYTES / max(pilot, 1e-6))
+                if (these, repeats) != (sizes, link_repeats):
+                    log.info("link %s->%s: about %.1f MB/s, so probes up to %d bytes, %d rounds", a.name, b.name,
+                             PILOT_BYTES / max(pilot, 1e-6) / 1e6, these[-1], repeats)
+                reply = probe(pb.LinkRequest(**target, sizes=these, repeats=repeats))
+            except grpc.RpcError as e:
+                raise daemon_error(a, f"could not measure its link to {b.name} ({b.address})", e) from None
+            lat, bw = fit_link(list(reply.sizes), list(reply.seconds))
+            send, recv = _host_cpu_costs(a, b, data_ports[b.name], clients, act, repeats, these[-1])
+            links.append(LinkProfile(a.name, b.name, lat, bw, *send, *recv))
+            bar.update(1)
+    return links
+
+
+def _reference_times(groups: dict, clients: dict, shape: dict, dtype: str, ref: dict, colocation: bool,
+                     rounds: int, bar) -> tuple[dict, dict]:
+    """Each daemon's time for the reference stage alone, and how much slower the daemons of a
+    shared machine run it together (its co-location factors)."""
+    alone, factors = {}, {}
+    for group in groups.values():
+        if len(group) > 1 and colocation:
+            bar.set_postfix_str("co-location: " + ", ".join(d.name for d in group))
+            group_factors, group_alone = colocation_factors(group, clients, shape, dtype, ref, rounds)
+            factors.update(group_factors)
+            alone.update(group_alone)
+        else:
+            bar.set_postfix_str("reference stage")
+            alone.update({d.name: time_reference(clients[d.name], d, shape, dtype, ref, 3.0) for d in group})
+    return alone, factors
 
 
 def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, dtype: str = "float32",
@@ -81,12 +141,7 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
     bar = tqdm(total=n + n * (n - 1), desc="profiling", unit="step", file=sys.stderr, leave=False,
                disable=not sys.stderr.isatty())
     try:
-        infos = {}
-        for d in cluster.daemons:
-            try:
-                infos[d.name] = clients[d.name].call("GetDeviceInfo", pb.DeviceInfoRequest(), timeout=10.0)
-            except grpc.RpcError as e:
-                raise daemon_error(d, "is down or unreachable", e) from None
+        infos = {d.name: _device_info(d, clients[d.name]) for d in cluster.daemons}
         steal0 = {d.name: _steal(clients[d.name]) for d in cluster.daemons}
 
         def share_key(d):
@@ -117,47 +172,9 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
             if budget:
                 memory = min(memory, budget)
             devices.append(DaemonProfile(d.name, d.address, info.device, memory, grids[d.name], info.fingerprint))
-        alone, factors = {}, {}
-        for group in groups.values():
-            if len(group) > 1 and colocation:
-                bar.set_postfix_str("co-location: " + ", ".join(d.name for d in group))
-                group_factors, group_alone = colocation_factors(group, clients, shape, dtype, ref,
-                                                                colocation_rounds)
-                factors.update(group_factors)
-                alone.update(group_alone)
-            else:
-                bar.set_postfix_str("reference stage")
-                alone.update({d.name: time_reference(clients[d.name], d, shape, dtype, ref, 3.0) for d in group})
-        act = cfg.hidden_size * DTYPE_BYTES[dtype] * batch
-        # activation-sized probes, capped: beyond a few tens of MB a transfer is all bandwidth. They go
-        # up to 2048 tokens' worth whatever max_len is: the bandwidth fit needs transfers long enough
-        # for TCP to settle (with max_len 512 the largest probes were 0.15-1.2 MB, and a 100 Mbit/s
-        # link once read 9.9 MB/s from them; with probes up to 2048 tokens it read 11.4-11.6)
-        top = max(max_len, LINK_PROBE_TOKENS)
-        sizes = sorted({min(act * t, MAX_PROBE_BYTES) for t in (1, 16, 64, 256, 512, 1024, 2048, 4096, max_len)
-                        if t <= top})
-        links = []
-        data_ports = {d.name: _status(clients[d.name]).data_port for d in cluster.daemons}
-        for a in cluster.daemons:
-            for b in cluster.daemons:
-                if a is b:
-                    continue
-                bar.set_postfix_str(f"link {a.name}->{b.name}")
-                try:
-                    probe = functools.partial(clients[a.name].call, "MeasureLink", timeout=300.0)
-                    target = dict(target_address=b.address, target_data_port=data_ports[b.name])
-                    pilot = probe(pb.LinkRequest(**target, sizes=[PILOT_BYTES], repeats=1)).seconds[0]
-                    these, repeats = fit_probes(sizes, link_repeats, PILOT_BYTES / max(pilot, 1e-6))
-                    if (these, repeats) != (sizes, link_repeats):
-                        log.info("link %s->%s: about %.1f MB/s, so probes up to %d bytes, %d rounds", a.name, b.name,
-                                 PILOT_BYTES / max(pilot, 1e-6) / 1e6, these[-1], repeats)
-                    reply = probe(pb.LinkRequest(**target, sizes=these, repeats=repeats))
-                except grpc.RpcError as e:
-                    raise daemon_error(a, f"could not measure its link to {b.name} ({b.address})", e) from None
-                lat, bw = fit_link(list(reply.sizes), list(reply.seconds))
-                send, recv = _host_cpu_costs(a, b, data_ports[b.name], clients, act, repeats, these[-1])
-                links.append(LinkProfile(a.name, b.name, lat, bw, *send, *recv))
-                bar.update(1)
+        alone, factors = _reference_times(groups, clients, shape, dtype, ref, colocation, colocation_rounds, bar)
+        links = _measure_links(cluster, clients, cfg.hidden_size * DTYPE_BYTES[dtype] * batch, max_len,
+                               link_repeats, bar)
         steal1 = {d.name: _steal(clients[d.name]) for d in cluster.daemons}
     finally:
         bar.close()

@@ -152,21 +152,7 @@ def bench(plan: Plan, cluster: ClusterSpec, *, seq_len: int | None = None, batch
         # kernel selection (on an H100, Base's first of three runs was 20% slower than the others)
         prefill_once(pipe, ids, mb, slices)
         for _ in range(count):
-            status0 = [c.call("Status", pb.StatusRequest(), timeout=10) for c in pipe.clients]
-            steal0 = [cpu_steal(st) for st in status0]
-            e0 = energy() if energy else None
-            elapsed, stages = prefill_once(pipe, ids, mb, slices, offsets)
-            joules = energy() - e0 if energy else None
-            status = [c.call("Status", pb.StatusRequest(), timeout=10) for c in pipe.clients]
-            steal1 = [cpu_steal(st) for st in status]
-            steal = {d.name: None if a is None or b is None else round(b - a, 3)
-                     for d, a, b in zip(pipe.daemons, steal0, steal1)}
-            runs[name].append({"s": elapsed, "j": joules, "stages": stages, "mb": mb, "slices": len(slices),
-                               "peak": {d.name: st.peak_memory_bytes for d, st in zip(pipe.daemons, status)},
-                               "base": {d.name: st.baseline_memory_bytes for d, st in zip(pipe.daemons, status)},
-                               "steal": steal,
-                               "host_cpu": {d.name: round(b.host_cpu_s - a.host_cpu_s, 4)
-                                            for d, a, b in zip(pipe.daemons, status0, status)}})
+            runs[name].append(_timed_run(pipe, ids, mb, slices, offsets, energy))
             bar.update(1)
 
     if interleave:
@@ -197,6 +183,24 @@ def bench(plan: Plan, cluster: ClusterSpec, *, seq_len: int | None = None, batch
             for name, row in rows.items():
                 row["predicted_now_s"] = timeline(scaled, work, plan.strategies[name]).makespan
     return result
+
+
+def _timed_run(pipe: Pipeline, ids: torch.Tensor, mb: int, slices: list[int], offsets: list[float],
+               energy) -> dict:
+    """One timed prefill of ``ids``: its seconds, joules (where ``energy`` reads them), stages'
+    spans, and each daemon's peak and baseline memory, CPU steal and host CPU over it."""
+    status0 = [c.call("Status", pb.StatusRequest(), timeout=10) for c in pipe.clients]
+    e0 = energy() if energy else None
+    elapsed, stages = prefill_once(pipe, ids, mb, slices, offsets)
+    joules = energy() - e0 if energy else None
+    status = [c.call("Status", pb.StatusRequest(), timeout=10) for c in pipe.clients]
+    steal = {d.name: None if a is None or b is None else round(b - a, 3)
+             for d, a, b in zip(pipe.daemons, map(cpu_steal, status0), map(cpu_steal, status))}
+    return {"s": elapsed, "j": joules, "stages": stages, "mb": mb, "slices": len(slices),
+            "peak": {d.name: st.peak_memory_bytes for d, st in zip(pipe.daemons, status)},
+            "base": {d.name: st.baseline_memory_bytes for d, st in zip(pipe.daemons, status)},
+            "steal": steal,
+            "host_cpu": {d.name: round(b.host_cpu_s - a.host_cpu_s, 4) for d, a, b in zip(pipe.daemons, status0, status)}}
 
 
 def _check_profile(plan: Plan, profile: Profile, devices: list[str]) -> None:

@@ -252,24 +252,19 @@ def _check_size(backend: Backend, chars: int, param: str) -> None:
                        f"{backend.plan.max_len} tokens", "invalid_request_error", "context_length_exceeded", param)
 
 
-async def _complete(backend: Backend, body, request: HTTPRequest, prompt: list[int], kind: str, top: int | None):
-    path = request.url.path
+def _submit(backend: Backend, body, prompt: list[int], top: int | None, stops: list[str], on_token, on_done):
+    """The request, checked, handed to the engine; what it cannot take, as the API's errors."""
     if body.model != backend.model_name:
         raise APIError(404, f"The model '{body.model}' does not exist (this server has '{backend.model_name}')",
                        "invalid_request_error", "model_not_found", "model")
     if body.n != 1:
         raise APIError(400, "n > 1 is not supported: send one request per choice", "invalid_request_error",
                        param="n")
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > 4:
         raise APIError(400, "at most 4 stop sequences", "invalid_request_error", param="stop")
     max_tokens = body.max_completion_tokens or body.max_tokens
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
     try:
-        r = backend.submit(prompt, max_tokens, body, top,
-                           on_token=lambda req, t: loop.call_soon_threadsafe(queue.put_nowait, ("token", t)),
-                           on_done=lambda req: loop.call_soon_threadsafe(queue.put_nowait, ("done", None)))
+        return backend.submit(prompt, max_tokens, body, top, on_token=on_token, on_done=on_done)
     except TooLong as e:
         raise APIError(413, str(e), "invalid_request_error", "context_length_exceeded", "messages") from None
     except InputError as e:
@@ -279,6 +274,45 @@ async def _complete(backend: Backend, body, request: HTTPRequest, prompt: list[i
             from None
     except NotReady as e:
         raise APIError(503, str(e), "server_error", "not_ready") from None
+
+
+async def _collect(backend: Backend, r, stream: Stream, queue: asyncio.Queue, request: HTTPRequest) -> bool:
+    """Wait for a whole answer into ``stream``; False when the client went away first (the request
+    is cancelled then, and its KV freed)."""
+    try:
+        checked = time.monotonic()
+        while True:
+            try:
+                what, token = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                what = None
+            if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                checked = time.monotonic()
+                if await request.is_disconnected():  # nobody will read the answer: stop computing it
+                    backend.finish(r, "cancelled")
+                    return False
+            if what is None:
+                continue
+            if what == "done":
+                stream.flush()
+                break
+            stream.push(token)
+            if stream.stopped:
+                backend.finish(r, "stop")
+                break
+    finally:
+        backend.finish(r, "cancelled")
+    return True
+
+
+async def _complete(backend: Backend, body, request: HTTPRequest, prompt: list[int], kind: str, top: int | None):
+    path = request.url.path
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    r = _submit(backend, body, prompt, top, stops,
+                on_token=lambda req, t: loop.call_soon_threadsafe(queue.put_nowait, ("token", t)),
+                on_done=lambda req: loop.call_soon_threadsafe(queue.put_nowait, ("done", None)))
     rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     stream = Stream(backend, stops)
@@ -323,29 +357,8 @@ async def _complete(backend: Backend, body, request: HTTPRequest, prompt: list[i
     if body.stream:
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    try:
-        checked = time.monotonic()
-        while True:
-            try:
-                what, token = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                what = None
-            if time.monotonic() - checked >= DISCONNECT_POLL_S:
-                checked = time.monotonic()
-                if await request.is_disconnected():  # nobody will read the answer: stop computing it
-                    backend.finish(r, "cancelled")
-                    return Response(status_code=499)
-            if what is None:
-                continue
-            if what == "done":
-                stream.flush()
-                break
-            stream.push(token)
-            if stream.stopped:
-                backend.finish(r, "stop")
-                break
-    finally:
-        backend.finish(r, "cancelled")
+    if not await _collect(backend, r, stream, queue, request):
+        return Response(status_code=499)
     if r.error:
         raise APIError(503 if "not responding" in r.error else 500, r.error, "server_error")
     finish = "stop" if stream.stopped or r.stop_reason in ("eos", "stop") else "length"

@@ -40,7 +40,10 @@ LAYOUT_WAIT_S = 60.0
 MAX_TOKENS = 1 << 16
 
 
-class Layout:
+class LaidOutBatch:
+    """A micro-batch as this daemon laid it out: its entries' sequences found or opened, their
+    positions planned on the held stages, the entries that failed, the stages still to compute it."""
+
     def __init__(self, session: int, mb: pb.MicroBatch, held: list[int], key: bytes = b""):
         self.session, self.id, self.entries = session, mb.id, list(mb.entries)
         self.key = key  # the session's (runtime.daemon.owners): its activations carry it to the next daemon
@@ -74,7 +77,7 @@ class Layouts:
         #: brings a sequence's KV back from the host tier before it is extended (runtime.daemon.kv_tier)
         self.swap_in = swap_in
         self.outbox, self.stopping = outbox, stopping
-        self._by_key: dict[tuple[int, int], Layout] = {}
+        self._by_key: dict[tuple[int, int], LaidOutBatch] = {}
         self._ended: deque[int] = deque(maxlen=256)  # sessions ended lately: their late data is skipped
         self._arrived = threading.Condition()
 
@@ -89,7 +92,7 @@ class Layouts:
             source = first - 1 if first - 1 in held else None
             if not stages and source is None:
                 return  # nothing of it here
-        layout = Layout(session, mb, list(stages), key)
+        layout = LaidOutBatch(session, mb, list(stages), key)
         if not held:
             layout.fail_all(-1, "FAILED_PRECONDITION", "no model is loaded on this daemon (deploy a plan first)")
         elif layout.tokens > MAX_TOKENS or any(e.length < 1 for e in layout.entries):
@@ -114,7 +117,7 @@ class Layouts:
         if source is not None:
             self.outbox.replay(held[source], layout)
 
-    def _fail_replayed(self, layout: Layout) -> None:
+    def _fail_replayed(self, layout: LaidOutBatch) -> None:
         """A replay has no result to carry its failures to the coordinator: each sequence it could
         not lay out fails here, so its next entry fails with ``DATA_LOSS`` and the coordinator
         computes it again in a new sequence, instead of that entry finding the stage short of it."""
@@ -123,39 +126,12 @@ class Layouts:
             if seq is not None and seq.session == layout.session:
                 seq.fail("DATA_LOSS", f"replaying it: {failure.code}: {failure.message}")
 
-    def _lay_out(self, layout: Layout, session: int, e: pb.Entry, held: dict, stages: dict) -> None:
+    def _lay_out(self, layout: LaidOutBatch, session: int, e: pb.Entry, held: dict, stages: dict) -> None:
         """Open (on every ``held`` stage) or find ``e``'s sequence, and lay ``e`` out on ``stages``."""
-        table = self.sequences
-        seq = table.find(e.sequence_id)
-        cfg = next(iter(held.values())).model.cfg
+        seq = self.sequences.find(e.sequence_id)
         if seq is None:
-            if e.max_len <= 0:
-                layout.fail(e.sequence_id, "NOT_FOUND", f"unknown sequence {e.sequence_id} (never opened, closed, "
-                            "or timed out)")
-                return
-            if e.max_len > cfg.max_position_embeddings:
-                layout.fail(e.sequence_id, "OUT_OF_RANGE", f"max_len {e.max_len} exceeds the model's context of "
-                            f"{cfg.max_position_embeddings} tokens")
-                return
-            cached = len(e.cached) * BLOCK_SIZE
-            if e.cached and (e.start != cached or cached >= e.max_len):
-                layout.fail(e.sequence_id, "INVALID_ARGUMENT", f"sequence {e.sequence_id} begins with "
-                            f"{len(e.cached)} cached blocks ({cached} positions) but its entry starts at {e.start} "
-                            f"of at most {e.max_len}")
-                return
-            seq = Sequence(e.sequence_id, session, e.max_len,
-                           {i: s.pool.sequence(e.max_len) for i, s in held.items() if s.pool is not None},
-                           {i: cached for i in held}, {i: cached for i in held})
-            if e.cached:
-                missing = self.prefixes.begin(session, seq.kv, list(e.cached))
-                if missing:  # the coordinator's index and this daemon disagree: it starts again without;
-                    seq.fail("DATA_LOSS", f"sequence {e.sequence_id}: {missing}")  # its later entries fail alike
-            try:
-                table.add(seq)
-            except HpipeError as err:
-                for kv in seq.kv.values():
-                    kv.release()
-                layout.fail(e.sequence_id, "ALREADY_EXISTS", str(err))
+            seq = self._open(layout, session, e, held)
+            if seq is None:
                 return
         elif seq.session != session:
             layout.fail(e.sequence_id, "PERMISSION_DENIED", f"sequence {e.sequence_id} belongs to another session")
@@ -206,6 +182,40 @@ class Layouts:
             seq.planned[i] = end
         seq.last_active = time.monotonic()
 
+    def _open(self, layout: LaidOutBatch, session: int, e: pb.Entry, held: dict) -> Sequence | None:
+        """A new sequence for ``e`` (its blocks on every ``held`` stage, its cached prefix adopted),
+        or None with ``e`` failed in ``layout``."""
+        cfg = next(iter(held.values())).model.cfg
+        if e.max_len <= 0:
+            layout.fail(e.sequence_id, "NOT_FOUND", f"unknown sequence {e.sequence_id} (never opened, closed, "
+                        "or timed out)")
+            return None
+        if e.max_len > cfg.max_position_embeddings:
+            layout.fail(e.sequence_id, "OUT_OF_RANGE", f"max_len {e.max_len} exceeds the model's context of "
+                        f"{cfg.max_position_embeddings} tokens")
+            return None
+        cached = len(e.cached) * BLOCK_SIZE
+        if e.cached and (e.start != cached or cached >= e.max_len):
+            layout.fail(e.sequence_id, "INVALID_ARGUMENT", f"sequence {e.sequence_id} begins with "
+                        f"{len(e.cached)} cached blocks ({cached} positions) but its entry starts at {e.start} "
+                        f"of at most {e.max_len}")
+            return None
+        seq = Sequence(e.sequence_id, session, e.max_len,
+                       {i: s.pool.sequence(e.max_len) for i, s in held.items() if s.pool is not None},
+                       {i: cached for i in held}, {i: cached for i in held})
+        if e.cached:
+            missing = self.prefixes.begin(session, seq.kv, list(e.cached))
+            if missing:  # the coordinator's index and this daemon disagree: it starts again without;
+                seq.fail("DATA_LOSS", f"sequence {e.sequence_id}: {missing}")  # its later entries fail alike
+        try:
+            self.sequences.add(seq)
+        except HpipeError as err:
+            for kv in seq.kv.values():
+                kv.release()
+            layout.fail(e.sequence_id, "ALREADY_EXISTS", str(err))
+            return None
+        return seq
+
     def _rewind(self, seq: Sequence, stage: int, position: int) -> None:
         """Drop ``seq``'s positions from ``position`` on held ``stage`` (its KV blocks past them, its log)."""
         seq.planned[stage] = position
@@ -214,7 +224,7 @@ class Layouts:
             seq.kv[stage].truncate(position)
         self.replay_log.truncate(seq, stage, position)
 
-    def wait(self, session: int, mb_id: int, timeout_s: float = LAYOUT_WAIT_S) -> Layout | None:
+    def wait(self, session: int, mb_id: int, timeout_s: float = LAYOUT_WAIT_S) -> LaidOutBatch | None:
         deadline = time.monotonic() + timeout_s
         with self._arrived:
             while (session, mb_id) not in self._by_key:
@@ -226,7 +236,7 @@ class Layouts:
                 self._arrived.wait(min(left, 1.0))
             return self._by_key[session, mb_id]
 
-    def done(self, layout: Layout, stage: int) -> None:
+    def done(self, layout: LaidOutBatch, stage: int) -> None:
         """Stage ``stage`` computed the micro-batch: forget it once every held stage has."""
         layout.remaining.discard(stage)
         if not layout.remaining:

@@ -20,7 +20,7 @@ from hpipe.core.errors import HpipeError
 from hpipe.model.compute.graphs import DecodeGraphs
 from hpipe.model.kv.pool import Entry as KVEntry
 from runtime.daemon.device_io import DeviceIO
-from runtime.daemon.layout import Layout, Layouts
+from runtime.daemon.layout import LaidOutBatch, Layouts
 from runtime.daemon.outbox import Outbox
 from runtime.daemon.sequences import SequenceTable
 from runtime.daemon.session_stats import SessionStats
@@ -42,7 +42,7 @@ class MicroBatches:
                  layouts: Layouts):
         self.sequences, self.io, self.outbox, self.stats, self.layouts = sequences, io, outbox, stats, layouts
 
-    def __call__(self, stage, layout: Layout, x, failed: list, received: float) -> None:
+    def __call__(self, stage, layout: LaidOutBatch, x, failed: list, received: float) -> None:
         failures = {f.sequence_id: f for f in failed}
         for seq_id, f in layout.failures.items():
             failures.setdefault(seq_id, f)
@@ -99,7 +99,7 @@ class MicroBatches:
         self.stats.add_span(layout.session, stage.index, layout.id, layout.tokens, received, timer)
         self.layouts.done(layout, stage.index)
 
-    def _fail_all(self, layout: Layout, failures: dict, code: str, message: str) -> None:
+    def _fail_all(self, layout: LaidOutBatch, failures: dict, code: str, message: str) -> None:
         for e in layout.entries:
             failures.setdefault(e.sequence_id, pb.Failure(sequence_id=e.sequence_id, code=code, message=message))
             seq = self.sequences.find(e.sequence_id)

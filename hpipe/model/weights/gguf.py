@@ -19,6 +19,7 @@ matrices come back as :class:`QuantizedWeight` unless the file stores them as fl
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import mmap
@@ -88,7 +89,17 @@ def write_index(gguf: Path, out: Path) -> None:
 
 
 def _entries(gguf: Path) -> tuple[str, dict]:
+    """The architecture and the tensors hpipe uses (parsed once per version of the file: an import
+    checks the file, then indexes it, and a big vocabulary takes seconds to parse)."""
+    st = gguf.stat()
+    return _parsed(str(gguf), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(path: str, size: int, mtime_ns: int) -> tuple[str, dict]:
     from gguf import GGUFReader
+
+    gguf = Path(path)
 
     reader = GGUFReader(str(gguf))
     field = reader.fields.get("general.architecture")
@@ -97,7 +108,6 @@ def _entries(gguf: Path) -> tuple[str, dict]:
         raise ModelSourceError(f"{gguf.name}: a GGUF with LongRoPE factors (rope_factors_*) is not supported; "
                                "use the model's Hugging Face directory")
     tensors = {}
-    size = gguf.stat().st_size
     for t in reader.tensors:
         name = hf_name(t.name, arch)
         if name is None:
