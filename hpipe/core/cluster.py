@@ -66,11 +66,9 @@ REPLAY_BUDGET = 512 << 20
 def parse_size(value) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise HpipeError(f"cannot read memory size {value!r} (examples: 2GiB, 512MiB, 1000000)")
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         return int(value)
-    m = _SIZE.match(str(value))
+    m = None if isinstance(value, bool) else _SIZE.match(str(value))
     if not m:
         raise HpipeError(f"cannot read memory size {value!r} (examples: 2GiB, 512MiB, 1000000)")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
@@ -223,7 +221,10 @@ class DaemonOptions:
                 out[name] = parse(value)
             except (TypeError, ValueError):
                 raise HpipeError(f"{who}: {name} {value!r} is not valid ({known[name].metadata['help']})") from None
-        return cls(**out)
+        try:
+            return cls(**out)
+        except HpipeError as e:
+            raise HpipeError(f"{who}: {e}" if who != "daemon" else str(e)) from None
 
 
 def option_flag(f) -> str:
