@@ -311,8 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--speculate", choices=["off", "ngram"], default="off",
                     help="requests that do not say (the request field \"speculate\"): ngram guesses tokens from the "
                          "prompt and the answer so far, verified in one pass (greedy answers unchanged)")
+    sv.add_argument("--max-running", type=_positive, default=256,
+                    help="requests decoding at once (their KV held); the others wait to start (default 256)")
     sv.add_argument("--max-queue", type=_positive, default=256,
-                    help="requests waiting to start before new ones get 429 (and as many running at once)")
+                    help="requests waiting to start before new ones get 429 (default 256)")
     sv.add_argument("--served-model-name", help="the model's id in the API (default: the plan's model)")
     sv.add_argument("--default-max-tokens", type=_positive, default=1024,
                     help="the answer budget of a request that sets no max_tokens (default 1024)")

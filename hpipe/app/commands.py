@@ -363,6 +363,7 @@ def serve(args: argparse.Namespace) -> int:
     with planned(args, serving=True) as (the_plan, cluster, source):
         code = run_server(the_plan, cluster, source, host=args.host,
                           port=args.port, api_key=key, policy=args.policy, max_queue=args.max_queue,
+                          max_running=args.max_running,
                           model_name=args.served_model_name,
                           default_max_tokens=args.default_max_tokens,
                           grace_s=args.grace, drain_s=args.drain, dequantize=args.dequantize,

@@ -30,6 +30,7 @@ def read_key(path: str | None) -> str | None:
 
 
 def serve(plan, cluster, source, *, host: str, port: int, api_key: str | None, policy: str, max_queue: int,
+          max_running: int = 256,
           model_name: str | None = None, default_max_tokens: int = 1024, grace_s: float = 60.0,
           drain_s: float = 10.0, dequantize: bool = False, prefix_cache: float | None = 1.0,
           metrics_public: bool = False, speculate: str = "off") -> int:
@@ -50,7 +51,8 @@ def serve(plan, cluster, source, *, host: str, port: int, api_key: str | None, p
         if server is not None:
             server.should_exit = True
 
-    backend = Backend(plan, cluster, source, policy=policy, max_queue=max_queue, api_key=api_key,
+    backend = Backend(plan, cluster, source, policy=policy, max_queue=max_queue, max_running=max_running,
+                      api_key=api_key,
                       model_name=model_name, default_max_tokens=default_max_tokens, grace_s=grace_s,
                       on_fatal=fatal, dequantize=dequantize, prefix_cache=prefix_cache, speculate=speculate)
     server = uvicorn.Server(uvicorn.Config(create_app(backend, metrics_public), host=host, port=port,

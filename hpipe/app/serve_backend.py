@@ -63,7 +63,7 @@ class Backend:
     so that a supervisor restarts it."""
 
     def __init__(self, plan: Plan, cluster: ClusterSpec, source, *, policy: str = "gllm", max_queue: int = 256,
-                 api_key: str | None = None, model_name: str | None = None,
+                 max_running: int = 256, api_key: str | None = None, model_name: str | None = None,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, grace_s: float = GRACE_S,
                  on_fatal: Callable[[], None] | None = None, dequantize: bool = False,
                  prefix_cache: float | None = 1.0, speculate: str = "off"):
@@ -75,7 +75,7 @@ class Backend:
         self.tokenizer = source.tokenizer()
         self.eos = frozenset(source.eos_token_ids())
         self.context = plan.model.max_position_embeddings
-        self.max_queue, self.api_key = max_queue, api_key
+        self.max_queue, self.max_running, self.api_key = max_queue, max_running, api_key
         self.default_max_tokens, self.grace_s, self.on_fatal = default_max_tokens, grace_s, on_fatal
         self.dequantize = dequantize
         self.prefix_cache = prefix_cache  # the engine's (runtime.coordinator.prefix_cache); None: off
@@ -117,7 +117,7 @@ class Backend:
         deployed = deploy(self.plan, self.cluster, grace_s=self.grace_s, max_recoveries=None,
                           dequantize=self.dequantize)
         try:
-            engine = deployed.engine(POLICIES[self.policy](), max_running=self.max_queue,
+            engine = deployed.engine(POLICIES[self.policy](), max_running=self.max_running,
                                      prefix_cache=self.prefix_cache, speculate=self.speculate)
         except BaseException:
             deployed.close()

@@ -146,7 +146,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
     @handled
     def HeldTensors(self, request, context):
         local = self.server.reads_locally(request.model, request.file_key)
-        held, partial = ([], {}) if local else self.server.weights_cache.held(list(request.hashes), request.transfer_key)
+        held, partial = ([], {}) if local else self.server.weights_cache.claim(list(request.hashes), request.transfer_key)
         return pb.HeldReply(local=local, held=held, partial=partial)
 
     @handled

@@ -4,7 +4,7 @@ A daemon that does not hold a model's files receives its units' tensors from the
 (:mod:`runtime.coordinator.ship`) as the file stores them. Each one is a file named by its BLAKE3
 hash (:mod:`hpipe.model.weights.manifest`). Bytes arrive in chunks, appended to ``partial/HASH`` and hashed
 as they arrive (so a whole entry is not read again: the link does not wait for that); a transfer
-cut off part way goes on from the bytes that arrived (:meth:`WeightsCache.held` says how many; they
+cut off part way goes on from the bytes that arrived (:meth:`WeightsCache.claim` says how many; they
 are hashed once more then). A complete entry's hash is checked before it is renamed into place
 (atomically), and again each time a stage loads it; a wrong one is deleted, so it is fetched again. The cache keeps at most
 ``budget`` bytes on disk, partial entries counted at their whole size from their first chunk: a
@@ -80,7 +80,7 @@ class WeightsCache:
         self._expected: dict[str, int] = {}  # a partial entry's whole size, reserved at its first chunk
 
     # --- what a coordinator asks --------------------------------------------------------------
-    def held(self, hashes: list[str], key: bytes) -> tuple[list[str], dict[str, int]]:
+    def claim(self, hashes: list[str], key: bytes) -> tuple[list[str], dict[str, int]]:
         """Which of ``hashes`` are here whole, and how many bytes of the others arrived. The
         transfer of ``key`` now owns them (kept from eviction while it lives), except those another
         live transfer is sending: their bytes so far are not reported (a chunk of them is refused)."""
@@ -107,7 +107,7 @@ class WeightsCache:
     def receive(self, h: str, offset: int, total: int, data: bytes, key: bytes) -> bool:
         """Append a chunk of ``h``'s bytes at ``offset`` (of ``total``), sent by the transfer of
         ``key``; True once the entry is whole and its hash checked. A chunk at 0 starts the entry
-        over; any other not at the end of what arrived is refused (the sender asks :meth:`held`
+        over; any other not at the end of what arrived is refused (the sender asks :meth:`claim`
         where to go on), as is one of a tensor this transfer did not ask for."""
         check_hash(h)
         if not 0 < total <= MAX_TENSOR_BYTES or offset < 0 or offset + len(data) > total:

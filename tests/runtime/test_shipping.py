@@ -150,21 +150,21 @@ def test_the_weights_cache_stays_within_its_budget(tmp_path):
     blobs = [os.urandom(1000) for _ in range(4)]
     names = [content_hash(b) for b in blobs]
     for h, b in zip(names[:3], blobs[:3]):
-        assert cache.held([h], key) == ([], {})
+        assert cache.claim([h], key) == ([], {})
         assert cache.receive(h, 0, len(b), b, key)
     cache.hold_only({names[0]})  # a Load: it holds names[0]; the transfers that brought the others are done
     cache.path(names[1])  # used lately: names[2] is now the least recently used unpinned entry
     os.utime(cache.root / names[2], (1, 1))
-    cache.held([names[3]], key)
+    cache.claim([names[3]], key)
     assert cache.receive(names[3], 0, 1000, blobs[3], key)
     assert sorted(p.name for p in cache.root.iterdir() if p.is_file()) == sorted([names[0], names[1], names[3]])
     blob, x = os.urandom(500), content_hash(b"x" * 10)
     cache.hold_only(set(names))
-    cache.held([x, content_hash(blob)], key)
+    cache.claim([x, content_hash(blob)], key)
     for call, code in ((lambda: cache.receive(x, 0, 10, b"y" * 10, key), "RESOURCE_EXHAUSTED"),
                        (lambda: cache.receive(content_hash(blob), 0, 500, blob, key), "RESOURCE_EXHAUSTED"),
-                       (lambda: cache.held(["../../etc/passwd"], key), "INVALID_ARGUMENT"),
-                       (lambda: cache.held([x], b"short"), "INVALID_ARGUMENT")):
+                       (lambda: cache.claim(["../../etc/passwd"], key), "INVALID_ARGUMENT"),
+                       (lambda: cache.claim([x], b"short"), "INVALID_ARGUMENT")):
         with pytest.raises(StatusError) as e:
             call()
         assert e.value.code == code, e.value
@@ -187,8 +187,8 @@ def test_partial_entries_count_against_the_budget_and_abandoned_ones_go(tmp_path
     cache = WeightsCache(tmp_path / "w", budget=3000)
     a, b = os.urandom(2000), os.urandom(2000)
     ka, kb = b"a" * 16, b"b" * 16
-    cache.held([content_hash(a)], ka)
-    cache.held([content_hash(b)], kb)
+    cache.claim([content_hash(a)], ka)
+    cache.claim([content_hash(b)], kb)
     assert not cache.receive(content_hash(a), 0, 2000, a[:100], ka)  # 2,000 bytes reserved, 100 arrived
     with pytest.raises(StatusError) as e:
         cache.receive(content_hash(b), 0, 2000, b[:100], kb)
@@ -220,24 +220,24 @@ def test_a_transfer_belongs_to_whoever_began_it(tmp_path):
     with pytest.raises(StatusError, match="no transfer asked for it") as e:  # nothing asked for it
         cache.receive(content_hash(junk), 0, 1500, junk, theirs)
     assert e.value.code == "FAILED_PRECONDITION" and not list((cache.root / "partial").iterdir())
-    cache.held([content_hash(a)], mine)
+    cache.claim([content_hash(a)], mine)
     assert not cache.receive(content_hash(a), 0, 2000, a[:1000], mine)  # its stream is open
-    assert cache.held([content_hash(a)], theirs) == ([], {})  # another's transfer: its bytes are not said
+    assert cache.claim([content_hash(a)], theirs) == ([], {})  # another's transfer: its bytes are not said
     for offset, data in ((0, a[:10]), (1000, a[1000:])):  # start it over, or go on with it
         with pytest.raises(StatusError, match="another transfer") as e:
             cache.receive(content_hash(a), offset, 2000, data, theirs)
         assert e.value.code == "ABORTED"
     cache.stream_ended(mine)  # cut off: a transfer that asks again (a coordinator's retry) goes on from there
     retry = b"r" * 16
-    assert cache.held([content_hash(a)], retry) == ([], {content_hash(a): 1000})
+    assert cache.claim([content_hash(a)], retry) == ([], {content_hash(a): 1000})
     assert cache.receive(content_hash(a), 1000, 2000, a[1000:], retry)
-    cache.held([content_hash(junk)], theirs)  # a token holder's own entry: kept while its transfer lives
+    cache.claim([content_hash(junk)], theirs)  # a token holder's own entry: kept while its transfer lives
     assert cache.receive(content_hash(junk), 0, 1500, junk, theirs)
     b = os.urandom(1500)
-    cache.held([content_hash(b)], mine)
+    cache.claim([content_hash(b)], mine)
     with pytest.raises(StatusError) as e:  # a Load holds a; junk's transfer still lives
         cache.hold_only({content_hash(a)})
-        cache.held([content_hash(junk)], theirs)  # and keeps asking
+        cache.claim([content_hash(junk)], theirs)  # and keeps asking
         cache.receive(content_hash(b), 0, 1500, b, mine)
     assert e.value.code == "RESOURCE_EXHAUSTED"
     cache._claims[content_hash(junk)].touched -= weights_cache.PARTIAL_IDLE_S + 1  # its transfer went quiet
