@@ -223,9 +223,16 @@ def describe(e: ValidationError, where: str) -> str:
 
 
 def _is_union_branch(p) -> bool:
-    """pydantic names the branch of a union it tried in the path (``str``, ``Ssh``): not a key."""
-    return isinstance(p, str) and (p[:1].isupper() or p in ("str", "int", "float", "bool", "list", "dict",
-                                                                "constrained-str", "none"))
+    """pydantic names the branch of a union it tried in the path (``str``, ``constrained-int``, a
+    model's class name such as ``Ssh``): not a key of the file."""
+    return isinstance(p, str) and (p in _BRANCHES or p.startswith(("constrained-", "function-")))
+
+
+def _models(cls) -> set[str]:
+    return {cls.__name__}.union(*(_models(c) for c in cls.__subclasses__()))
+
+
+_BRANCHES = {"str", "int", "float", "bool", "list", "dict", "none"} | _models(Declared) | {DaemonEntry.__name__}
 
 
 def _kind(value) -> str:

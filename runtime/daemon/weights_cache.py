@@ -23,10 +23,10 @@ transfer lives (:data:`PARTIAL_IDLE_S` after its last call); what a ``Load`` hol
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import re
-import hmac
 import threading
 import time
 from dataclasses import dataclass

@@ -21,6 +21,7 @@ def test_sizes():
     ("daemons:\n  - name: a\n", "daemons.0.address: missing"),
     ("- a\n- b\n", "expected a mapping of keys at the top, found a list"),
     ("name: x\ndaemon:\n  - {address: '127.0.0.1:1'}\n", "daemon: not a key hpipe knows here"),
+    ("daemons:\n  - {address: '127.0.0.1:1'}\nTurbo: 1\n", r"c\.yaml: Turbo: not a key hpipe knows here"),
     ("daemons:\n  - {address: '127.0.0.1:1'}\nlinks: [1]\n", "links: Input should be a valid dictionary"),
     ("daemons:\n  - {address: '127.0.0.1:1', emulate: {rate: fast}}\n", "daemons.0.emulate.rate: should be a rate"),
     ("daemons:\n  - address: nohostport\n", "not host:port"),
