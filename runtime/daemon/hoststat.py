@@ -11,7 +11,9 @@ each daemon lost while it was profiled (``meta.steal_s``).
 
 from __future__ import annotations
 
+import functools
 import os
+import platform
 import threading
 import time
 from collections.abc import Iterable
@@ -62,3 +64,20 @@ def host_cpu_seconds(worker_clock: int | None) -> float:
     except OSError:  # the worker has ended: the kernel refuses its clock
         return total
     return max(total - inside, 0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def device_name(device: str) -> str:
+    """The model name of the GPU ``device`` ("cuda:0") or of this machine's CPU, for people to read."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -103,7 +103,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
                                host_cpu_s=self.server.host_cpu_seconds(),
                                stages=[stage_to_wire(s, port) for s, port in zip(dep.stages, dep.data_ports)]
                                if dep else [],
-                               held=list(dep.held) if dep else [], **info)
+                               held=list(dep.held) if dep else [], busy_s=self.server.worker.busy_s,
+                               threads=torch.get_num_threads(), device_name=hoststat.device_name(info["device"]),
+                               resident_bytes=memory.resident(self.server.device),
+                               free_bytes=memory.available(self.server.device), **info)
         steal = hoststat.steal_seconds()
         if steal is not None:
             reply.cpu_steal_s = steal

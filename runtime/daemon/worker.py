@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -57,6 +58,9 @@ class Worker:
         self.thread = threading.Thread(target=self._loop, name="stage-worker", daemon=True)
         self.thread.start()
         self.clock = hoststat.thread_clock(self.thread)  # its CPU-time clock, taken while it runs
+        #: wall seconds it has spent running micro-batches and calls (written by its thread alone):
+        #: differences over time tell how busy the device is
+        self.busy_s = 0.0
 
     def put(self, item: tuple) -> None:
         """Queue a micro-batch: ``compute(*item)`` runs after every queued micro-batch that names
@@ -110,6 +114,7 @@ class Worker:
             item = self._next()
             if item is _STOP:
                 return
+            began = time.perf_counter()
             if isinstance(item, _Call):
                 item.run()
             else:
@@ -119,4 +124,5 @@ class Worker:
                     self._compute(*item)
                 except Exception:  # noqa: BLE001 - a bug must not take the worker down with it
                     log.exception("the worker failed a micro-batch")
+            self.busy_s += time.perf_counter() - began
             del item
