@@ -255,7 +255,10 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
         raise InfeasibleError(f"strategy {strategy!r} is infeasible here (its even split does not fit in memory)")
     meta.update({"planning_s": round(time.perf_counter() - t_start, 3), "profile_source": profile.source,
                  "cut_bottleneck_s": dp.bottleneck,
-                 "infeasible": sorted(k for k, v in results.items() if v is None)})
+                 "infeasible": sorted(k for k, v in results.items() if v is None),
+                 # the links as profiled, for people (hpipe serve's page draws them)
+                 "links": [{"src": k.src, "dst": k.dst, "bandwidth_Bps": k.bandwidth_Bps, "latency_s": k.latency_s}
+                           for k in profile.links]})
     return Plan(profile.model_name, profile.model, profile.dtype, work.batch, L, work.kv_len, granularity,
                 strategy, strategies, slicing, ideal_seconds(cost, work), meta=meta,
                 slicing_for="throughput" if strategy == "throughput" else "hpipe")
