@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hpipe.app.openai_text import Stream, all_logprobs, logprob_payload
+from hpipe.app.page import OPEN_PATHS, OPEN_PREFIX, add_page
 from hpipe.app.serve_backend import Backend, Busy, NotReady, TooLong
 from hpipe.core.errors import InputError
 from hpipe.model.generate.sampling import SEED_RANGE
@@ -116,7 +117,8 @@ class Gate:
     disconnect from the endpoint, and an abandoned request would compute to its end):
 
     - the API key, where the server has one, on every route but ``/health`` (and ``/metrics``
-      with ``--metrics-public``): the API, its ``/docs`` and ``/openapi.json`` alike;
+      with ``--metrics-public``), the page and its assets (:mod:`hpipe.app.page`: they hold no
+      data): the API, ``/api/live``, ``/docs`` and ``/openapi.json`` alike;
     - a bound on the body (``max_body`` bytes): a declared length over it is refused before a byte
       is read, a body without one is read here up to the bound and then handed on."""
 
@@ -128,7 +130,7 @@ class Gate:
             return await self.app(scope, receive, send)
         path, headers = scope["path"], dict(scope["headers"])
         key = self.backend.api_key
-        if key and path not in self.open_paths:
+        if key and path not in self.open_paths and not path.startswith(OPEN_PREFIX):
             if not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {key}".encode()):
                 return await self._refuse(scope, receive, send, 401, "Incorrect API key provided", "invalid_api_key")
         declared = headers.get(b"content-length")
@@ -200,7 +202,8 @@ def create_app(backend: Backend, metrics_public: bool = False) -> FastAPI:
 
     # a prompt the plan takes, each character JSON-escaped at worst (\\uXXXX twice), and room for the rest
     app.add_middleware(Gate, backend=backend, max_body=(1 << 20) + 12 * CHARS_PER_TOKEN * backend.plan.max_len,
-                       open_paths=frozenset({"/health", *(["/metrics"] if metrics_public else [])}))
+                       open_paths=frozenset({"/health", *OPEN_PATHS, *(["/metrics"] if metrics_public else [])}))
+    add_page(app, backend.collector.live.body, lambda path, status: backend.metrics.requests.labels(path, str(status)).inc())
 
     @app.get("/health")
     async def health():

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from hpipe.app.live import Live
+
 from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,7 @@ class Collector:
 
     def __init__(self, backend, every_s: float = HEALTH_EVERY_S):
         self.backend, self.every_s = backend, every_s
+        self.live = Live(backend.plan, every_s)  # what the page shows (hpipe.app.live)
         self.health = Health()
         self.lock = threading.Lock()  # held for a whole round: who takes it sees no round half done
         self._stop = threading.Event()
@@ -108,6 +111,7 @@ class Collector:
             m.guesses_kept.set(engine.kept)
         pipe = b.pipe
         if pipe is None:
+            self._round(engine, b.ready()[1])
             return
         ok, why, lost, up = True, "", False, 0
         for d, client in zip(list(pipe.daemons), list(pipe.clients)):
@@ -115,11 +119,14 @@ class Collector:
                 st = client.call("Status", pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - any failure: that daemon is down for us
                 ok, why = False, why or f"daemon {d.name} ({d.address}) is not responding"
+                self.live.daemon(d.name, d.address, why="not responding")
                 continue
             if not st.loaded or st.model != b.plan.model_name:
                 ok, lost = False, True
                 why = why or f"daemon {d.name} ({d.address}) does not hold the model (restarted?)"
+                self.live.daemon(d.name, d.address, st, why="does not hold the model")
                 continue
+            self.live.daemon(d.name, d.address, st)
             up += 1
             for p in st.pools:
                 stage = str(p.stage)
@@ -131,4 +138,19 @@ class Collector:
                 m.cache_evictions.labels(stage).set(p.evictions)
         m.daemons_up.set(up)
         self.health = Health(ok, why, lost)
+        self._round(engine, why)
         b.watch()
+
+    def _round(self, engine, why: str) -> None:
+        m = self.backend.metrics
+        value = m.registry.get_sample_value
+        totals = {"generated": value("hpipe_generated_tokens_total") or 0,
+                  "prompt": value("hpipe_prompt_tokens_total") or 0,
+                  "cached": value("hpipe_prompt_tokens_cached_total") or 0,
+                  "recoveries": engine.recoveries if engine is not None else 0,
+                  "preemptions": engine.preemptions if engine is not None else 0,
+                  "guesses": engine.drafted if engine is not None else 0,
+                  "guesses_kept": engine.kept if engine is not None else 0}
+        self.live.round(state=self.backend.state, health=why,
+                        waiting=len(engine.waiting) if engine is not None else 0,
+                        running=len(engine.running) if engine is not None else 0, totals=totals)

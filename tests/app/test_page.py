@@ -1,0 +1,125 @@
+"""``hpipe serve``'s page in a real browser (headless Chromium): over three daemons, a chat answer
+streams in, the cluster view shows the three daemons, the plan and busy fractions that move while
+16 requests run, and nothing of the cluster reaches a client without the key."""
+
+import threading
+import time
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from hpipe.app.serve_backend import Backend
+from hpipe.model.weights.sources import resolve_model
+from tests.app.browser import chromium, wait_for
+from tests.app.serve_helpers import serving, tiny_plan
+from tests.cluster_helpers import Served, cluster_of
+from tests.helpers import make_tiny_model
+
+KEY = "sk-page-test"
+LINKS = [{"src": "d0", "dst": "d1", "bandwidth_Bps": 1.25e8, "latency_s": 2e-4},
+         {"src": "d1", "dst": "d2", "bandwidth_Bps": 1.25e8, "latency_s": 2e-4}]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    driver = chromium()
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory, smollm2):
+    model = make_tiny_model("llama", tmp_path_factory.mktemp("page-model"), vocab_size=49152, layers=4,
+                            tokenizer_from=smollm2.path, context=256)
+    source = resolve_model(str(model))
+    daemons = [Served(f"d{i}") for i in range(3)]
+    plan = tiny_plan(source, daemons, max_len=128, cuts=(2, 4))
+    plan = replace(plan, meta={"links": LINKS})
+    backend = Backend(plan, cluster_of(*daemons), source, api_key=KEY, model_name="tiny")
+    with serving(backend) as base:
+        yield base, backend
+    for d in daemons:
+        d.stop()
+
+
+def _key_in(driver, base):
+    """Open the page afresh (no key kept from a test before) and give it the key."""
+    driver.get(base + "/")
+    driver.execute_script("sessionStorage.clear()")
+    driver.get(base + "/")
+    wait_for(lambda: driver.find_element("id", "key-box").is_displayed(), why="the page asks for the key")
+    driver.find_element("id", "key").send_keys(KEY)
+    driver.find_element("id", "key-save").click()
+    wait_for(lambda: driver.find_element("id", "model").text == "tiny", why="the model's name with the key")
+
+
+def test_without_the_key_the_page_loads_but_shows_nothing_of_the_cluster(three, browser):
+    base, _ = three
+    assert httpx.get(f"{base}/").status_code == 200  # the page itself holds no data
+    assert httpx.get(f"{base}/page/vendor/uPlot.iife.min.js").status_code == 200
+    for path in ("/api/live", "/v1/models"):
+        r = httpx.get(f"{base}{path}")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{base}/api/live", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    browser.get(base + "/")
+    browser.execute_script("sessionStorage.clear()")
+    browser.get(base + "/")
+    wait_for(lambda: browser.find_element("id", "key-box").is_displayed(), why="the page asks for the key")
+    assert browser.find_elements("css selector", ".card.daemon") == []
+
+
+def test_a_chat_answer_streams_in_with_its_counts(three, browser):
+    base, _ = three
+    _key_in(browser, base)
+    browser.find_element("id", "max_tokens").clear()
+    browser.find_element("id", "max_tokens").send_keys("40")
+    browser.find_element("id", "prompt").send_keys("Tell me about pipelines.")
+    browser.find_element("id", "send").click()
+    stats = wait_for(lambda: browser.find_elements("css selector", ".msg.assistant .stats[data-done='1']"),
+                     why="the answer ends")[0]
+    answer = browser.find_element("css selector", ".msg.assistant")
+    assert int(answer.get_attribute("data-pieces")) >= 2, "the answer came in one piece, not streamed"
+    assert answer.find_element("css selector", ".content").text
+    text = stats.text
+    assert "prompt " in text and "answer " in text and "first token" in text and "tokens/s" in text, text
+
+
+def _read(driver, selector: str, what: str = "e.textContent") -> list[str]:
+    """``what`` of every element ``selector`` finds, read in one go in the page (it redraws every second)."""
+    return driver.execute_script(f"return [...document.querySelectorAll(arguments[0])].map(e => {what})", selector)
+
+
+def test_the_cluster_view_shows_three_daemons_the_plan_and_busy_fractions_that_move(three, browser):
+    base, _ = three
+    _key_in(browser, base)
+    browser.find_element("id", "tab-cluster").click()
+    wait_for(lambda: len(_read(browser, ".card.daemon")) == 3, why="three daemon cards")
+    assert _read(browser, ".card.daemon", "e.dataset.name") == ["d0", "d1", "d2"]
+    assert _read(browser, "#plan .stage", "e.dataset.daemon") == ["d0", "d1", "d2"]
+    assert "embed" in _read(browser, "#plan .stage")[0]
+    assert len(_read(browser, "#links tr.cut")) == 2
+    assert _read(browser, "#chart-busy canvas", "e.width")  # uPlot drew it
+
+    answers: list[int] = []
+
+    def ask(i: int) -> None:
+        r = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                       json={"model": "tiny", "prompt": f"request {i} " * 8, "max_tokens": 96, "ignore_eos": True})
+        answers.append(r.status_code)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    seen, running = set(), set()
+    after = None  # the page polls every second: look on for 2.5 s more once all have answered
+    while any(t.is_alive() for t in threads) or (after := after or time.monotonic()) > time.monotonic() - 2.5:
+        seen.add(tuple(_read(browser, ".card.daemon .busy", "e.dataset.value")))
+        running.update(_read(browser, "#sum-requests .big"))
+        threading.Event().wait(0.2)
+    for t in threads:
+        t.join()
+    assert answers == [200] * 16
+    values = {float(v) for b in seen for v in b if v}
+    assert len(seen) >= 2 and values and max(values) > 0, f"busy fractions seen: {seen}"
+    assert any(not r.endswith("· 0") for r in running), f"requests running never shown: {running}"
