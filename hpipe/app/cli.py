@@ -234,6 +234,9 @@ def _run_parser(sub) -> None:
                     help="seconds a broken pipeline waits for a dead daemon to come back (default: 60)")
     _dequantize_argument(rn)
     _prefix_cache_arguments(rn)
+    rn.add_argument("--serve-page", type=_positive, metavar="PORT",
+                    help="show the cluster page (daemons, plan, busy, KV, tokens/s, events) at http://127.0.0.1:PORT/ "
+                         "while the job runs (loopback only: forward the port to watch from elsewhere)")
     rn.add_argument("-o", "--output", default="results.jsonl")
     rn.add_argument("--json", action="store_true")
     rn.add_argument("documents", nargs="+", help="text or markdown files; '-' for stdin")

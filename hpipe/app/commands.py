@@ -21,6 +21,7 @@ from hpipe.app.inputs import (
     load_profile,
     planned,
     read_text,
+    templates,
     write_or_print,
 )
 from hpipe.core.errors import InputError
@@ -261,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, the_plan, cluster, source) -> int:
     from hpipe.app.jobs import JobConfig, describe, read_questions, run_job
+    from hpipe.app.page_job import start_page
     from hpipe.app.replan import replanner
 
     if args.strategy and args.strategy.replace("-", "_") not in the_plan.strategies:
@@ -273,8 +275,14 @@ def _run(args: argparse.Namespace, the_plan, cluster, source) -> int:
                     strategy=args.strategy.replace("-", "_") if args.strategy else None,
                     questions=read_questions(args.questions) if args.questions else (),
                     prefix_cache=args.prefix_cache_budget if args.prefix_cache else None)
-    summary = run_job(the_plan, cluster, source, args.documents, output, job,
-                      replan=replanner(the_plan, load_profile(args.profile)) if args.profile else None)
+    page = start_page(the_plan, args.serve_page) if args.serve_page else None
+    try:
+        summary = run_job(the_plan, cluster, source, args.documents, output, job,
+                          replan=replanner(the_plan, load_profile(args.profile)) if args.profile else None,
+                          on_engine=page.watch.deployed if page else None)
+    finally:
+        if page is not None:
+            page.stop()
     for event in summary["recoveries"]:
         print(f"hpipe: the pipeline broke ({event['error']}); {event['action']} in {event['seconds']:.1f} s; "
               f"{event.get('resumed', 0)} documents resumed ({event.get('replayed_positions', 0)} positions "
@@ -286,23 +294,6 @@ def _run(args: argparse.Namespace, the_plan, cluster, source) -> int:
               file=sys.stderr)
         return 1
     return 0
-
-
-def templates(args: argparse.Namespace):
-    """The long methods' prompts: the defaults, or those given (``@FILE`` read from a file)."""
-    from hpipe.app.long_docs import Templates
-
-    given = {}
-    for kind in ("map", "reduce", "refine"):
-        value = getattr(args, f"{kind}_prompt")
-        if value and value.startswith("@"):
-            try:
-                value = Path(value[1:]).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise InputError(f"--{kind}-prompt: cannot read {value[1:]}: {e}") from None
-        if value:
-            given[kind] = value
-    return Templates(**given)
 
 
 def bench(args: argparse.Namespace) -> int:

@@ -108,3 +108,20 @@ def planned(args: argparse.Namespace, serving: bool):
     with on_the_spot(quantized_model(args.model, args.quantize), args.cluster, max_len=args.max_len, seq_len=None, serving=serving,
                      dequantize=args.dequantize) as got:
         yield got
+
+
+def templates(args: argparse.Namespace):
+    """The long methods' prompts: the defaults, or those given (``@FILE`` read from a file)."""
+    from hpipe.app.long_docs import Templates
+
+    given = {}
+    for kind in ("map", "reduce", "refine"):
+        value = getattr(args, f"{kind}_prompt")
+        if value and value.startswith("@"):
+            try:
+                value = Path(value[1:]).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise InputError(f"--{kind}-prompt: cannot read {value[1:]}: {e}") from None
+        if value:
+            given[kind] = value
+    return Templates(**given)

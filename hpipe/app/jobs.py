@@ -332,11 +332,13 @@ class JobRun:
 
 
 def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], results: Path, job: JobConfig,
-            replan: Callable[[list[str], list[Stage]], list[Stage]] | None = None) -> dict:
+            replan: Callable[[list[str], list[Stage]], list[Stage]] | None = None,
+            on_engine: Callable[[object, object], None] | None = None) -> dict:
     """Analyse ``documents``; returns a summary. Raises nothing per document: each failure is
     recorded in the results file with its error, and in the summary. A stage that dies is waited
     for and redeployed, or (``replan(survivors, stages)`` given, :mod:`hpipe.app.replan`) planned around, and the documents in
-    flight go on (:mod:`runtime.coordinator.recovery`); the summary's ``recoveries`` says what happened."""
+    flight go on (:mod:`runtime.coordinator.recovery`); the summary's ``recoveries`` says what happened.
+    ``on_engine(deployed, engine)`` is told of the pipeline once it is up (``--serve-page`` watches it)."""
     if job.policy not in POLICIES and job.policy != "seesaw":
         raise InputError(f"unknown policy {job.policy!r} (choose from {', '.join(POLICIES)}, seesaw)")
     if job.long not in METHODS:
@@ -357,6 +359,8 @@ def run_job(plan: Plan, cluster: ClusterSpec, source, documents: list[str], resu
         policy = deployed.phases if job.policy == "seesaw" else POLICIES[job.policy]()
         engine = deployed.engine(policy, max_running=max(1, job.parallel), prefix_cache=job.prefix_cache,
                                  speculate=job.speculate)
+        if on_engine is not None:
+            on_engine(deployed, engine)
         try:
             run.run(engine)
         finally:

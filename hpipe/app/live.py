@@ -59,8 +59,7 @@ class Live:
         self._daemons: dict[str, dict] = {}
         self._busy_seen: dict[str, tuple[float, float]] = {}  # name -> (daemon clock, busy seconds)
         self._tokens_seen = (time.monotonic(), 0)
-        self._health, self._state = "", ""
-        self.tokens = 0  # answer tokens so far: counted by the engine's thread, read here
+        self._health, self._state, self._phase = "", "", None
         self._body = b"{}"
 
     def event(self, kind: str, text: str) -> None:
@@ -86,16 +85,23 @@ class Live:
             "pools": [{"stage": p.stage, "used": p.used_blocks, "blocks": p.blocks, "cached": p.cached_blocks}
                       for p in reply.pools]}
 
-    def round(self, *, state: str, health: str, waiting: int, running: int, totals: dict) -> None:
-        """End a round: one point of every series, an event where the health changed, the JSON."""
-        now, tokens = time.monotonic(), self.tokens
+    def round(self, *, state: str, health: str, waiting: int, running: int, tokens: int, totals: dict,
+              phase: str | None = None, chat: bool = True) -> None:
+        """End a round (``tokens``: the engine's count so far; ``phase``: Seesaw's, where it runs; ``chat``:
+        whether the server answers chats): one point of every series, events where the state, the
+        health or the phase changed, the JSON."""
+        now = time.monotonic()
         then, before = self._tokens_seen
         self._tokens_seen = (now, tokens)
-        rate = (tokens - before) / (now - then) if now > then else 0.0
+        rate = max(0, tokens - before) / (now - then) if now > then else 0.0
         if state != self._state:
             if self._state or state != "ok":
                 self.event("state", state)
             self._state = state
+        if phase != self._phase:
+            if phase is not None:
+                self.event("phase", f"Seesaw: the {phase} phase" + (" begins" if self._phase else ""))
+            self._phase = phase
         if health != self._health:
             self.event("health" if health else "recovered", health or "every daemon answers and holds the model")
             self._health = health
@@ -106,7 +112,8 @@ class Live:
                  "kv_used": sum(p["used"] for d in daemons for p in d.get("pools", []))}
         with self._lock:
             self._series.append(point)
-            body = {"time": point["t"], "state": state, "health": health or "ok", "plan": self.plan,
+            body = {"time": point["t"], "state": state, "health": health or "ok", "plan": self.plan, "chat": chat,
+                    "phase": phase,
                     "daemons": daemons, "waiting": waiting, "running": running, "totals": totals,
                     "series": list(self._series), "events": list(self._events)}
             self._body = json.dumps(body, separators=(",", ":")).encode()

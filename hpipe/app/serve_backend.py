@@ -214,6 +214,8 @@ class Backend:
         if self.deployed is not None:
             self.deployed.close()
 
+    chat = True  # the page offers a chat (hpipe run's page does not)
+
     @property
     def state(self) -> str:
         """"loading", "ok", or what is being waited for ("deploying: ...", "recovering: ...")."""
@@ -270,15 +272,9 @@ class Backend:
                         self.metrics.tpot.observe((r.done_s - r.first_token_s) / (len(r.tokens) - 1))
                 on_done(r)
 
-            live = self.collector.live
-
-            def counted(r: Request, token: int) -> None:
-                live.tokens += 1  # the engine's thread alone writes it
-                on_token(r, token)
-
             request = Request(prompt, max_tokens or min(self.default_max_tokens, room), params=params,
                               eos=frozenset() if body.ignore_eos else self.eos,
-                              slicer=self.plan.slicer(), on_token=counted, on_done=done,
+                              slicer=self.plan.slicer(), on_token=on_token, on_done=done,
                               logprobs=top_logprobs, speculate=body.speculate)
             return engine.add(request)
 

@@ -72,7 +72,11 @@ class Health:
 
 
 class Collector:
-    """The background thread that watches the daemons of ``backend``'s pipeline."""
+    """The background thread that watches the daemons of ``backend``'s pipeline.
+
+    ``backend``: ``hpipe serve``'s :class:`hpipe.app.serve_backend.Backend`, or anything with its
+    ``plan``, ``pipe``, ``engine``, ``metrics``, ``state``, ``chat``, ``ready()`` and ``watch()``
+    (``hpipe run --serve-page``'s :class:`hpipe.app.page_job.JobWatch`)."""
 
     def __init__(self, backend, every_s: float = HEALTH_EVERY_S):
         self.backend, self.every_s = backend, every_s
@@ -153,4 +157,7 @@ class Collector:
                   "guesses_kept": engine.kept if engine is not None else 0}
         self.live.round(state=self.backend.state, health=why,
                         waiting=len(engine.waiting) if engine is not None else 0,
-                        running=len(engine.running) if engine is not None else 0, totals=totals)
+                        running=len(engine.running) if engine is not None else 0,
+                        tokens=engine.tokens_out if engine is not None else 0, totals=totals,
+                        phase=getattr(engine.policy, "phase", None) if engine is not None else None,
+                        chat=self.backend.chat)

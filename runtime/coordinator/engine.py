@@ -110,6 +110,7 @@ class Engine(Preempting, Rebinding, Speculating):
         self.swap, self.tier = swap, min((p.tier_blocks for p in pools), default=0)  # the host tier's blocks
         self.tier_used = 0
         self.micro_batches = 0
+        self.tokens_out = 0  # tokens given to requests so far (a count for watchers: the page's tokens/s)
         self.preemptions = self.swaps = self.recomputed = 0
         self._checked = time.monotonic()
         self._stall = StallGuard()
@@ -318,6 +319,7 @@ class Engine(Preempting, Rebinding, Speculating):
         if r.first_token_s is None:
             r.first_token_s = now
         r.tokens.append(token)
+        self.tokens_out += 1
         if r.on_token is not None:
             try:
                 r.on_token(r, token)

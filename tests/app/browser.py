@@ -10,14 +10,21 @@ import time
 import pytest
 
 
-def chromium(width: int = 1400, height: int = 1000):
-    """A headless Chromium (Selenium's ``WebDriver``), or a skip that says what is missing."""
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
+class NoBrowser(Exception):
+    pass
+
+
+def launch(width: int = 1400, height: int = 1000):
+    """A headless Chromium (Selenium's ``WebDriver``); :class:`NoBrowser` says what is missing
+    (``benchmarks/page_overhead.py`` uses it too)."""
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        raise NoBrowser("selenium is not installed (pip install -e '.[test]')") from None
     binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not binary or not driver:
-        pytest.skip("no headless browser: apt-get install chromium chromium-driver (Debian) to run the page's tests")
-    from selenium.webdriver.chrome.service import Service
-
+        raise NoBrowser("no headless browser: apt-get install chromium chromium-driver (Debian)")
     os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must not try to download a driver
     options = webdriver.ChromeOptions()
     options.binary_location = binary
@@ -25,6 +32,14 @@ def chromium(width: int = 1400, height: int = 1000):
                 f"--window-size={width},{height}", "--disable-extensions", "--no-first-run"):
         options.add_argument(arg)
     return webdriver.Chrome(service=Service(executable_path=driver), options=options)
+
+
+def chromium(width: int = 1400, height: int = 1000):
+    """:func:`launch`, or a skip of the test that says what is missing."""
+    try:
+        return launch(width, height)
+    except NoBrowser as e:
+        pytest.skip(f"{e}: the page's browser tests need it")
 
 
 def wait_for(what, timeout_s: float = 30.0, every_s: float = 0.1, why: str = ""):

@@ -38,23 +38,23 @@ def test_busy_is_the_workers_seconds_over_the_daemons_clock_and_health_changes_a
     live = Live(_plan(), every_s=1.0)
     live.daemon("a", "h:1", _reply(100.0, 5.0))
     live.daemon("b", "h:2", why="not responding")
-    live.round(state="ok", health="daemon b is not responding", waiting=1, running=2, totals={})
+    live.round(state="ok", health="daemon b is not responding", waiting=1, running=2, tokens=0, totals={})
     first = json.loads(live.body())
     assert [d["busy"] for d in first["daemons"]] == [None, None]  # one reading tells nothing yet
     assert first["daemons"][1]["up"] is False and first["health"] == "daemon b is not responding"
     live.daemon("a", "h:1", _reply(102.0, 6.5))
     live.daemon("b", "h:2", _reply(50.0, 1.0))
-    live.tokens += 30
-    live.round(state="ok", health="", waiting=0, running=4, totals={})
+    live.round(state="ok", health="", waiting=0, running=4, tokens=30, totals={}, phase="prefill")
     body = json.loads(live.body())
     assert [d["busy"] for d in body["daemons"]] == [0.75, None]
     assert body["series"][-1]["busy"] == {"a": 0.75, "b": None} and body["series"][-1]["kv_used"] == 6
     assert body["series"][-1]["tokens_per_s"] > 0 and len(body["series"]) == 2
-    assert [e["kind"] for e in body["events"]] == ["health", "recovered"]
+    assert [e["kind"] for e in body["events"]] == ["health", "phase", "recovered"]
+    assert body["phase"] == "prefill"
 
 
 def test_the_series_keeps_the_last_minutes_only():
     live = Live(replace(_plan()), every_s=60.0)
     for _ in range(30):
-        live.round(state="ok", health="", waiting=0, running=0, totals={})
+        live.round(state="ok", health="", waiting=0, running=0, tokens=0, totals={})
     assert len(json.loads(live.body())["series"]) == 10  # HISTORY_S / every_s

@@ -2,6 +2,7 @@
 streams in, the cluster view shows the three daemons, the plan and busy fractions that move while
 16 requests run, and nothing of the cluster reaches a client without the key."""
 
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -17,6 +18,14 @@ from tests.cluster_helpers import Served, cluster_of
 from tests.helpers import make_tiny_model
 
 KEY = "sk-page-test"
+#: a GET from another namespace: prints the status (urllib raises on 4xx: its code is the status)
+ASK = """import sys, urllib.request, urllib.error
+req = urllib.request.Request(sys.argv[1], headers={"Authorization": f"Bearer {sys.argv[2]}"} if sys.argv[2] else {})
+try:
+    print(urllib.request.urlopen(req, timeout=10).status)
+except urllib.error.HTTPError as e:
+    print(e.code)
+"""
 LINKS = [{"src": "d0", "dst": "d1", "bandwidth_Bps": 1.25e8, "latency_s": 2e-4},
          {"src": "d1", "dst": "d2", "bandwidth_Bps": 1.25e8, "latency_s": 2e-4}]
 
@@ -123,3 +132,87 @@ def test_the_cluster_view_shows_three_daemons_the_plan_and_busy_fractions_that_m
     values = {float(v) for b in seen for v in b if v}
     assert len(seen) >= 2 and values and max(values) > 0, f"busy fractions seen: {seen}"
     assert any(not r.endswith("· 0") for r in running), f"requests running never shown: {running}"
+
+
+def test_a_job_shows_its_cluster_on_the_page_without_a_chat(tmp_path, smollm2, browser):
+    from hpipe.app.jobs import JobConfig, run_job
+    from hpipe.app.page_job import JobWatch, PageServer
+    from tests.app.serve_helpers import free_port
+
+    model = make_tiny_model("llama", tmp_path / "model", vocab_size=49152, layers=4, tokenizer_from=smollm2.path,
+                            context=256)
+    source = resolve_model(str(model))
+    daemons = [Served(f"j{i}") for i in range(3)]
+    plan = tiny_plan(source, daemons, max_len=128, cuts=(2, 4))
+    docs = []
+    for i in range(12):
+        docs.append(tmp_path / f"doc{i}.md")
+        docs[-1].write_text(f"Document {i}. " * 10)
+    page = PageServer(JobWatch(plan), free_port())
+    page.start()
+    result: dict = {}
+    job = threading.Thread(target=lambda: result.update(run_job(
+        plan, cluster_of(*daemons), source, [str(d) for d in docs], tmp_path / "out.jsonl",
+        JobConfig(instruction="Summarize.", max_new_tokens=100, ignore_eos=True, parallel=4),
+        on_engine=page.watch.deployed)))
+    try:
+        job.start()
+        browser.get(page.address)
+        wait_for(lambda: len(_read(browser, ".card.daemon")) == 3, why="the job's three daemons on its page")
+        assert _read(browser, ".card.daemon", "e.dataset.name") == ["j0", "j1", "j2"]
+        assert browser.execute_script("return document.getElementById('tab-chat').hidden")
+        assert not browser.execute_script("return document.getElementById('view-cluster').hidden")
+        assert httpx.get(page.address.rstrip("/") + "/v1/models").status_code == 404  # no chat behind it
+        job.join(120)
+        assert not job.is_alive() and not result["failed"] and result["documents"] == 12, result
+    finally:
+        job.join(120)
+        page.stop()
+        for d in daemons:
+            d.stop()
+
+
+def test_off_loopback_the_live_data_and_the_api_need_the_key(three, tmp_path):
+    """The server bound to the emulated network's bridge, asked from another host's namespace."""
+    import subprocess
+
+    import uvicorn
+
+    from hpipe.app.openai_api import create_app
+    from hpipe.core.cluster import ClusterSpec
+    from runtime.cluster import emulate
+    from runtime.cluster.emulate import Emulation
+    from runtime.cluster.emulate.net import BRIDGE_IP, names
+    from runtime.cluster.processes import state_dir
+    from tests.app.serve_helpers import free_port
+    from tests.cluster_helpers import discard_state
+
+    if emulate.unavailable():
+        pytest.skip(emulate.unavailable())
+    _, backend = three
+    (tmp_path / "viewer.yaml").write_text("name: page-viewer\ndaemons:\n  - name: viewer\n"
+                                          "    address: 198.18.0.71:50301\n")
+    viewer = ClusterSpec.load(tmp_path / "viewer.yaml")
+    emu = Emulation(viewer, state_dir(viewer))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(backend), host=BRIDGE_IP, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    try:
+        emu.setup_network()
+        thread.start()
+        wait_for(lambda: server.started, 10, why="the server on the bridge")
+
+        def status(path: str, key: str | None = None) -> str:
+            """The status of ``GET path`` asked from the viewer's namespace (Python's own urllib)."""
+            return subprocess.run(["ip", "netns", "exec", names(viewer.daemons[0])[0], sys.executable, "-c", ASK,
+                                   f"http://{BRIDGE_IP}:{port}{path}", key or ""], capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        assert status("/") == "200" and status("/page/app.js") == "200"  # no data in them
+        assert status("/api/live") == "401" and status("/v1/models") == "401"
+        assert status("/api/live", "wrong") == "401"
+        assert status("/api/live", KEY) == "200" and status("/v1/models", KEY) == "200"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        emu.teardown()
+        discard_state(viewer)

@@ -271,7 +271,7 @@ function drawDaemons(live) {
       el("div", { class: "big", style: `color:${colorOf[d.name]}` }, d.name),
       el("div", { class: "muted" }, d.address + (d.up ? "" : " · " + (d.why || "down"))),
       el("dl", {},
-        el("dt", {}, "device"), el("dd", {}, d.device ? `${d.device}${d.device === "cpu" ? `, ${d.threads} threads` : ""}` : "–"),
+        el("dt", {}, "device"), el("dd", {}, d.device ? `${d.device}${d.device === "cpu" ? `, ${d.threads} thread${d.threads === 1 ? "" : "s"}` : ""}` : "–"),
         el("dt", {}, ""), el("dd", { class: "muted" }, d.device_name || ""),
         el("dt", {}, "weights"), el("dd", {}, bytes(d.weight_bytes)),
         el("dt", {}, "KV cache"), el("dd", {}, `${bytes(d.kv_bytes)} · ${used}/${blocks} blocks`),
@@ -299,12 +299,13 @@ function drawSummary(live) {
   const card = (label, value, id) => el("div", { class: "card", id }, el("div", { class: "muted" }, label),
                                         el("div", { class: "big" }, value));
   const t = live.totals;
-  $("summary").replaceChildren(
+  $("summary").replaceChildren(...[
     card("state", live.state === "ok" ? live.health : live.state, "sum-state"),
     card("answer tokens/s", last.tokens_per_s.toFixed(1), "sum-rate"),
     card("requests waiting · running", `${live.waiting} · ${live.running}`, "sum-requests"),
     card("tokens generated · prompt (cached)", `${t.generated} · ${t.prompt} (${t.cached})`, "sum-tokens"),
-    card("recoveries · preemptions", `${t.recoveries} · ${t.preemptions}`, "sum-recoveries"));
+    card("recoveries · preemptions", `${t.recoveries} · ${t.preemptions}`, "sum-recoveries"),
+    live.phase ? card("Seesaw phase", live.phase, "sum-phase") : null].filter(Boolean));
 }
 
 function drawEvents(live) {
@@ -315,6 +316,11 @@ function drawEvents(live) {
 }
 
 function draw(live) {
+  if (!live.chat && !$("tab-chat").hidden) {  // a job's page (hpipe run --serve-page): the cluster only
+    $("tab-chat").hidden = true;
+    $("tab-cluster").click();
+    $("model").textContent = live.plan.model + " · a job";
+  } else if (live.chat && !model) loadModel();
   const names = [...new Set(live.plan.stages.map((s) => s.daemon))];
   names.forEach((n, i) => { colorOf[n] = COLORS[i % COLORS.length]; });
   const ok = live.state === "ok" && live.health === "ok";
@@ -340,5 +346,4 @@ async function poll() {
   setTimeout(poll, POLL_MS);
 }
 
-loadModel();
 poll();
