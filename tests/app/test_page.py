@@ -94,6 +94,33 @@ def test_a_chat_answer_streams_in_with_its_counts(three, browser):
     assert "prompt " in text and "answer " in text and "first token" in text and "tokens/s" in text, text
 
 
+def test_stop_ends_an_answer_and_frees_its_kv(three, browser):
+    from tests.app.serve_helpers import pools_empty
+
+    base, backend = three
+    _key_in(browser, base)
+    browser.find_element("id", "max_tokens").clear()
+    browser.find_element("id", "max_tokens").send_keys("180")
+    browser.find_element("id", "prompt").send_keys("Go on for a long time.")
+    # other requests beside it, so that the answer takes seconds, not the moment a click takes
+    others = [threading.Thread(target=httpx.post, args=(f"{base}/v1/completions",), kwargs=dict(
+        headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+        json={"model": "tiny", "prompt": "busy " * 8, "max_tokens": 200, "ignore_eos": True})) for _ in range(8)]
+    for t in others:
+        t.start()
+    browser.find_element("id", "send").click()
+    wait_for(lambda: browser.execute_script("return document.querySelector('.msg.assistant')?.dataset.pieces"),
+             why="the answer begins")
+    browser.find_element("id", "stop").click()
+    stats = wait_for(lambda: browser.find_elements("css selector", ".msg.assistant .stats[data-done='1']"),
+                     why="the answer stops")[0]
+    assert stats.text.endswith("stopped"), stats.text
+    for t in others:
+        t.join(120)
+    assert pools_empty(backend.pipe), "the stopped answer's KV is still held"
+    assert browser.find_element("id", "send").is_enabled()
+
+
 def _read(driver, selector: str, what: str = "e.textContent") -> list[str]:
     """``what`` of every element ``selector`` finds, read in one go in the page (it redraws every second)."""
     return driver.execute_script(f"return [...document.querySelectorAll(arguments[0])].map(e => {what})", selector)
