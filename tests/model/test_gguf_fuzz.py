@@ -28,6 +28,7 @@ from hpipe.model.weights.sources import resolve_model
 #: structural cases: each reads the file's 49,152-token vocabulary (about 3 s on two cores), so CI
 #: runs 16; ``HPIPE_FUZZ_CASES=200 pytest tests/model/test_gguf_fuzz.py`` runs the full fuzz
 CASES = int(os.environ.get("HPIPE_FUZZ_CASES", "16"))
+TIMES: list[float] = []  # every case's seconds, for the report at the end
 SMALL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512)
 
@@ -77,6 +78,11 @@ def broken(data: bytes, where: dict, rng: random.Random) -> bytearray:
     return b
 
 
+#: the slowest case the full fuzz may have (issue 64's bar); CI's 16 cases only check nothing hangs
+#: (30 s: a slow, shared CI machine reads a 49,152-token vocabulary in seconds)
+SLOWEST_S = 10.0 if "HPIPE_FUZZ_CASES" in os.environ else 30.0
+
+
 def run(path: Path) -> str:
     """What ``--model`` does with ``path``: "ran", or the error's class (its message checked)."""
     t0 = time.monotonic()
@@ -87,7 +93,9 @@ def run(path: Path) -> str:
     except HpipeError as e:
         assert "\n" not in str(e) and path.name in str(e), str(e)
         outcome = type(e).__name__
-    assert time.monotonic() - t0 < 30, path  # no case hangs (a slow CI machine reads the tokenizer in seconds)
+    took = time.monotonic() - t0
+    assert took < SLOWEST_S, f"{path.name} took {took:.1f} s"  # no case hangs
+    TIMES.append(took)
     return outcome
 
 
@@ -117,6 +125,7 @@ def test_every_structurally_broken_file_is_one_clear_error(valid, tmp_path, cach
         outcome = run(path)
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
         path.unlink()
+    print(f"{CASES} cases: {outcomes}; slowest {max(TIMES):.1f} s, median {sorted(TIMES)[len(TIMES) // 2]:.1f} s")
     ran = outcomes.get("ran", 0) + outcomes.get("ran, not finite", 0)
     assert len(imports_left(cache)) <= max(ran, 1), (imports_left(cache), outcomes)  # one import per file that ran
     assert outcomes.get("ModelSourceError", 0) >= CASES // 2, outcomes

@@ -11,6 +11,7 @@ quantized blocks, kept as the reference they are tested against.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import json
@@ -19,6 +20,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -198,6 +201,56 @@ def _check_layers(gguf: Path, config: Path, index: Path) -> None:
     if embed != [cfg.get("vocab_size"), cfg.get("hidden_size")]:
         raise ModelSourceError(f"{gguf}: tensor token_embd.weight is {embed}; the metadata makes it "
                                f"[{cfg.get('vocab_size')}, {cfg.get('hidden_size')}]")
+    shapes = expected_shapes(ModelConfig.from_dict(cfg))
+    for name, entry in tensors.items():
+        part = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+        want = shapes.get(part)
+        if want is not None and entry["shape"] != want:  # a stage would find it out only when it loads
+            raise ModelSourceError(f"{gguf}: tensor {entry['gguf']} is {entry['shape']}; the metadata makes it {want}")
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, list[int]]:
+    """The ``[rows, in]`` (or ``[n]``) of the tensors a model of ``cfg`` has, by Hugging Face name
+    (a layer's without its ``model.layers.N.``); biases, fused and other tensors are not listed."""
+    h, inter, hd, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    return {"model.norm.weight": [h], "lm_head.weight": [vocab, h],
+            "input_layernorm.weight": [h], "post_attention_layernorm.weight": [h],
+            "pre_feedforward_layernorm.weight": [h], "post_feedforward_layernorm.weight": [h],
+            "self_attn.q_proj.weight": [q, h], "self_attn.k_proj.weight": [kv, h], "self_attn.v_proj.weight": [kv, h],
+            "self_attn.o_proj.weight": [h, q], "self_attn.q_norm.weight": [hd], "self_attn.k_norm.weight": [hd],
+            "mlp.gate_proj.weight": [inter, h], "mlp.up_proj.weight": [inter, h], "mlp.down_proj.weight": [h, inter]}
+
+
+#: one import at a time patches transformers' GGUF reader (:func:`_one_read`)
+_IMPORTING = threading.Lock()
+
+
+@contextmanager
+def _one_read():
+    """transformers' GGUF metadata read once per file while this lasts, not once per caller.
+
+    ``AutoTokenizer`` reads a file's whole metadata for its config, and ``AutoConfig`` reads it again:
+    for a 49,152-token vocabulary about a second each on two cores, which made importing a small
+    file take 2-3 s. Its callers look the reader up in its module when they call it, so the module's
+    function is wrapped while the import runs; each caller gets its own copy of the result."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    original, seen = reader.load_gguf_checkpoint, {}
+
+    def once(path, return_tensors=False, **kw):
+        if return_tensors or kw:
+            return original(path, return_tensors=return_tensors, **kw)
+        key = os.path.realpath(path)
+        if key not in seen:
+            seen[key] = original(path, return_tensors=False)
+        return copy.deepcopy(seen[key])
+    with _IMPORTING:
+        reader.load_gguf_checkpoint = once
+        try:
+            yield
+        finally:
+            reader.load_gguf_checkpoint = original
 
 
 def _write_import(gguf: Path, out: Path) -> None:
@@ -205,8 +258,9 @@ def _write_import(gguf: Path, out: Path) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        hf_config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        with _one_read():
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            hf_config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except (OSError, ValueError, KeyError) as e:
         raise ModelSourceError(f"{gguf}: cannot read this GGUF file ({e})") from None
     config = hf_config.to_dict()
