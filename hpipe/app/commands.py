@@ -150,8 +150,12 @@ def _held_weights(model: str) -> dict:
     """How a model's daemons hold its matrices, for the profiler: ``weight_bits`` (their memory)
     and ``weight_type`` (what the units are timed in); empty for float weights."""
     from hpipe.core.shapes import is_random
-    from hpipe.model.weights.sources import resolve_model
+    from hpipe.model.weights.random_blocks import RandomBlocks, runnable
+    from hpipe.model.weights.sources import model_shape, resolve_model
 
+    if runnable(model):  # the blocks its daemons make (hpipe.model.weights.random_blocks)
+        store = RandomBlocks(model, model_shape(model)[1])
+        return {"weight_bits": store.matrix_bits(), "weight_type": store.main_type()}
     if is_random(model) or Path(model).name.endswith(".json"):
         return {}
     return resolve_model(model).held_weights()

@@ -41,6 +41,8 @@ from hpipe.model.compute.stage import StageModel
 from hpipe.model.kernels import library, precision
 from hpipe.model.kv.pool import BLOCK_SIZE, KVPool
 from hpipe.model.weights.gguf import GGUFWeights
+from hpipe.model.weights.random_blocks import RandomBlocks, runnable
+from hpipe.model.weights.random_gguf import QUANTS
 from hpipe.model.weights.sources import BUILTIN_MODELS, resolve_model
 from runtime.daemon import memory
 from runtime.daemon.shipped import Shipped
@@ -212,9 +214,10 @@ def check_source(model: str, model_dirs: tuple[str, ...]) -> None:
 
 
 def model_config(model: str) -> ModelConfig:
-    if is_random(model) and "@" in model:
-        raise StatusError("INVALID_ARGUMENT", f"{model!r} names a quantization: such shapes are for what-if profiles "
-                          "(hpipe profile --simulate); daemons run random shapes in float32 or bfloat16")
+    if is_random(model) and "@" in model and not runnable(model):
+        raise StatusError("INVALID_ARGUMENT", f"{model!r} names a quantization daemons do not make: such shapes are "
+                          "for what-if profiles (hpipe profile --simulate); daemons run random shapes in float32 or "
+                          f"bfloat16, or as the blocks of {', '.join(QUANTS)} (random:SHAPE@q4_k_m)")
     return random_config(model) if is_random(model) else resolve_model(model).config
 
 
@@ -295,6 +298,8 @@ def _store(dep: Deployment, cfg: ModelConfig, weights_cache: WeightsCache | None
             raise StatusError("FAILED_PRECONDITION", "--dequantize reads a GGUF model's float32 import: it needs the "
                               "model's files on every daemon (shipped weights stay in the file's blocks)")
         return dep.shipped.store(dep.model, cfg, weights_cache)
+    if runnable(dep.model):  # random:SHAPE@QUANT: the blocks made for the units asked for
+        return RandomBlocks(dep.model, cfg)
     if is_random(dep.model):
         return None
     return resolve_model(dep.model).weights(dequantize=dep.dequantize)

@@ -56,3 +56,71 @@ def test_unknown_shape_is_refused_by_the_daemon():
 def test_generate_refuses_a_random_model(capsys):
     assert main(["generate", "--model", "random:tiny", "--prompt", "hi"]) == 1
     assert "random-weight shape" in capsys.readouterr().err
+
+
+#: a shape whose rows are whole blocks of 256 (the K-quants' own kernels, no fallback)
+TINY_K = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512)
+
+
+@pytest.fixture
+def tiny_k(monkeypatch):
+    from hpipe.core.shapes import SHAPES
+
+    monkeypatch.setitem(SHAPES, "tiny-k", TINY_K)
+    return "random:tiny-k@q4_k_m"
+
+
+def test_a_quantized_random_shape_runs_on_daemons_as_one_process_runs_its_blocks(tiny_k):
+    """``random:SHAPE@q4_k_m`` without a file: each daemon makes its units' Q4_K/Q6_K blocks only, and
+    the pipeline gives the tokens of one process holding them all."""
+    from hpipe.model.weights.random_blocks import RandomBlocks
+
+    _, cfg = model_shape(tiny_k)
+    store = RandomBlocks(tiny_k, cfg)
+    whole = StageModel.from_checkpoint(store, cfg, UnitRange.full(cfg.num_layers), dtype=torch.float32)
+    dense = StageModel.random(cfg, UnitRange.full(cfg.num_layers)).weight_bytes()
+    assert whole.weight_bytes() < dense / 4  # the blocks, not float32 (Q4_K: 4.5 bits a weight)
+    expected, *_ = decode_loop(LocalRunner([whole], len(PROMPT) + NEW), PROMPT, max_new_tokens=NEW,
+                               sampler=Sampler(), eos_ids=[], slices=SLICES)
+    daemons = [Served(f"d{i}") for i in range(2)]
+    pipe = Pipeline(cluster_of(*daemons))
+    try:
+        stages = pipe.load(tiny_k, cut_stages(pipe.cluster, [4], cfg.num_units), torch.float32)
+        with pipe.open(len(PROMPT) + NEW) as seq:
+            out, *_ = decode_loop(RemoteRunner(seq), PROMPT, max_new_tokens=NEW, sampler=Sampler(), eos_ids=[],
+                                  slices=SLICES)
+        held = [d.stage.weight_bytes for d in daemons]
+    finally:
+        pipe.close()
+        for d in daemons:
+            d.stop()
+    assert out == expected
+    units = [s.units for s in stages]
+    from runtime.daemon.deployment import weight_bytes
+
+    assert held == [weight_bytes(cfg, u, torch.float32, torch.device("cpu"), store) for u in units]
+
+
+def test_a_quantized_random_shapes_layers_are_the_made_files_bytes(tiny_k, tmp_path):
+    from hpipe.model.weights.random_blocks import RandomBlocks
+    from hpipe.model.weights.random_gguf import Spec, make
+    from hpipe.model.weights.sources import resolve_model
+
+    _, cfg = model_shape(tiny_k)
+    file = resolve_model(str(make(Spec.parse(tiny_k), tmp_path / "tiny-k.gguf"))).weights()
+    names = [n for n in file.names() if n.startswith("model.layers.")]
+    ours, theirs = RandomBlocks(tiny_k, cfg).load(names), file.load(names)
+    for n in names:
+        a, b = ours[n], theirs[n]
+        a, b = (x.dequantize() if hasattr(x, "dequantize") else x for x in (a, b))
+        assert torch.equal(a, b), n
+
+
+def test_a_what_if_quantization_is_still_refused_by_daemons():
+    from hpipe.core.errors import StatusError
+    from runtime.daemon.deployment import model_config
+
+    with pytest.raises(StatusError, match="what-if profiles"):
+        model_config("random:tiny@q4_0")
+    assert model_config("random:tiny@q8_0") == model_config("random:tiny")

@@ -226,6 +226,12 @@ class GGUFWeights:
             f.seek(offset)
             if f.readinto(memoryview(buf.numpy())) != nbytes:
                 raise ModelSourceError(f"{self.label}: truncated (tensor {e['gguf']})")
+        return self._tensor(name, buf)
+
+    def _tensor(self, name: str, buf: torch.Tensor) -> torch.Tensor | QuantizedWeight:
+        """``name``'s tensor made of its stored bytes ``buf`` (checked against its entry by the caller)."""
+        e = self._entry(name)
+        t, shape = e["type"], e["shape"]
         if t == 0 and len(shape) > 1:  # float32, as it is
             return buf.view(torch.float32).reshape(shape)
         if len(shape) == 1:  # a norm's or a bias's vector
