@@ -116,9 +116,30 @@ def _parsed(path: str, size: int, mtime_ns: int) -> tuple[str, dict]:
         if nbytes <= 0 or offset + nbytes > size or t.data.nbytes != nbytes:  # a shorter slice of the map
             raise ModelSourceError(f"{gguf}: tensor {t.name} ({nbytes} bytes at offset {offset}) does not lie "
                                    f"inside the file's {size} bytes: the file is truncated or corrupt")
+        if not readable(int(t.tensor_type)):
+            raise ModelSourceError(f"{gguf}: tensor {t.name} is stored as ggml type {_type_name(int(t.tensor_type))}, "
+                                   "which neither hpipe nor transformers (--dequantize) can read")
         tensors[name] = {"gguf": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in reversed(t.shape)],
                          "offset": offset, "bytes": nbytes}
     return arch, tensors
+
+
+@functools.lru_cache(maxsize=None)
+def readable(ggml_type: int) -> bool:
+    """Whether hpipe reads ``ggml_type``, or transformers can dequantize it for ``--dequantize``
+    (gguf's dequantizer, asked of one zero block)."""
+    if ggml_type in TYPES:
+        return True
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        qtype = GGMLQuantizationType(ggml_type)
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except (ValueError, KeyError, NotImplementedError):
+        return False
+    return True
 
 
 class GGUFWeights:
