@@ -116,7 +116,8 @@ def bookkeeping_cost(daemons: int = 3, rounds: int = 600) -> float:
     def reply(k):
         return SimpleNamespace(loaded=True, clock_s=float(k), busy_s=k / 2, device="cpu", device_name="cpu",
                                threads=1, weight_bytes=1, kv_bytes=1, resident_bytes=1, free_bytes=1,
-                               memory_budget=1, pools=[SimpleNamespace(stage=0, used_blocks=k, blocks=9, cached_blocks=0)])
+                               memory_budget=1,
+                               pools=[SimpleNamespace(stage=0, used_blocks=k, blocks=9, cached_blocks=0)])
     for k in range(HISTORY_S):  # a full history first
         live.round(state="ok", health="", waiting=0, running=0, tokens=k, totals={})
     t0 = time.perf_counter()

@@ -194,7 +194,8 @@ def copies_for(cfg: ModelConfig, dtype: torch.dtype, weight_type: int = 0) -> in
         itemsize = nbytes / values
     block = (cfg.hidden_size * cfg.head_dim * (cfg.num_heads + 2 * cfg.num_kv_heads)
              + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
-    return max(1, min(cfg.num_layers, math.ceil(WORKING_SET_BYTES / (block * itemsize))))  # a block's bytes may be fractional
+    # ceil, not //: a quantized block's bytes per value may be fractional
+    return max(1, min(cfg.num_layers, math.ceil(WORKING_SET_BYTES / (block * itemsize))))
 
 
 def _zeroed(cache: StageCache) -> StageCache:

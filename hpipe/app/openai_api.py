@@ -203,7 +203,8 @@ def create_app(backend: Backend, metrics_public: bool = False) -> FastAPI:
     # a prompt the plan takes, each character JSON-escaped at worst (\\uXXXX twice), and room for the rest
     app.add_middleware(Gate, backend=backend, max_body=(1 << 20) + 12 * CHARS_PER_TOKEN * backend.plan.max_len,
                        open_paths=frozenset({"/health", *OPEN_PATHS, *(["/metrics"] if metrics_public else [])}))
-    add_page(app, backend.collector.live.body, lambda path, status: backend.metrics.requests.labels(path, str(status)).inc())
+    add_page(app, backend.collector.live.body,
+             lambda path, status: backend.metrics.requests.labels(path, str(status)).inc())
 
     @app.get("/health")
     async def health():

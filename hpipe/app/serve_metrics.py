@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hpipe.app.live import Live
-
 from runtime.wire.messages import pb
 
 log = logging.getLogger(__name__)
@@ -114,8 +113,8 @@ class Collector:
             m.guesses.set(engine.drafted)
             m.guesses_kept.set(engine.kept)
         pipe = b.pipe
-        if pipe is None:
-            self._round(engine, b.ready()[1])
+        if pipe is None:  # not deployed yet: the state says why
+            self._round(engine, "")
             return
         ok, why, lost, up = True, "", False, 0
         for d, client in zip(list(pipe.daemons), list(pipe.clients)):
@@ -148,7 +147,7 @@ class Collector:
     def _round(self, engine, why: str) -> None:
         m = self.backend.metrics
         value = m.registry.get_sample_value
-        totals = {"generated": value("hpipe_generated_tokens_total") or 0,
+        totals = {"generated": engine.tokens_out if engine is not None else 0,  # as they come, not as requests end
                   "prompt": value("hpipe_prompt_tokens_total") or 0,
                   "cached": value("hpipe_prompt_tokens_cached_total") or 0,
                   "recoveries": engine.recoveries if engine is not None else 0,

@@ -13,7 +13,8 @@ from hpipe.core.units import UnitRange
 def _plan(meta=None) -> Plan:
     cfg = ModelConfig("LlamaForCausalLM", "llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5)
-    stages = (Stage("a", "h:1", UnitRange(0, 5, 4), compute_s=1.0), Stage("b", "h:2", UnitRange(5, 10, 4), compute_s=3.0))
+    stages = (Stage("a", "h:1", UnitRange(0, 5, 4), compute_s=1.0),
+              Stage("b", "h:2", UnitRange(5, 10, 4), compute_s=3.0))
     return Plan("m", cfg, "float32", 1, 64, 64, 16, "hpipe", {"hpipe": StrategyPlan("hpipe", stages, 2, (64,), 1.0)},
                 {64: (64,)}, meta=meta or {})
 
