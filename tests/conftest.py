@@ -81,7 +81,7 @@ def _starts_daemons(item) -> bool:
 #: files, the server or the cluster tools, whose code is the same on any CPU
 AVX2_PASS = ("tests/model/", "tests/runtime/test_engine.py", "tests/runtime/test_seesaw_runtime.py",
              "tests/runtime/test_wire_logits.py", "tests/runtime/test_jobs.py",
-             "tests/runtime/test_speculative_pipeline.py")
+             "tests/runtime/test_speculative_pipeline.py", "tests/runtime/test_random_models.py")
 #: of those, what does not depend on the instruction set (parsing files)
 NOT_AVX2_PASS = ("tests/model/test_gguf_fuzz.py",)
 

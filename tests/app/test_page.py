@@ -63,6 +63,14 @@ def _key_in(driver, base):
     wait_for(lambda: driver.find_element("id", "model").text == "tiny", why="the model's name with the key")
 
 
+def _ask(driver, text: str, max_tokens: int) -> None:
+    """Send ``text`` from the chat with an answer budget of ``max_tokens``."""
+    driver.find_element("id", "max_tokens").clear()
+    driver.find_element("id", "max_tokens").send_keys(str(max_tokens))
+    driver.find_element("id", "prompt").send_keys(text)
+    driver.find_element("id", "send").click()
+
+
 def test_without_the_key_the_page_loads_but_shows_nothing_of_the_cluster(three, browser):
     base, _ = three
     assert httpx.get(f"{base}/").status_code == 200  # the page itself holds no data
@@ -81,10 +89,7 @@ def test_without_the_key_the_page_loads_but_shows_nothing_of_the_cluster(three, 
 def test_a_chat_answer_streams_in_with_its_counts(three, browser):
     base, _ = three
     _key_in(browser, base)
-    browser.find_element("id", "max_tokens").clear()
-    browser.find_element("id", "max_tokens").send_keys("40")
-    browser.find_element("id", "prompt").send_keys("Tell me about pipelines.")
-    browser.find_element("id", "send").click()
+    _ask(browser, "Tell me about pipelines.", 40)
     stats = wait_for(lambda: browser.find_elements("css selector", ".msg.assistant .stats[data-done='1']"),
                      why="the answer ends")[0]
     answer = browser.find_element("css selector", ".msg.assistant")
@@ -99,16 +104,13 @@ def test_stop_ends_an_answer_and_frees_its_kv(three, browser):
 
     base, backend = three
     _key_in(browser, base)
-    browser.find_element("id", "max_tokens").clear()
-    browser.find_element("id", "max_tokens").send_keys("180")
-    browser.find_element("id", "prompt").send_keys("Go on for a long time.")
     # other requests beside it, so that the answer takes seconds, not the moment a click takes
     others = [threading.Thread(target=httpx.post, args=(f"{base}/v1/completions",), kwargs=dict(
         headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
         json={"model": "tiny", "prompt": "busy " * 8, "max_tokens": 200, "ignore_eos": True})) for _ in range(8)]
     for t in others:
         t.start()
-    browser.find_element("id", "send").click()
+    _ask(browser, "Go on for a long time.", 180)
     wait_for(lambda: browser.execute_script("return document.querySelector('.msg.assistant')?.dataset.pieces"),
              why="the answer begins")
     browser.find_element("id", "stop").click()
