@@ -2,6 +2,8 @@
 # GPU checks and benchmarks, in named steps (docs/results.md has the results and the machine):
 #
 #   bash benchmarks/gpu_suite.sh tests      # GPU tests (pytest -m gpu)
+#   bash benchmarks/gpu_suite.sh speculate  # only the GPU tests of speculation (identical answers on the card)
+#   bash benchmarks/gpu_suite.sh mixed      # 8B Q4_K_M on a GPU daemon beside CPU daemons: the all-CPU tokens
 #   bash benchmarks/gpu_suite.sh blocks     # SmolLM2's GGUF blocks vs --dequantize on the card
 #   bash benchmarks/gpu_suite.sh prefill    # one daemon, whole LLaMA-7B shape, vs transformers
 #   bash benchmarks/gpu_suite.sh mps        # 3 MPS daemons at 50/30/20%: profile, plan, bench all strategies
@@ -29,11 +31,20 @@ SEQ=${SEQ:-2048}
 LONG_LENS=${LONG_LENS:-8192 16384 32768}
 hpipe() { "$PY" -m hpipe.app.cli "$@"; }
 $PY -m runtime.wire.protogen >/dev/null || exit 1
+$PY -c "from hpipe.model.kernels import library; library.build()" || exit 1  # once, before daemons start
 
 step_tests() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
     command -v nvidia-cuda-mps-control || echo "no nvidia-cuda-mps-control on PATH"
-    $PY -m pytest -q -rs -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/tests.log"
+    $PY -m pytest -q -rs --durations=0 -m gpu tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/tests.log"
+}
+
+step_speculate() {
+    $PY -m pytest -q -rs -m gpu tests/test_gpu.py -k speculation 2>&1 | tee "$OUT/speculate.log"
+}
+
+step_mixed() {
+    $PY benchmarks/gpu_mixed.py --json "$OUT/mixed.json" 2>&1 | tee "$OUT/mixed.log"
 }
 
 step_blocks() {
