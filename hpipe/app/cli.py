@@ -260,8 +260,8 @@ def _bench_parser(sub) -> None:
     bn.add_argument("--chart", help="chart (PNG): measured vs predicted latency, and hpipe's pipeline as it ran "
                     "(under the one planned, with --profile)")
     bn.add_argument("--workload", help="replay requests instead of one prefill: a JSONL file of arrival_s, "
-                                       "prompt_tokens, output_tokens per line; a bundled one by name ('mixed'); or "
-                                       "'generate' (--requests, --rate, --seed)")
+                                       "prompt_tokens, output_tokens per line; a bundled one by name (mixed, "
+                                       "pressure, w64, w24w, w16dec); or 'generate' (--requests, --rate, --seed)")
     bn.add_argument("--policies", default="gllm,sarathi,fcfs", help="with --workload: the policies to compare")
     bn.add_argument("--requests", type=_positive, default=64, help="with --workload generate: how many")
     bn.add_argument("--rate", type=float, help="with --workload generate: Poisson arrivals a second (default: all at once)")

@@ -42,8 +42,12 @@ def generate(n: int, seed: int = 0, prompt: tuple[int, int] = (64, 2048), output
 
 
 def bundled() -> dict[str, Path]:
-    """The workloads shipped with hpipe, by name (``mixed``: 24 requests, a third of them long
-    documents with short answers, the rest chat turns, arriving about one every 4 s)."""
+    """The workloads shipped with hpipe, by name: ``mixed`` (24 requests, a third of them long
+    documents with short answers, the rest chat turns, arriving about one every 4 s) and those
+    docs/results.md's figures replay, each :func:`generate` d, all at once: ``pressure``
+    (``generate(256, 1, prompt=(32, 288), output=(16, 64))``), ``w64`` (``generate(64, 64,
+    prompt=(1000, 2000), output=(128, 256))``), ``w24w`` (its first 24) and ``w16dec``
+    (``generate(16, 0, prompt=(300, 300), output=(400, 400))``)."""
     folder = files("hpipe").joinpath("data/workloads")
     return {Path(f.name).stem: Path(str(f)) for f in folder.iterdir() if f.name.endswith(".jsonl")}
 

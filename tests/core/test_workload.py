@@ -37,3 +37,12 @@ def test_the_bundled_mixed_workload():
 def test_prompts_are_the_same_for_every_policy_and_round():
     item = workload.WorkItem(0.0, 40, 4)
     assert workload.prompt_ids(item, 3, 100) == workload.prompt_ids(item, 3, 100) != workload.prompt_ids(item, 4, 100)
+
+
+def test_the_bundled_workloads_of_the_results_page_are_their_recipes():
+    """docs/results.md's figures replay these files: each is what its recipe in
+    :func:`workload.bundled` makes, so a figure can be made again from the repository."""
+    w64 = workload.generate(64, 64, prompt=(1000, 2000), output=(128, 256))
+    assert workload.load("w64") == w64 and workload.load("w24w") == w64[:24]
+    assert workload.load("pressure") == workload.generate(256, 1, prompt=(32, 288), output=(16, 64))
+    assert workload.load("w16dec") == workload.generate(16, 0, prompt=(300, 300), output=(400, 400))
