@@ -307,3 +307,18 @@ def test_speculation_gives_the_answers_of_plain_decoding_on_the_gpu(dtype):
     if dtype == torch.float32 and any(diffs.values()):
         pytest.xfail(f"float32 verification rows are not a lone step's bits on this GPU: {diffs}")
     assert all(d == 0 for d in diffs.values()), diffs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_process_verification_rows_are_lone_steps_on_the_gpu(tiny_dirs, dtype):
+    """``hpipe generate --device cuda``'s stages: products padded to 16 rows and each decode row
+    attending alone make a verification entry's rows a lone step's bits (float32 rows differed
+    from the first projection on before, on an H200: benchmarks/row_invariance.py)."""
+    model = LocalModel(resolve_model(str(tiny_dirs["llama3-rope"])), dtype=dtype, device="cuda")
+    prompt, tokens = torch.tensor([PROMPT], device="cuda"), [40, 41, 42, 43, 44]
+    one = model.open(len(PROMPT) + 6)
+    one.prefill(prompt, [len(PROMPT)])
+    alone = torch.stack([one.step(t) for t in tokens])
+    many = model.open(len(PROMPT) + 6)
+    many.prefill(prompt, [len(PROMPT)])
+    assert torch.equal(alone, many.verify(tokens))

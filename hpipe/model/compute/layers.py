@@ -24,6 +24,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from hpipe.core.config import ModelConfig
 from hpipe.core.units import ATTN, EMBED, HEAD, MLP, UnitRange, unit_kind
+from hpipe.model.compute.linear import Linear
 from hpipe.model.compute.rope import apply_rotary
 from hpipe.model.kernels.precision import own_bf16_attention, prefill_in_bfloat16
 from hpipe.model.kv.pool import BatchKV
@@ -82,11 +83,11 @@ class Attention(nn.Module):
         self.window = cfg.sliding_windows[layer]
         self.rope = cfg.rope_of(layer)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
-                                  bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
+                               bias=cfg.qkv_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.scale = cfg.attention_scale
         #: a prefill slice's attention in bfloat16 while the quantized kernels' prefill GEMM is
@@ -138,6 +139,11 @@ class Attention(nn.Module):
         ``prefill`` (None: rows of several) as a prefill slice, in its precision, else in float32."""
         if len(q) == 1 and not prefill and not q.is_cuda and (self.window is None or start == 0):
             self._attend_one(q[0], keys, values, out[0])
+            return
+        if len(q) > 1 and prefill is False and q.is_cuda:  # a GPU's decode rows: each as a lone step's
+            for i in range(len(q)):
+                self._attend_rows(q[i:i + 1], keys[:, :start + i + 1], values[:, :start + i + 1], start + i,
+                                  out[i:i + 1], masks, prefill=False)
             return
         res = self._attend(q.transpose(0, 1)[None], keys[None], values[None], start, masks, prefill=prefill)
         out.copy_(res[0].transpose(0, 1))
@@ -265,8 +271,8 @@ class FeedForward(nn.Module):
         self.layer = layer
         self.act = cfg.hidden_act
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,7 +285,7 @@ class Head(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x))

@@ -106,6 +106,30 @@ class QuantEmbedding(nn.Module):
 
 _NONE = torch.empty(0)
 
+#: on a GPU, the fewest rows a product is computed with: a lone decode step's row and the rows of
+#: a verification entry (up to 9) then run one GEMM shape, so a row's sums have the same order
+#: whatever shares its pass (cuBLAS picks its kernel by shape: in float32, rows computed one and
+#: five at a time differed from the first projection on, on an H200; benchmarks/row_invariance.py)
+GPU_MIN_ROWS = 16
+
+
+def rows_padded(product, x: torch.Tensor) -> torch.Tensor:
+    """``product(x)`` over the last dimension, with fewer than :data:`GPU_MIN_ROWS` rows on a GPU
+    padded with zero rows (dropped from the result)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not x.is_cuda or rows >= GPU_MIN_ROWS or rows == 0:
+        return product(x)
+    flat = x.reshape(rows, x.shape[-1])
+    out = product(torch.cat((flat, flat.new_zeros(GPU_MIN_ROWS - rows, flat.shape[1]))))
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` with its rows :func:`rows_padded` on a GPU (float checkpoints' layers)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rows_padded(super().forward, x)
+
 
 class DequantLinear(nn.Module):
     """``nn.Linear``'s forward in ``dtype`` over a :class:`QuantizedWeight` that stays as stored
@@ -123,7 +147,8 @@ class DequantLinear(nn.Module):
         return self.blocks.numel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, dequantize(self.blocks, self._parts, self.in_features, x.dtype), self.bias)
+        weight = dequantize(self.blocks, self._parts, self.in_features, x.dtype)
+        return rows_padded(lambda rows: F.linear(rows, weight, self.bias), x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
