@@ -23,8 +23,8 @@ from hpipe.model.generate.local import LocalModel
 from hpipe.model.weights.sources import resolve_model
 
 
-def capture(model: LocalModel) -> tuple[dict, list]:
-    """Hooks recording each module's tensor outputs (as rows), by name, in call order."""
+def capture(model: LocalModel) -> tuple[dict, list, list]:
+    """Hooks recording each module's tensor outputs (as rows) by name: (outputs, call order, handles)."""
     seen: dict[str, list[torch.Tensor]] = defaultdict(list)
     order: list[str] = []
     handles = []
