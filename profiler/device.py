@@ -20,6 +20,7 @@ import time
 import psutil
 import torch
 
+from hpipe.core import cpuinfo
 from hpipe.core.config import ModelConfig
 from hpipe.core.units import UnitRange
 from hpipe.model.compute import packed
@@ -84,12 +85,7 @@ def fingerprint(device: torch.device) -> str:
         hw = f"{props.name}/{props.multi_processor_count}SM/{props.total_memory}/" \
              f"mps={os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', '')}"
     else:
-        cpu = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-        except OSError:
-            pass
+        cpu = cpuinfo.model_name()
         # HPIPE_EMULATION: the limits `hpipe cluster up` applied (a network namespace may hide the cgroup files)
         usable, online = cpu_counts()
         hw = (f"{cpu}/{online}cpu/affinity={usable}/quota={_cgroup_quota()}"

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
 import threading
 import time
 from collections.abc import Iterable
 
 import psutil
+
+from hpipe.core import cpuinfo
 
 
 def steal_seconds(cpus: Iterable[int] | None = None, times: list | None = None) -> float | None:
@@ -73,11 +74,4 @@ def device_name(device: str) -> str:
         import torch
 
         return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo.model_name()

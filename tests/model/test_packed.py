@@ -56,7 +56,7 @@ def test_cpu_float32_stages_pack_their_projections_and_count_the_same_parameters
 @pytest.mark.parametrize("vendor, packs", [("GenuineIntel", True), ("AuthenticAMD", False), ("", False)])
 def test_stages_pack_only_on_cpus_where_it_pays(monkeypatch, vendor, packs):
     """On an AMD EPYC packing ran no faster and took 1.2-3.5x the memory (hpipe/model/compute/packed.py)."""
-    monkeypatch.setattr(packed, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(packed.cpuinfo, "vendor", lambda: vendor)
     cfg = model_shape("random:tiny")[1]
     stage = StageModel.random(cfg, UnitRange.full(cfg.num_layers), dtype=torch.float32)
     assert any(isinstance(m, packed.PackedLinear) for m in stage.modules()) == packs

@@ -18,11 +18,10 @@ for 538 MB of weights, against 545 MB unpacked). So stages pack only where the C
 
 from __future__ import annotations
 
-import functools
-import platform
-
 import torch
 from torch import nn
+
+from hpipe.core import cpuinfo
 
 
 def available() -> bool:
@@ -31,22 +30,9 @@ def available() -> bool:
             and hasattr(torch.ops.mkl, "_mkl_linear"))
 
 
-@functools.lru_cache(maxsize=None)
-def cpu_vendor() -> str:
-    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``; "" when unknown)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "GenuineIntel" if "intel" in platform.processor().lower() else ""
-
-
 def pays() -> bool:
     """Whether float32 CPU stages pack their projections here: MKL's packed GEMM on an Intel CPU."""
-    return available() and cpu_vendor() == "GenuineIntel"
+    return available() and cpuinfo.vendor() == "GenuineIntel"
 
 
 def possible(device: torch.device, dtype: torch.dtype) -> bool:
