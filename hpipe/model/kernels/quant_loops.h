@@ -291,26 +291,52 @@ HPIPE_INLINE void fused_dots(int64_t type, const uint8_t* src, const float* x, i
 // gives it, with any number of rows beside it: what a decode row's result must not depend on (a
 // speculative decode verifies several tokens of one sequence as one entry, and its answers must be
 // those of decoding one token at a time). Two weight rows at a time, so that each vector of x read
-// serves both.
+// serves both; one native vector of the 16 lanes at a time (the lanes' sums are independent, so
+// the order of the parts changes no bit): with AVX2's 16 registers, the four sums of 16 lanes for
+// each of 4 rows spilled to memory, and 3 to 8 decode rows of SmolLM2's Q4_1 matrices cost 2 to
+// 4.3 times one row (capped at AVX2, Zen 4; benchmarks/kquant_rows.py --types Q4_1).
 template <int R>
 HPIPE_INLINE void half_dots2(const float* w0, const float* w1, const float* x, int64_t ldx, int64_t k, float* res0,
                              float* res1) {
-  V16 e0[R] = {}, o0[R] = {}, e1[R] = {}, o1[R] = {};
-  for (int64_t i = 0; i < k; i += 32) {
-    const V16 u0 = load16f(w0 + i), v0 = load16f(w0 + i + 16), u1 = load16f(w1 + i), v1 = load16f(w1 + i + 16);
+  constexpr int V = HPIPE_V;
+  fvec s0[R][kParts], s1[R][kParts];  // per row and part: even + odd, as sum16 adds them
+  for (int p = 0; p < kParts; ++p) {
+    fvec e0[R] = {}, o0[R] = {}, e1[R] = {}, o1[R] = {};
+    for (int64_t i = p * V; i < k; i += 32) {
+      fvec u0, v0, u1, v1;
+      std::memcpy(&u0, w0 + i, V * 4);
+      std::memcpy(&v0, w0 + i + 16, V * 4);
+      std::memcpy(&u1, w1 + i, V * 4);
+      std::memcpy(&v1, w1 + i + 16, V * 4);
+      for (int r = 0; r < R; ++r) {
+        fvec xu, xv;
+        std::memcpy(&xu, x + r * ldx + i, V * 4);
+        std::memcpy(&xv, x + r * ldx + i + 16, V * 4);
+        e0[r] += u0 * xu;
+        o0[r] += v0 * xv;
+        e1[r] += u1 * xu;
+        o1[r] += v1 * xv;
+      }
+    }
     for (int r = 0; r < R; ++r) {
-      const V16 xu = load16f(x + r * ldx + i), xv = load16f(x + r * ldx + i + 16);
-      e0[r] += u0 * xu;
-      o0[r] += v0 * xv;
-      e1[r] += u1 * xu;
-      o1[r] += v1 * xv;
+      s0[r][p] = e0[r] + o0[r];
+      s1[r][p] = e1[r] + o1[r];
     }
   }
   for (int r = 0; r < R; ++r) {
-    res0[r] = sum16(e0[r] + o0[r]);
-    res1[r] = sum16(e1[r] + o1[r]);
+    fvec a0 = s0[r][0], a1 = s1[r][0];
+    for (int p = 1; p < kParts; ++p) {
+      a0 += s0[r][p];
+      a1 += s1[r][p];
+    }
+    res0[r] = sum_lanes(a0);
+    res1[r] = sum_lanes(a1);
   }
 }
+
+// rows of x half_dots2 takes at a time: its 4 x R sums of one native vector fit in the registers
+// (AVX-512: 32 of them, AVX2 and the portable form's: 16)
+constexpr int kHalfRows = HPIPE_V == 16 ? 4 : 2;
 
 // res[r] = w . x[r] for R rows of x (row stride ldx): two vectors of V floats per row at a time
 // (U vectors per row at a time: enough independent sums to hide the latency of a multiply-add)
@@ -403,9 +429,9 @@ void rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_
       dequant_row(type, blocks + second * row_bytes, w + k, k);
       float res1[4];
       int64_t r = 0;
-      for (; r + 4 <= m; r += 4) {
-        half_dots2<4>(w, w + k, x + r * k, k, k, res, res1);
-        for (int i = 0; i < 4; ++i) {
+      for (; r + kHalfRows <= m; r += kHalfRows) {
+        half_dots2<kHalfRows>(w, w + k, x + r * k, k, k, res, res1);
+        for (int i = 0; i < kHalfRows; ++i) {
           out[(r + i) * ldo + n] = res[i];
           out[(r + i) * ldo + second] = res1[i];
         }
