@@ -286,6 +286,40 @@ HPIPE_INLINE void fused_dots(int64_t type, const uint8_t* src, const float* x, i
   for (int r = 0; r < R; ++r) res[r] = sum16(even[r] + odd[r]);
 }
 
+#if HPIPE_V == 8
+// fused_dots for 3 or 4 rows with AVX2's 16 registers: one 8-lane half of each 16 values per pass
+// over the row (the other half's conversions are dead code), so that the sums of 4 rows fit. The
+// lanes' sums are independent: each row gets fused_dots<1>'s bits. Through half_dots2 (the row
+// dequantized to memory first), 3 and 4 rows of SmolLM2's Q4_1 matrices cost 2-2.8 times one row.
+template <int R, int P>
+HPIPE_INLINE void fused_half(int64_t type, const uint8_t* src, const float* x, int64_t ldx, int64_t k, fvec* sums) {
+  fvec e[R] = {}, o[R] = {};
+  each32(type, src, k, [&](int64_t i, V16 u, int64_t j, V16 v) HPIPE_LAMBDA_INLINE {
+    for (int r = 0; r < R; ++r) {
+      fvec xu, xv;
+      std::memcpy(&xu, x + r * ldx + i + P * HPIPE_V, HPIPE_V * 4);
+      std::memcpy(&xv, x + r * ldx + j + P * HPIPE_V, HPIPE_V * 4);
+      e[r] += u.p[P] * xu;
+      o[r] += v.p[P] * xv;
+    }
+  });
+  for (int r = 0; r < R; ++r) sums[2 * r + P] = e[r] + o[r];
+}
+
+template <int R>
+HPIPE_INLINE void fused_dots_halves(int64_t type, const uint8_t* src, const float* x, int64_t ldx, int64_t k,
+                                    float* res) {
+  fvec sums[2 * R];
+  fused_half<R, 0>(type, src, x, ldx, k, sums);
+  fused_half<R, 1>(type, src, x, ldx, k, sums);
+  for (int r = 0; r < R; ++r) {
+    fvec a = sums[2 * r];
+    a += sums[2 * r + 1];
+    res[r] = sum_lanes(a);
+  }
+}
+#endif
+
 // fused_dots from a row dequantized into w (dequant_row: the same values): each 32 values' first
 // 16 into one sum per row, the next 16 into another. A row of x gets the same bits as fused_dots
 // gives it, with any number of rows beside it: what a decode row's result must not depend on (a
@@ -403,6 +437,21 @@ HPIPE_INLINE void dots2(const float* w0, const float* w1, const float* x, int64_
 void rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1,
                                const float* x, int64_t m, int64_t k, float* out, int64_t ldo, float* w) {
   float res[4];
+#if HPIPE_V == 8
+  if (!float_type(type) && (m == 3 || m == 4)) {  // a short verification entry's rows
+    // (5 and 6 rows this way spilled their sums, and ran no faster than through half_dots2)
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* src = blocks + n * row_bytes;
+      if (n + kPrefetchRows < n1) prefetch_row(src + kPrefetchRows * row_bytes, row_bytes);
+      if (m == 3)
+        fused_dots_halves<3>(type, src, x, k, k, res);
+      else
+        fused_dots_halves<4>(type, src, x, k, k, res);
+      for (int r = 0; r < m; ++r) out[r * ldo + n] = res[r];
+    }
+    return;
+  }
+#endif
   if (!float_type(type) && m <= kFusedRows) {  // a decode step's few rows: dequantized in registers
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* src = blocks + n * row_bytes;
