@@ -1,7 +1,7 @@
 """Weights travel from the coordinator: a daemon that does not hold the model's files gets its units'.
 
 Design note. At deploy (:meth:`runtime.coordinator.pipeline.Pipeline.load`), the coordinator asks
-each daemon (``HeldTensors``) whether it reads the model itself (the same GGUF file, by its
+each daemon (``CachedTensors``) whether it reads the model itself (the same GGUF file, by its
 identity, where its ``--model-dirs`` allow) and, if not, which of its units' tensors its weights
 cache holds (:mod:`runtime.daemon.weights_cache`) and how much of the others arrived before. Only
 the missing bytes move (``PutTensors``, a stream of 4 MiB chunks read straight from the file,
@@ -49,7 +49,7 @@ class Transfer:
     local: bool = False      # it read the model's files itself
     tensors: int = 0         # sent (wholly or what was missing of them)
     sent_bytes: int = 0
-    held_bytes: int = 0      # its cache had them already
+    cached_bytes: int = 0      # its cache had them already
     seconds: float = 0.0
 
     @property
@@ -62,7 +62,7 @@ class Transfer:
             return f"{self.daemon}: reads the model's files itself"
         return (f"{self.daemon}: sent {self.tensors} tensors, {self.sent_bytes / 1e6:.1f} MB in {self.seconds:.2f} s"
                 f"{f' ({self.rate / 1e6:.1f} MB/s)' if self.sent_bytes else ''}; "
-                f"{self.held_bytes / 1e6:.1f} MB were in its cache")
+                f"{self.cached_bytes / 1e6:.1f} MB were in its cache")
 
 
 class Shipment:
@@ -97,14 +97,14 @@ class Shipment:
         entries = self.manifest.entries(tensors_of(self.source.config, ranges))
         hashes = list(dict.fromkeys(e.hash for e in entries))
         key = secrets.token_bytes(16)  # this transfer's: only its chunks add to the tensors it asks for
-        reply = client.call("HeldTensors", pb.HeldRequest(model=self.model, file_key=self.key, hashes=hashes,
+        reply = client.call("CachedTensors", pb.CachedRequest(model=self.model, file_key=self.key, hashes=hashes,
                                                           transfer_key=key), timeout=60.0)
         if reply.local:
             return None, Transfer(name, local=True)
-        held, partial = set(reply.held), dict(reply.partial)
-        missing = list({e.hash: e for e in entries if e.hash not in held}.values())
+        whole, partial = set(reply.whole), dict(reply.partial)
+        missing = list({e.hash: e for e in entries if e.hash not in whole}.values())
         transfer = Transfer(name, tensors=len(missing),
-                            held_bytes=sum(e.nbytes for e in {e.hash: e for e in entries if e.hash in held}.values()))
+                            cached_bytes=sum(e.nbytes for e in {e.hash: e for e in entries if e.hash in whole}.values()))
         if missing:
             todo = sum(e.nbytes - partial.get(e.hash, 0) for e in missing)
             t0 = time.perf_counter()

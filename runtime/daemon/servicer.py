@@ -147,10 +147,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
                                         for i, st, c, g in progress])
 
     @handled
-    def HeldTensors(self, request, context):
+    def CachedTensors(self, request, context):
         local = self.server.reads_locally(request.model, request.file_key)
-        held, partial = ([], {}) if local else self.server.weights_cache.claim(list(request.hashes), request.transfer_key)
-        return pb.HeldReply(local=local, held=held, partial=partial)
+        whole, partial = ([], {}) if local else self.server.weights_cache.claim(list(request.hashes), request.transfer_key)
+        return pb.CachedReply(local=local, whole=whole, partial=partial)
 
     @handled
     def PutTensors(self, request_iterator, context):

@@ -13,7 +13,7 @@ the entries used least recently, never those a deployment holds or a live transf
 Only weights are cached, never activations.
 
 Transfers belong to whoever began them. A coordinator names the tensors it is about to send with a
-random transfer key (``HeldTensors``) and sends that key with every chunk (``PutTensors``): a chunk
+random transfer key (``CachedTensors``) and sends that key with every chunk (``PutTensors``): a chunk
 of a tensor no transfer asked for is refused, and so is one of a tensor another transfer is
 sending (its stream is open and a chunk came in the last :data:`CLAIM_IDLE_S`), so a caller cannot
 restart or interleave another's transfer. What a transfer asked for is kept from eviction only while the
@@ -115,7 +115,7 @@ class WeightsCache:
         with self._lock:
             claim = self._claims.get(h)
             if claim is None or time.monotonic() - claim.touched > PARTIAL_IDLE_S:
-                raise StatusError("FAILED_PRECONDITION", f"tensor {h[:12]}: no transfer asked for it (HeldTensors "
+                raise StatusError("FAILED_PRECONDITION", f"tensor {h[:12]}: no transfer asked for it (CachedTensors "
                                   "first, with the transfer's key)")
             if not hmac.compare_digest(claim.key, key):
                 raise StatusError("ABORTED", f"tensor {h[:12]} is being sent by another transfer")

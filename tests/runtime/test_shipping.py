@@ -63,7 +63,7 @@ def test_bare_daemons_get_their_units_and_answer_the_same(bare, smollm2, referen
     pipe, stages = deploy(bare, smollm2)
     try:
         first = pipe.transfers
-        assert all(not t.local and t.sent_bytes > 0 and t.held_bytes == 0 for t in first)
+        assert all(not t.local and t.sent_bytes > 0 and t.cached_bytes == 0 for t in first)
         assert answer(pipe, smollm2) == reference
         # each cache holds exactly its units' tensors, as the file stores them
         man = manifest(smollm2.gguf, smollm2.path)
@@ -73,7 +73,7 @@ def test_bare_daemons_get_their_units_and_answer_the_same(bare, smollm2, referen
         # a second deploy moves nothing
         pipe.close()
         pipe, _ = deploy(bare, smollm2)
-        assert all(t.sent_bytes == 0 and t.held_bytes == f.sent_bytes for t, f in zip(pipe.transfers, first))
+        assert all(t.sent_bytes == 0 and t.cached_bytes == f.sent_bytes for t, f in zip(pipe.transfers, first))
         assert answer(pipe, smollm2) == reference
     finally:
         pipe.close()
@@ -108,11 +108,11 @@ def test_a_cut_transfer_goes_on_from_what_arrived(bare, smollm2, reference):
         f.seek(big.offset)
         head = f.read(big.nbytes // 2)
     client, key = d.client(), b"k" * 16
-    client.call("HeldTensors", pb.HeldRequest(model=str(smollm2.gguf), hashes=[big.hash], transfer_key=key))
+    client.call("CachedTensors", pb.CachedRequest(model=str(smollm2.gguf), hashes=[big.hash], transfer_key=key))
     client.call("PutTensors", iter([pb.TensorChunk(hash=big.hash, offset=0, total=big.nbytes, data=head,
                                                    transfer_key=key)]))
-    held = client.call("HeldTensors", pb.HeldRequest(model=str(smollm2.gguf), hashes=[big.hash], transfer_key=key))
-    assert not held.local and dict(held.partial) == {big.hash: len(head)}
+    cached = client.call("CachedTensors", pb.CachedRequest(model=str(smollm2.gguf), hashes=[big.hash], transfer_key=key))
+    assert not cached.local and dict(cached.partial) == {big.hash: len(head)}
     with pytest.raises(grpc.RpcError) as e:  # a chunk that is not where the bytes stopped
         client.call("PutTensors", iter([pb.TensorChunk(hash=big.hash, offset=10, total=big.nbytes, data=head,
                                                        transfer_key=key)]))
