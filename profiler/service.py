@@ -61,10 +61,16 @@ class ProfilerServicer(pb_grpc.ProfilerServiceServicer):
             raise InputError(f"profile grid has more than {MAX_GRID_POINTS} points")
         repeats = min(max(1, request.repeats), MAX_REPEATS)
         t0 = time.perf_counter()
+        def caller_still_there():
+            # a grid of a big model runs for many minutes: one whose caller went away (a profile
+            # stopped with Ctrl-C) ends at its next point, instead of keeping the device busy
+            if not context.is_active():
+                raise StatusError("CANCELLED", "the caller of this profile went away")
+
         def measure():
             with prefill_gemm_as(request.prefill_gemm):
                 return measure_units(cfg, dtype, self.server.device, *axes, request.max_len, repeats,
-                                     weight_type=weight_type)
+                                     progress=caller_still_there, weight_type=weight_type)
         times = self.server.run_on_device(measure)
         units = [pb.UnitTimes(kind=k, batches=axes[0], tokens=axes[1],
                               contexts=axes[2] if k == "attn" else [0],

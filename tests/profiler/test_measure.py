@@ -372,3 +372,39 @@ def test_a_long_steady_point_settles_after_three_sweeps_and_a_noisy_one_takes_al
     assert calls == {"steady": warm + 3, "noisy": warm + 7, "short": warm + 7}, calls
     assert medians["steady"] == 0.30 and medians["short"] == 0.01
 
+
+def test_a_profile_whose_caller_went_away_stops_at_its_next_point(monkeypatch):
+    """An 8B grid runs for many minutes: a profile stopped by its caller must not keep the daemon busy."""
+    import grpc
+
+    import profiler.device as device
+    from hpipe.core.shapes import random_config
+    from profiler.measure import grid_request
+    from tests.cluster_helpers import Served
+
+    calls = [0]
+
+    def slow_runs(fn, dev, at_least, min_total_s, at_most):
+        calls[0] += 1
+        time.sleep(0.02)
+        return [0.001]
+
+    monkeypatch.setattr(device, "_runs", slow_runs)
+    cfg = random_config("random:tiny")
+    request, _ = grid_request(cfg.to_dict(), "float32", ([1], [1, 2, 3, 4, 5, 6, 7, 8], [0, 8]), 64, 7)
+    served = Served("p")
+    try:
+        client = served.client()
+        with pytest.raises(grpc.RpcError) as e:  # the whole grid: 8 x 5 points x 7 sweeps x 20 ms, ~6 s
+            client.call("ProfileCompute", request, timeout=0.5)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 5.0
+        while True:  # within one slice length's points (5 x 20 ms) of the caller leaving
+            seen = calls[0]
+            time.sleep(0.5)
+            if calls[0] == seen or time.monotonic() > deadline:
+                break
+        assert calls[0] == seen and seen < 8 * 5 * 7 / 2, calls  # stopped, and well before the end
+        client.close()
+    finally:
+        served.stop()
