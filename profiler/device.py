@@ -31,7 +31,6 @@ from hpipe.model.kernels.precision import asked_prefill_gemm
 from hpipe.model.kv.cache import StageCache
 from hpipe.model.kv.pool import BatchKV
 from hpipe.model.weights.blocks import TYPES
-from profiler.grid import LONG_POINT_S, SETTLED_SPREAD, SETTLED_SWEEPS
 
 
 def _cgroup_quota() -> str:
@@ -163,22 +162,12 @@ def swept_medians(points, sweeps: int, device: torch.device, min_total_s: float 
     samples: dict = {}
     for sweep in range(sweeps):
         for key, fn in points(sweep):
-            if settled(samples.get(key, ())):
-                continue
             if sweep == 0:  # warm-up: first-call allocations, heap growth and kernel selection
                 for _ in range(WARMUP_CALLS):
                     fn()
                     _sync(device)
             samples.setdefault(key, []).append(statistics.fmean(_runs(fn, device, 1, per_sweep_s, per_sweep_runs)))
     return {key: statistics.median(t) for key, t in samples.items()}
-
-
-def settled(samples) -> bool:
-    """Whether a long point's samples so far agree closely enough to skip its remaining sweeps."""
-    if len(samples) < SETTLED_SWEEPS or min(samples) < LONG_POINT_S:
-        return False
-    mid = statistics.median(samples)
-    return (max(samples) - min(samples)) <= SETTLED_SPREAD * mid
 
 
 class _Rotation:

@@ -17,14 +17,6 @@ METHOD = 6  # 6: quantized prefill rows marked as a stage marks them (bfloat16 w
 #: 4.42 s on average (1.00-1.20x their prediction), from 9-sweep ones 4.15 s (0.95-1.04x).
 #: See docs/decisions/profile-sweeps.md.
 SWEEPS = 7
-#: A point whose samples take at least LONG_POINT_S each is done after SETTLED_SWEEPS sweeps when
-#: they lie within SETTLED_SPREAD of their median: noise that would move a median of more sweeps
-#: shows as spread among these. Long points are where the time goes (an 8B block at 4,096 tokens
-#: takes seconds a call; its profile on local-3 forecast 41 minutes at 7 sweeps), and their
-#: timings are the steadiest; short points, cheap and noisy, take every sweep.
-LONG_POINT_S = 0.2
-SETTLED_SWEEPS = 3
-SETTLED_SPREAD = 0.02
 #: the longest input profiled when none is asked for. Beyond it the planner extrapolates attention
 #: linearly in context from the last two grid columns. A 2048-token profile of the emulated CPU
 #: cluster took about 3.5 minutes, and the grid's cost grows about with the square of max_len.
@@ -67,11 +59,6 @@ def grids_from_reply(d, reply) -> dict[str, ComputeGrid]:
     return grids
 
 
-def _sweeps_of(t: float, sweeps: int) -> int:
-    """How many sweeps a point of ``t`` seconds a call takes on a quiet machine (settled early if long)."""
-    return min(sweeps, SETTLED_SWEEPS) if t >= LONG_POINT_S else sweeps
-
-
 def estimate_seconds(axes: tuple[list[int], list[int], list[int]], sweeps: int, block_s_per_token: float,
                      attention_s_per_token_context: float) -> float:
     """About how long one daemon takes to measure its grid, from a pilot timing of one block.
@@ -87,5 +74,5 @@ def estimate_seconds(axes: tuple[list[int], list[int], list[int]], sweeps: int, 
             points = [0.6 * block_s_per_token * s * b]
             points += [(0.4 * block_s_per_token * s + attention_s_per_token_context * s * (c + s / 2)) * b
                        for c in contexts]
-            total += sum(_sweeps_of(t, sweeps) * max(t, _MIN_POINT_S / sweeps) + _WARMUP_CALLS * t for t in points)
+            total += sum(sweeps * max(t, _MIN_POINT_S / sweeps) + _WARMUP_CALLS * t for t in points)
     return total

@@ -348,31 +348,6 @@ def test_quantized_prefill_is_timed_in_the_precision_runs_ask_for(monkeypatch):
         served.stop()
 
 
-def test_a_long_steady_point_settles_after_three_sweeps_and_a_noisy_one_takes_all(monkeypatch):
-    """Long points are where a big model's profile spends its time; their steady samples need no more."""
-    import torch
-
-    import profiler.device as device
-
-    # each call "takes" the seconds its point says, read by a stand-in for the timing loop
-    monkeypatch.setattr(device, "_runs", lambda fn, dev, at_least, min_total_s, at_most: [fn()])
-    calls = {"steady": 0, "noisy": 0, "short": 0}
-    wobble = iter([0.30, 0.36] * 10)
-    seconds = {"steady": lambda: 0.30, "noisy": lambda: next(wobble), "short": lambda: 0.01}
-
-    def point(key):
-        def run():
-            calls[key] += 1
-            return seconds[key]()
-        return run
-
-    points = {key: point(key) for key in calls}
-    medians = device.swept_medians(lambda sweep: iter(points.items()), 7, torch.device("cpu"))
-    warm = device.WARMUP_CALLS
-    assert calls == {"steady": warm + 3, "noisy": warm + 7, "short": warm + 7}, calls
-    assert medians["steady"] == 0.30 and medians["short"] == 0.01
-
-
 def test_a_profile_whose_caller_went_away_stops_at_its_next_point(monkeypatch):
     """An 8B grid runs for many minutes: a profile stopped by its caller must not keep the daemon busy."""
     import grpc
