@@ -63,8 +63,9 @@ def main() -> int:
                 times[v, spec].append(time.perf_counter() - t0)
                 failed.update(summary["failed"])
                 new_tokens[v, spec] = summary["new_tokens"]
-                if summary.get("speculation"):
-                    kept[v] = summary["speculation"]
+                for k, n in (summary.get("speculation") or {}).items():  # summed over the rounds
+                    kept.setdefault(v, {}).setdefault(k, 0)
+                    kept[v][k] += n
                 rows = [json.loads(line) for line in out.read_text().splitlines()]
                 answers[v, spec, r] = {(row["document"], row.get("question")): row["token_ids"] for row in rows}
                 print(f"round {r + 1}, parallel {v}, speculate {spec}: {times[v, spec][-1]:.1f} s", file=sys.stderr)

@@ -61,9 +61,10 @@ class ProfilerServicer(pb_grpc.ProfilerServiceServicer):
             raise InputError(f"profile grid has more than {MAX_GRID_POINTS} points")
         repeats = min(max(1, request.repeats), MAX_REPEATS)
         t0 = time.perf_counter()
+
         def caller_still_there():
             # a grid of a big model runs for many minutes: one whose caller went away (a profile
-            # stopped with Ctrl-C) ends at its next point, instead of keeping the device busy
+            # stopped with Ctrl-C) ends after its current slice length's points, not at the grid's end
             if not context.is_active():
                 raise StatusError("CANCELLED", "the caller of this profile went away")
 

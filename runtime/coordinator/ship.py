@@ -49,7 +49,7 @@ class Transfer:
     local: bool = False      # it read the model's files itself
     tensors: int = 0         # sent (wholly or what was missing of them)
     sent_bytes: int = 0
-    cached_bytes: int = 0      # its cache had them already
+    cached_bytes: int = 0    # its cache had them already
     seconds: float = 0.0
 
     @property
@@ -98,7 +98,7 @@ class Shipment:
         hashes = list(dict.fromkeys(e.hash for e in entries))
         key = secrets.token_bytes(16)  # this transfer's: only its chunks add to the tensors it asks for
         reply = client.call("CachedTensors", pb.CachedRequest(model=self.model, file_key=self.key, hashes=hashes,
-                                                          transfer_key=key), timeout=60.0)
+                                                              transfer_key=key), timeout=60.0)
         if reply.local:
             return None, Transfer(name, local=True)
         whole, partial = set(reply.whole), dict(reply.partial)
