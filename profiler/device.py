@@ -31,6 +31,7 @@ from hpipe.model.kernels.precision import asked_prefill_gemm
 from hpipe.model.kv.cache import StageCache
 from hpipe.model.kv.pool import BatchKV
 from hpipe.model.weights.blocks import TYPES
+from profiler.grid import LONG_CALL_S, LONG_SWEEPS
 
 
 def _cgroup_quota() -> str:
@@ -155,17 +156,25 @@ def swept_medians(points, sweeps: int, device: torch.device, min_total_s: float 
     runs its units: a device whose speed is a CPU quota runs a call shorter than its budget per
     quota period at full speed, and only a run of calls shows the rate it sustains (the emulated
     cluster's 30% daemon read SmolLM2's MLP at one token as 1.4 ms one call at a time, as fast as
-    the full core, and as 9.5 ms back to back).
+    the full core, and as 9.5 ms back to back). A long point (its first call ``LONG_CALL_S`` or
+    more) is warmed up by that one call and timed in the first ``LONG_SWEEPS`` sweeps only.
     """
     sweeps = max(1, sweeps)
     per_sweep_s, per_sweep_runs = min_total_s / sweeps, max(1, max_runs // sweeps)
     samples: dict = {}
+    long: set = set()
     for sweep in range(sweeps):
         for key, fn in points(sweep):
             if sweep == 0:  # warm-up: first-call allocations, heap growth and kernel selection
                 for _ in range(WARMUP_CALLS):
+                    t0 = time.perf_counter()
                     fn()
                     _sync(device)
+                    if time.perf_counter() - t0 >= LONG_CALL_S:  # a long point (profiler.grid.LONG_CALL_S)
+                        long.add(key)
+                        break
+            if key in long and sweep >= LONG_SWEEPS:
+                continue
             samples.setdefault(key, []).append(statistics.fmean(_runs(fn, device, 1, per_sweep_s, per_sweep_runs)))
     return {key: statistics.median(t) for key, t in samples.items()}
 
@@ -188,8 +197,7 @@ def copies_for(cfg: ModelConfig, dtype: torch.dtype, weight_type: int = 0) -> in
     if weight_type:
         _, values, nbytes = TYPES[weight_type]
         itemsize = nbytes / values
-    block = (cfg.hidden_size * cfg.head_dim * (cfg.num_heads + 2 * cfg.num_kv_heads)
-             + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
+    block = cfg.block_weights
     # ceil, not //: a quantized block's bytes per value may be fractional
     return max(1, min(cfg.num_layers, math.ceil(WORKING_SET_BYTES / (block * itemsize))))
 

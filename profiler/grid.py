@@ -11,7 +11,7 @@ from hpipe.core.errors import HpipeError
 from hpipe.core.profile import ComputeGrid
 
 #: bumped when how a daemon measures changes, so that cached grids measured the old way are not reused
-METHOD = 6  # 6: quantized prefill rows marked as a stage marks them (bfloat16 where the prefill is)
+METHOD = 7  # 6: quantized prefill rows marked as a stage marks them (bfloat16 where the prefill is); 7: long points
 #: passes over the compute grid (each point's median is over these). Noise picks plans: on the
 #: emulated cluster, plans from 3-sweep profiles re-simulated on the median of ten others took
 #: 4.42 s on average (1.00-1.20x their prediction), from 9-sweep ones 4.15 s (0.95-1.04x).
@@ -24,6 +24,12 @@ DEFAULT_MAX_LEN = 4096
 #: the shortest a short grid point is timed for in all (profiler.device.MIN_MEASURED_S), and its
 #: untimed warm-up calls (profiler.device.WARMUP_CALLS), for the estimate below
 _MIN_POINT_S, _WARMUP_CALLS = 0.06, 2
+#: a point whose first (warm-up) call takes this long is a long point: one warm-up call, and timed
+#: in the first ``LONG_SWEEPS`` sweeps only. One call of it already averages over a second of its
+#: neighbours' phases and the machine's drift, which is what the sweeps of short points are for,
+#: and a billion-parameter block's long slices made most of a profile's time: up to 4,096 tokens,
+#: an 8B's grid forecast 41 minutes on local-3 with every point timed 9 times (stop 76).
+LONG_CALL_S, LONG_SWEEPS = 1.0, 3
 
 #: slice lengths whose successor is a grid point too, so that a kernel whose cost steps up just past
 #: a block boundary reads as a step, not as a ramp over the whole next interval. Measured on the
@@ -66,7 +72,8 @@ def estimate_seconds(axes: tuple[list[int], list[int], list[int]], sweeps: int, 
     ``block_s_per_token``: one block (attention + MLP) per token of a slice at context 0;
     ``attention_s_per_token_context``: what each token of context adds per token. An MLP is taken
     as 60% of a block and attention as 40% plus its context term; every point is timed once a
-    sweep for at least its share of ``_MIN_POINT_S``, after ``_WARMUP_CALLS`` untimed calls."""
+    sweep for at least its share of ``_MIN_POINT_S``, after ``_WARMUP_CALLS`` untimed calls (a long
+    point: once, and in ``LONG_SWEEPS`` sweeps)."""
     batches, tokens, contexts = axes
     total = 0.0
     for b in batches:
@@ -74,5 +81,42 @@ def estimate_seconds(axes: tuple[list[int], list[int], list[int]], sweeps: int, 
             points = [0.6 * block_s_per_token * s * b]
             points += [(0.4 * block_s_per_token * s + attention_s_per_token_context * s * (c + s / 2)) * b
                        for c in contexts]
-            total += sum(sweeps * max(t, _MIN_POINT_S / sweeps) + _WARMUP_CALLS * t for t in points)
+            total += sum(_point_seconds(t, sweeps) for t in points)
     return total
+
+
+def _point_seconds(call_s: float, sweeps: int) -> float:
+    if call_s >= LONG_CALL_S:
+        return (1 + min(sweeps, LONG_SWEEPS)) * call_s
+    return sweeps * max(call_s, _MIN_POINT_S / sweeps) + _WARMUP_CALLS * call_s
+
+
+def split_tokens(tokens: list[int], shares: int, cost=None) -> list[list[int]]:
+    """The token axis dealt to ``shares`` identical co-located daemons, each to time its part of
+    the grid beside the others (:func:`profiler.measure._group_grids`): the costliest slice length
+    first, each to the share that costs least so far, so the shares take about as long. ``cost(t)``:
+    seconds to time length ``t``'s points (default: ``t``). A share may be empty where there are
+    more daemons than slice lengths."""
+    cost = cost or float
+    parts: list[list[int]] = [[] for _ in range(shares)]
+    for t in sorted(tokens, key=lambda t: (cost(t), t), reverse=True):
+        min(parts, key=lambda p: sum(map(cost, p))).append(t)
+    return [sorted(p) for p in parts]
+
+
+def merge_grids(parts: list[dict[str, ComputeGrid]]) -> dict[str, ComputeGrid]:
+    """One device's grids from the parts of its token axis that several daemons timed (same
+    batches and contexts in every part)."""
+    out = {}
+    for kind in parts[0]:
+        grids = [p[kind] for p in parts]
+        batches, contexts = grids[0].batches, grids[0].contexts
+        if any(g.batches != batches or g.contexts != contexts for g in grids):
+            raise HpipeError(f"the parts of a {kind} grid were timed on different batches or contexts")
+        column = {t: (g, j) for g in grids for j, t in enumerate(g.tokens)}
+        tokens = tuple(sorted(column))
+        if len(tokens) != sum(len(g.tokens) for g in grids):
+            raise HpipeError(f"the parts of a {kind} grid overlap")
+        secs = tuple(tuple(column[t][0].seconds[i][column[t][1]] for t in tokens) for i in range(len(batches)))
+        out[kind] = ComputeGrid(batches, tokens, contexts, secs)
+    return out

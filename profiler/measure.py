@@ -32,7 +32,16 @@ from hpipe.core.errors import HpipeError
 from hpipe.core.profile import DTYPE_BYTES, ComputeGrid, DaemonProfile, LinkProfile, Profile
 from hpipe.model.compute.stage import DTYPES
 from hpipe.model.kernels.precision import asked_prefill_gemm
-from profiler.grid import DEFAULT_MAX_LEN, METHOD, SWEEPS, estimate_seconds, grid_axes, grids_from_reply
+from profiler.grid import (
+    DEFAULT_MAX_LEN,
+    METHOD,
+    SWEEPS,
+    estimate_seconds,
+    grid_axes,
+    grids_from_reply,
+    merge_grids,
+    split_tokens,
+)
 from profiler.grid_cache import grid_path, load_grids, store_grids
 from profiler.links import HOST_CPU_TOKENS, MAX_PROBE_BYTES, PILOT_BYTES, fit_host_cpu, fit_link, fit_probes
 from profiler.reference import (
@@ -151,17 +160,19 @@ def profile_cluster(cluster: ClusterSpec, model_name: str, cfg: ModelConfig, *, 
         groups: dict[tuple, list] = {}
         for d in cluster.daemons:
             groups.setdefault(share_key(d), []).append(d)
-        ref = reference_stage(cfg, n, max_len, batch)
+        per_weight = weight_bits / 8 if weight_bits else DTYPE_BYTES[dtype]
+        ref = reference_stage(cfg, n, max_len, batch, per_weight * cfg.block_weights)
         request, key_parts = grid_request(shape, dtype, (batches, tokens, contexts), max_len, repeats)
-        say(_forecast(cluster, groups, clients, infos, key_parts, force, colocation, shape, dtype,
-                      (batches, tokens, contexts), repeats, max_len, colocation_rounds))
+        line, costs = _forecast(cluster, groups, clients, infos, key_parts, force, colocation, shape, dtype,
+                                (batches, tokens, contexts), repeats, max_len, colocation_rounds)
+        say(line)
         grids, from_cache, together = {}, [], []
         for group in groups.values():
             concurrent = colocation and len(group) > 1
             if concurrent:
                 together += [d.name for d in group]
             got, cached = _group_grids(group, clients, infos, request, key_parts, force, concurrent,
-                                       (shape, dtype, ref), bar)
+                                       (shape, dtype, ref), bar, costs)
             grids.update(got)
             from_cache += cached
         devices = []
@@ -209,26 +220,41 @@ def grid_request(shape: dict, dtype: str, axes: tuple[list, list, list], max_len
 def _forecast(cluster, groups, clients, infos, key_parts, force, colocation, shape, dtype, axes, sweeps, max_len,
               rounds) -> str:
     """A line saying about how long profiling will take, from a pilot timing of one block per daemon
-    whose grid is not cached (a few milliseconds to a second each)."""
+    whose grid is not cached (a few milliseconds to a second each), and what each slice length of
+    the grid will cost each of those daemons to time (which deals twins their shares)."""
     pilot_tokens = min(512, max_len)
-    seconds, cached = 0.0, 0
+    seconds, cached, costs = 0.0, 0, {}
     for group in groups.values():
         prints = sorted(infos[d.name].fingerprint for d in group) if colocation and len(group) > 1 else None
         todo = [d for d in group if force or not grid_path(key_parts, infos[d.name].fingerprint, prints).exists()]
-        per_daemon = []
+        if prints and todo:  # measured together: all of them again, twins each a share (_group_grids)
+            todo = list(group)
+        piloted: dict[str, dict] = {}  # by fingerprint: twins are the same device, timed once
         for d in todo:
-            t0 = time_stage(clients[d.name], d, shape, dtype, (1, 3), 1, pilot_tokens, 0, 1)
-            tc = time_stage(clients[d.name], d, shape, dtype, (1, 3), 1, pilot_tokens, max_len // 2, 1)
-            per_token = t0 / pilot_tokens
-            per_context = max(tc - t0, 0.0) / (pilot_tokens * max(max_len // 2, 1))
-            per_daemon.append(estimate_seconds(axes, sweeps, per_token, per_context))
+            print_ = infos[d.name].fingerprint
+            if print_ not in piloted:
+                t0 = time_stage(clients[d.name], d, shape, dtype, (1, 3), 1, pilot_tokens, 0, 1)
+                tc = time_stage(clients[d.name], d, shape, dtype, (1, 3), 1, pilot_tokens, max_len // 2, 1)
+                per_token = t0 / pilot_tokens
+                per_context = max(tc - t0, 0.0) / (pilot_tokens * max(max_len // 2, 1))
+                piloted[print_] = {t: estimate_seconds((axes[0], [t], axes[2]), sweeps, per_token, per_context)
+                                   for t in axes[1]}
+            costs[d.name] = piloted[print_]
+        shares = twin_shares(todo, infos, axes[1], costs) if prints else {d.name: axes[1] for d in todo}
+        per_daemon = [sum(costs[d.name][t] for t in shares[d.name]) for d in todo]
         cached += len(group) - len(todo)
-        # daemons that share a machine measure their grids at the same time, the others in turn
-        seconds += max(per_daemon, default=0.0) if prints else sum(per_daemon)
+        # daemons that share a machine measure their grids at the same time (sharing its CPUs: the
+        # pilot ran alone), the others in turn
+        if prints:
+            threads, cpus = sum(infos[d.name].threads for d in group), infos[group[0].name].host_cpus
+            on_cpus = infos[group[0].name].device == "cpu" and cpus
+            seconds += max(per_daemon, default=0.0) * (max(1.0, threads / cpus) if on_cpus else 1.0)
+        else:
+            seconds += sum(per_daemon)
     n = len(cluster.daemons)
     seconds += 3.0 * n * max(1, rounds) + 2.0 * n * (n - 1)  # reference timings, links
     reuse = f"; {cached} grid(s) cached" if cached else ""
-    return f"profiling {n} daemons up to {max_len} tokens: about {_duration(seconds)}{reuse}"
+    return f"profiling {n} daemons up to {max_len} tokens: about {_duration(seconds)}{reuse}", costs
 
 
 def _duration(seconds: float) -> str:
@@ -272,7 +298,7 @@ def _steal(client: DaemonClient) -> float | None:
 
 
 def _group_grids(group, clients, infos, request, key_parts: list, force: bool, concurrent: bool, ref_args: tuple,
-                 bar) -> tuple[dict[str, dict[str, ComputeGrid]], list[str]]:
+                 bar, costs: dict | None = None) -> tuple[dict[str, dict[str, ComputeGrid]], list[str]]:
     """Compute grids of the daemons of one share group (cached, or measured), and which came from the cache.
 
     ``concurrent``: the daemons share a machine or a GPU, and measure their grids at the same time,
@@ -293,13 +319,20 @@ def _group_grids(group, clients, infos, request, key_parts: list, force: bool, c
     cached = [d.name for d in reuse]
     todo = [d for d in group if d not in reuse]
 
-    def measure(d):
+    def measure(d, tokens=None):
+        asked = request
+        if tokens is not None:
+            asked = pb.ProfileRequest()
+            asked.CopyFrom(request)
+            del asked.tokens[:]
+            asked.tokens.extend(tokens)
         try:
-            reply = clients[d.name].call("ProfileCompute", request, timeout=PROFILE_TIMEOUT_S)
+            reply = clients[d.name].call("ProfileCompute", asked, timeout=PROFILE_TIMEOUT_S)
         except grpc.RpcError as e:
             raise daemon_error(d, "failed to profile itself", e) from None
         got = grids_from_reply(d, reply)
-        store_grids(paths[d.name], got)
+        if tokens is None:
+            store_grids(paths[d.name], got)
         bar.update(1)
         return got
 
@@ -311,11 +344,13 @@ def _group_grids(group, clients, infos, request, key_parts: list, force: bool, c
 
     bar.set_postfix_str("compute " + ", ".join(d.name for d in group) + " (together)")
     shape, dtype, ref = ref_args
+    shares = twin_shares(group, infos, list(request.tokens), costs or {})
     lock, remaining, done, errors = threading.Lock(), [len(group)], threading.Event(), []
 
     def measure_then_load(d):
         try:
-            got = measure(d)
+            tokens = shares[d.name]
+            got = measure(d, tokens) if tokens != [] else {}
         except BaseException as e:
             errors.append(e)
             done.set()
@@ -334,7 +369,33 @@ def _group_grids(group, clients, infos, request, key_parts: list, force: bool, c
         done.wait()
         if errors:  # fail now: the caller closes the channels, which ends the others' calls
             raise errors[0]
-        return {d.name: f.result() for d, f in zip(group, futures)}, cached
+        parts = {d.name: f.result() for d, f in zip(group, futures)}
     finally:
         done.set()
         pool.shutdown(wait=False)
+    for twins in _twins(group, infos).values():
+        whole = merge_grids([parts[d.name] for d in twins if parts[d.name]])
+        store_grids(paths[twins[0].name], whole)  # twins share one cache path
+        out.update({d.name: whole for d in twins})
+    return out, cached
+
+
+def _twins(group, infos) -> dict[str, list]:
+    """The daemons of a share group by fingerprint: twins are the same device beside each other."""
+    twins: dict[str, list] = {}
+    for d in group:
+        twins.setdefault(infos[d.name].fingerprint, []).append(d)
+    return twins
+
+
+def twin_shares(group, infos, tokens: list[int], costs: dict[str, dict[int, float]]) -> dict[str, list[int]]:
+    """The slice lengths each daemon of a share group times. Twins (the same fingerprint: the same
+    hardware, threads, quota and software, like ``local-3``'s three daemons) time one grid between
+    them, each a share of its token axis while the others keep the machine as busy, rather than
+    the whole grid each: a pipeline's stages run beside each other just so, and the grid they would
+    each have measured is the same device's (they share its cache entry already)."""
+    shares = {}
+    for twins in _twins(group, infos).values():
+        cost = costs.get(twins[0].name)  # the forecast's estimate of each length's points, else its tokens
+        shares.update(zip((d.name for d in twins), split_tokens(tokens, len(twins), cost.get if cost else None)))
+    return shares

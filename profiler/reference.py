@@ -49,9 +49,17 @@ def time_stage(client, d, shape: dict, dtype: str, units: tuple[int, int], batch
         raise daemon_error(d, "failed to time a stage", e) from None
 
 
-def reference_stage(cfg: ModelConfig, n_devices: int, max_len: int, batch: int) -> dict:
+#: the most weight bytes the reference stage holds: a 1/n share of an 8B model's blocks (10 of 32,
+#: 1.3 GB at Q4_K_M) took 10-15 s a call on local-3, and the co-location rounds, which time it
+#: about 70 times, 14 of the 8B's 25-minute profile
+REFERENCE_BYTES = 256 << 20
+
+
+def reference_stage(cfg: ModelConfig, n_devices: int, max_len: int, batch: int, block_bytes: float = 0) -> dict:
     """The stage every daemon times to compare speeds across time and co-location: a 1/n share of the
-    model's blocks over a slice of the size pipelines use (128 tokens) at a mid context.
+    model's blocks, no more than :data:`REFERENCE_BYTES` of them (``block_bytes``: one block's
+    weights as the daemons hold them), over a slice of the size pipelines use (128 tokens) at a mid
+    context.
 
     The slice size matters: co-located daemons that take turns on one core evict each other's
     cache, which costs a small slice more than a large one (on one core shared 60/30%, a matrix
@@ -59,6 +67,8 @@ def reference_stage(cfg: ModelConfig, n_devices: int, max_len: int, batch: int) 
     streams its weights from memory, 1.03x).
     """
     blocks = max(1, cfg.num_layers // max(1, n_devices))
+    if block_bytes:
+        blocks = min(blocks, max(1, int(REFERENCE_BYTES // block_bytes)))
     return {"units": [block_units(0)[0], block_units(blocks - 1)[1] + 1], "tokens": max(1, min(128, max_len // 4)), "context": max_len // 2,
             "batch": batch}
 

@@ -156,6 +156,12 @@ class ModelConfig:
                                        f"entries each (half the {rotated} rotated dimensions of a head)")
 
     @property
+    def block_weights(self) -> int:
+        """Matrix entries of one block (its attention's and its MLP's projections)."""
+        return (self.hidden_size * self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
+                + self.num_heads * self.head_dim * self.hidden_size + 3 * self.hidden_size * self.intermediate_size)
+
+    @property
     def num_units(self) -> int:
         """embed + (attn, mlp) per layer + head."""
         return num_units(self.num_layers)

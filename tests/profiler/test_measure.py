@@ -193,6 +193,29 @@ def test_the_calls_that_grow_the_heap_are_not_timed():
     assert medians["p"] < 0.01, medians
 
 
+def test_a_long_point_is_warmed_once_and_timed_in_fewer_sweeps(monkeypatch):
+    """A point whose first call takes LONG_CALL_S or more (a billion-parameter block's long slice)
+    is not called nine times: one warm-up, then one call in each of the first LONG_SWEEPS sweeps;
+    short points keep every sweep."""
+    import torch
+
+    import profiler.device as device
+
+    monkeypatch.setattr(device, "LONG_CALL_S", 0.02)
+    calls = {"long": 0, "short": 0}
+
+    def call(key, seconds):
+        def run():
+            calls[key] += 1
+            time.sleep(seconds)
+        return run
+
+    points = lambda sweep: iter([("long", call("long", 0.025)), ("short", call("short", 0.001))])  # noqa: E731
+    medians = device.swept_medians(points, 7, torch.device("cpu"), min_total_s=0.0, max_runs=7)
+    assert calls == {"long": 1 + device.LONG_SWEEPS, "short": device.WARMUP_CALLS + 7}
+    assert medians["long"] >= 0.025 and medians["short"] < 0.02
+
+
 def test_a_timed_stage_is_kept_for_the_next_timing_of_its_shape():
     """Co-located daemons time together; none should spend that window building weights again."""
     import torch
@@ -383,3 +406,19 @@ def test_a_profile_whose_caller_went_away_stops_at_its_next_point(monkeypatch):
         client.close()
     finally:
         served.stop()
+
+
+def test_the_reference_stage_of_a_big_model_stays_small():
+    """A 1/n share of an 8B's blocks took 10-15 s a call, and the co-location rounds call it about
+    70 times: its blocks are capped at REFERENCE_BYTES of weights; a small model's share is kept."""
+    from hpipe.core.shapes import random_config
+    from profiler.reference import REFERENCE_BYTES, reference_stage
+
+    big = random_config("random:llama3-8b")
+    block = big.block_weights * 4.89 / 8  # Q4_K_M's bits per weight
+    ref = reference_stage(big, 3, 4096, 1, block)
+    blocks = (ref["units"][1] - ref["units"][0]) // 2
+    assert blocks == int(REFERENCE_BYTES // block) == 2 and ref["tokens"] == 128
+    assert reference_stage(big, 3, 4096, 1) == {**ref, "units": [1, 21]}  # no size given: 10 blocks
+    small = random_config("random:tiny")
+    assert reference_stage(small, 2, 512, 1, small.block_weights * 4)["units"] == [1, 5]
