@@ -218,7 +218,7 @@ def grid_request(shape: dict, dtype: str, axes: tuple[list, list, list], max_len
 
 
 def _forecast(cluster, groups, clients, infos, key_parts, force, colocation, shape, dtype, axes, sweeps, max_len,
-              rounds) -> str:
+              rounds) -> tuple[str, dict[str, dict[int, float]]]:
     """A line saying about how long profiling will take, from a pilot timing of one block per daemon
     whose grid is not cached (a few milliseconds to a second each), and what each slice length of
     the grid will cost each of those daemons to time (which deals twins their shares)."""

@@ -50,8 +50,8 @@ def time_stage(client, d, shape: dict, dtype: str, units: tuple[int, int], batch
 
 
 #: the most weight bytes the reference stage holds: a 1/n share of an 8B model's blocks (10 of 32,
-#: 1.3 GB at Q4_K_M) took 10-15 s a call on local-3, and the co-location rounds, which time it
-#: about 70 times, 14 of the 8B's 25-minute profile
+#: 1.3 GB at Q4_K_M) took 10-15 s a call on local-3, and the co-location rounds time it about 70
+#: times (docs/decisions/profile-sweeps.md)
 REFERENCE_BYTES = 256 << 20
 
 
