@@ -120,3 +120,24 @@ def merge_grids(parts: list[dict[str, ComputeGrid]]) -> dict[str, ComputeGrid]:
         secs = tuple(tuple(column[t][0].seconds[i][column[t][1]] for t in tokens) for i in range(len(batches)))
         out[kind] = ComputeGrid(batches, tokens, contexts, secs)
     return out
+
+
+def group_twins(group, infos) -> dict[str, list]:
+    """The daemons of a share group by fingerprint: twins are the same device beside each other."""
+    twins: dict[str, list] = {}
+    for d in group:
+        twins.setdefault(infos[d.name].fingerprint, []).append(d)
+    return twins
+
+
+def twin_shares(group, infos, tokens: list[int], costs: dict[str, dict[int, float]]) -> dict[str, list[int]]:
+    """The slice lengths each daemon of a share group times. Twins (the same fingerprint: the same
+    hardware, threads, quota and software, like ``local-3``'s three daemons) time one grid between
+    them, each a share of its token axis while the others keep the machine as busy, rather than
+    the whole grid each: a pipeline's stages run beside each other just so, and the grid they would
+    each have measured is the same device's (they share its cache entry already)."""
+    shares = {}
+    for twins in group_twins(group, infos).values():
+        cost = costs.get(twins[0].name)  # the forecast's estimate of each length's points, else its tokens
+        shares.update(zip((d.name for d in twins), split_tokens(tokens, len(twins), cost.get if cost else None)))
+    return shares

@@ -39,8 +39,9 @@ from profiler.grid import (
     estimate_seconds,
     grid_axes,
     grids_from_reply,
+    group_twins,
     merge_grids,
-    split_tokens,
+    twin_shares,
 )
 from profiler.grid_cache import grid_path, load_grids, store_grids
 from profiler.links import HOST_CPU_TOKENS, MAX_PROBE_BYTES, PILOT_BYTES, fit_host_cpu, fit_link, fit_probes
@@ -373,29 +374,8 @@ def _group_grids(group, clients, infos, request, key_parts: list, force: bool, c
     finally:
         done.set()
         pool.shutdown(wait=False)
-    for twins in _twins(group, infos).values():
+    for twins in group_twins(group, infos).values():
         whole = merge_grids([parts[d.name] for d in twins if parts[d.name]])
         store_grids(paths[twins[0].name], whole)  # twins share one cache path
         out.update({d.name: whole for d in twins})
     return out, cached
-
-
-def _twins(group, infos) -> dict[str, list]:
-    """The daemons of a share group by fingerprint: twins are the same device beside each other."""
-    twins: dict[str, list] = {}
-    for d in group:
-        twins.setdefault(infos[d.name].fingerprint, []).append(d)
-    return twins
-
-
-def twin_shares(group, infos, tokens: list[int], costs: dict[str, dict[int, float]]) -> dict[str, list[int]]:
-    """The slice lengths each daemon of a share group times. Twins (the same fingerprint: the same
-    hardware, threads, quota and software, like ``local-3``'s three daemons) time one grid between
-    them, each a share of its token axis while the others keep the machine as busy, rather than
-    the whole grid each: a pipeline's stages run beside each other just so, and the grid they would
-    each have measured is the same device's (they share its cache entry already)."""
-    shares = {}
-    for twins in _twins(group, infos).values():
-        cost = costs.get(twins[0].name)  # the forecast's estimate of each length's points, else its tokens
-        shares.update(zip((d.name for d in twins), split_tokens(tokens, len(twins), cost.get if cost else None)))
-    return shares
