@@ -351,7 +351,7 @@ def _group_grids(group, clients, infos, request, key_parts: list, force: bool, c
     def measure_then_load(d):
         try:
             tokens = shares[d.name]
-            got = measure(d, tokens) if tokens != [] else {}
+            got = measure(d, tokens) if tokens else {}
         except BaseException as e:
             errors.append(e)
             done.set()

@@ -197,17 +197,21 @@ def test_a_long_point_is_warmed_once_and_timed_in_fewer_sweeps(monkeypatch):
     """A point whose first call takes LONG_CALL_S or more (a billion-parameter block's long slice)
     is not called nine times: one warm-up, then one call in each of the first LONG_SWEEPS sweeps;
     short points keep every sweep."""
+    from types import SimpleNamespace
+
     import torch
 
     import profiler.device as device
 
     monkeypatch.setattr(device, "LONG_CALL_S", 0.02)
+    clock = [0.0]  # the profiler's clock, advanced only by the calls: no machine's speed decides
+    monkeypatch.setattr(device, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     calls = {"long": 0, "short": 0}
 
     def call(key, seconds):
         def run():
             calls[key] += 1
-            time.sleep(seconds)
+            clock[0] += seconds
         return run
 
     points = lambda sweep: iter([("long", call("long", 0.025)), ("short", call("short", 0.001))])  # noqa: E731
