@@ -239,6 +239,12 @@ class Engine(Preempting, Rebinding, Speculating):
         self.micro_batches += 1
         return True
 
+    @property
+    def decode_batches(self) -> int:
+        """Micro-batches in flight of decode tokens only (a policy's to bound by the decode lanes;
+        decode tokens riding with prefill chunks wait for those, wherever they are)."""
+        return sum(1 for sent in self._in_flight.values() if sent.decode and not sent.prefill)
+
     def _logits(self, r: Request) -> int:
         """What ``r``'s sampled row needs from the last stage: its top logits where they draw what
         the whole row does (no log-probabilities asked for), else the whole row."""

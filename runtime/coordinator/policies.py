@@ -11,7 +11,9 @@ prefill whatever the policy.
   stages: a decode step reads every weight whatever its batch, so stages sharing one memory gain
   from more, smaller decode micro-batches only while they compute at once (daemons pinned to
   cores of their own, or as many of a machine's unpinned daemons as its cores hold their
-  threads) and pay for every extra read beyond that; prefill
+  threads) and pay for every extra read beyond that. A ready decode token waits while every
+  lane has a micro-batch of decode tokens only in flight, so decoding requests go as one group a lane and not as
+  many small groups that each read every weight; prefill
   tokens ``#P = max(min(#WP / T, MaxP (KVfree - KVthresh) / (1 - KVthresh)), MinP)`` (eq. 3),
   where ``#WP`` is every prompt token not yet sent, and none at all while the tightest stage's free
   KV share is under ``KVthresh`` (unless nothing decodes and nothing is in flight: ``MinP`` then,
@@ -109,11 +111,13 @@ class GLLM:
         depth = min(engine.lanes, engine.depth) if self.spread == "lanes" else engine.depth
         quota = math.ceil(decoding / depth)
         ready = _decoding(engine)
-        # ready tokens that would share one micro-batch with those in flight wait for them, so that
-        # requests that finished prefill at different times merge instead of circulating as groups
-        # that each read every weight, step after step (on one lane: every decode token)
+        # ready tokens that would share one micro-batch with those in flight wait for them, and so
+        # do ready tokens while every decode lane has a micro-batch of decode tokens only in flight
+        # (tokens riding with prefill chunks wait for those wherever they are): requests that
+        # finished prefill at different times merge into one group a lane instead of circulating
+        # as many small groups that each read every weight, step after step
         coming = sum(1 for r in engine.running if r.in_flight and not r.prefilling)
-        hold = coming > 0 and len(ready) + coming <= quota
+        hold = coming > 0 and (len(ready) + coming <= quota or engine.decode_batches >= depth)
         planned = [] if hold else [Planned(r, 1) for r in ready[:quota]]
         waiting = sum(r.waiting_tokens for r in engine.running if r.prefilling) + \
             sum(r.waiting_tokens for r in engine.waiting)

@@ -5,8 +5,9 @@ from runtime.coordinator.request import Request
 
 
 class Engine:
-    def __init__(self, running: list[Request], lanes: int, depth: int = 9):
+    def __init__(self, running: list[Request], lanes: int, depth: int = 9, decode_batches: int = 0):
         self.running, self.waiting, self.lanes, self.depth = running, [], lanes, depth
+        self.decode_batches = decode_batches  # micro-batches in flight that carry decode tokens
 
     def kv_free(self) -> float:
         return 1.0
@@ -43,7 +44,7 @@ def test_decode_tokens_spread_over_decode_lanes():
     # 6 ready, 10 in flight: together more than a share, so the 6 go now (waiting would starve them
     # behind the older requests, who would fill every micro-batch)
     running = decoding(16, in_flight=10)
-    assert decode_entries(Engine(running, lanes=2)) == running[10:]
+    assert decode_entries(Engine(running, lanes=2, decode_batches=1)) == running[10:]
     running = decoding(5, in_flight=2)  # one decode lane: the 3 ready and the 2 coming share one
     assert decode_entries(Engine(running, lanes=1)) == []  # micro-batch, so the 3 wait
     # more lanes than stages: the stages bound the spread
@@ -145,3 +146,13 @@ def test_a_stream_of_short_prompts_does_not_keep_a_long_document_from_its_chunks
             p.request.laid_out += p.length
             p.request.in_flight += 1
     assert with_long == ([False] * SMALL_IN_A_ROW + [True]) * (8 // (SMALL_IN_A_ROW + 1))
+
+
+def test_ready_decode_tokens_wait_while_every_decode_lane_has_a_micro_batch():
+    # 12 decoding on two lanes, 11 in flight in two micro-batches: the one ready token would be a
+    # third group reading every weight for one token, step after step; it joins the next instead
+    running = decoding(12, in_flight=11)
+    assert decode_entries(Engine(running, lanes=2, decode_batches=2)) == []
+    assert decode_entries(Engine(running, lanes=2, decode_batches=1)) == running[11:]  # a lane free
+    # more lanes than stages: the stages bound the lanes
+    assert decode_entries(Engine(running, lanes=4, depth=2, decode_batches=2)) == []
