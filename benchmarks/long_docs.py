@@ -1,11 +1,11 @@
 """Documents longer than the plan: the parts of all of them in flight together, against one at a time.
 
     python benchmarks/long_docs.py --plan plan.json --cluster clusters/local-3.yaml \
-        [--times 4] [--documents 2] [--method map-reduce] [--rounds 2] [--max-new-tokens 32]
+        [--times 4] [--documents 2] [--method map-reduce] [--rounds 2] [--max-new-tokens 32] [--parallel 16]
 
 Builds ``--documents`` documents of ``--times`` the plan's length each from the shipped licence
 text (``tests/data/apache-2.0.txt``, paragraphs repeated), runs ``hpipe run --long METHOD`` on them
-with ``--parallel 16`` and with ``--parallel 1`` (the parts one at a time, as a chain that sends
+with ``--parallel`` (16 unless told) and with ``--parallel 1`` (the parts one at a time, as a chain that sends
 each part as a separate request would), alternating, ``--rounds`` times on one deployment's
 cluster, and prints each one's job seconds (median), its prompts, and the ratio (#68's bar:
 parallel <= 0.5 x one at a time). Both must give the same final answers; a difference exits
@@ -54,6 +54,7 @@ def main() -> int:
     ap.add_argument("--method", choices=["map-reduce", "refine"], default="map-reduce")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--parallel", type=int, default=16, help="prompts in flight in the together run")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     plan = Plan.from_json(Path(args.plan).read_text())
@@ -62,10 +63,11 @@ def main() -> int:
     docs = documents(source.tokenizer(), args.documents, int(args.times * plan.max_len), work)
     coordinate_on_one_thread()  # as hpipe run does
     cluster = ClusterSpec.load(args.cluster)
-    times: dict[int, list[float]] = {16: [], 1: []}
+    n = max(2, args.parallel)
+    times: dict[int, list[float]] = {n: [], 1: []}
     finals, prompts = {}, {}
     for r in range(args.rounds):
-        for parallel in ((16, 1) if r % 2 == 0 else (1, 16)):
+        for parallel in ((n, 1) if r % 2 == 0 else (1, n)):
             out = work / f"p{parallel}-r{r}.jsonl"
             job = JobConfig(instruction="Summarize the obligations this text sets out.", chat=True,
                             max_new_tokens=args.max_new_tokens, parallel=parallel, long=args.method)
@@ -77,19 +79,19 @@ def main() -> int:
             prompts[parallel] = summary["long"]["computed"]
             rows = [json.loads(line) for line in out.read_text().splitlines()]
             finals.setdefault(parallel, {row["document"]: row["answer"] for row in rows if "long" in row})
-    same = finals[16] == finals[1]
+    same = finals[n] == finals[1]
     cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
         ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
     report = {"cpu": cpu, "method": args.method, "documents": args.documents, "times_plan": args.times,
-              "plan_max_len": plan.max_len, "prompts": prompts[16], "parallel_16_s": statistics.median(times[16]),
+              "plan_max_len": plan.max_len, "prompts": prompts[n], "parallel": n, "parallel_n_s": statistics.median(times[n]),
               "parallel_1_s": statistics.median(times[1]), "same_answers": same}
-    report["ratio"] = round(report["parallel_16_s"] / report["parallel_1_s"], 3)
+    report["ratio"] = round(report["parallel_n_s"] / report["parallel_1_s"], 3)
     if args.json:
         print(json.dumps(report))
     else:
         print(f"{cpu}: {args.documents} documents of {args.times}x the plan's {plan.max_len} tokens, {args.method}, "
-              f"{prompts[16]} prompts each run")
-        print(f"  --parallel 16: {report['parallel_16_s']:.1f} s   --parallel 1: {report['parallel_1_s']:.1f} s   "
+              f"{prompts[n]} prompts each run")
+        print(f"  --parallel {n}: {report['parallel_n_s']:.1f} s   --parallel 1: {report['parallel_1_s']:.1f} s   "
               f"ratio {report['ratio']:.2f}   same answers: {same}")
     return 0 if same else 1
 
