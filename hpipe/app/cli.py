@@ -219,7 +219,8 @@ def _run_parser(sub) -> None:
                     help="ngram: guess each answer's next tokens from where its last ones occur in the document or "
                          "the answer, verified in one pass through the pipeline (greedy answers unchanged)")
     rn.add_argument("--parallel", type=_positive, default=16,
-                    help="documents in flight at once: their prefill chunks and decode tokens share micro-batches")
+                    help="prompts in flight at once (a document's, each question's, a long document's parts each "
+                         "count): their prefill chunks and decode tokens share micro-batches")
     rn.add_argument("--policy", choices=["gllm", "sarathi", "fcfs", "single", "seesaw"], default="gllm",
                     help="how micro-batches are formed (docs/runtime.md): gllm (token throttling, the default), "
                          "sarathi (a fixed token budget), fcfs (one document at a time), single (one sequence per "

@@ -54,7 +54,7 @@ class JobConfig:
     long: str = "map-reduce"  # documents over the plan's length: map-reduce | refine | truncate | refuse
     templates: Templates = Templates()  # the long methods' prompts (hpipe.app.long_docs)
     speculate: str = "off"  # "ngram": decode speculatively (runtime.coordinator.speculation)
-    parallel: int = 16      # documents in flight at once
+    parallel: int = 16      # prompts in flight at once (a long document's parts each count)
     strategy: str | None = None
     policy: str = "gllm"     # how micro-batches are formed (runtime.coordinator.policies)
     ignore_eos: bool = False  # decode max_new_tokens whatever the model says (for benchmarks)
