@@ -1,14 +1,15 @@
 """Documents longer than the plan: the parts of all of them in flight together, against one at a time.
 
     python benchmarks/long_docs.py --plan plan.json --cluster clusters/local-3.yaml \
-        [--times 4] [--documents 2] [--method map-reduce] [--rounds 2] [--max-new-tokens 32] [--parallel 16]
+        [--times 4] [--documents 2] [--method map-reduce] [--rounds 2] [--max-new-tokens 32] \
+        [--parallel 16]
 
 Builds ``--documents`` documents of ``--times`` the plan's length each from the shipped licence
 text (``tests/data/apache-2.0.txt``, paragraphs repeated), runs ``hpipe run --long METHOD`` on them
-with ``--parallel`` (16 unless told) and with ``--parallel 1`` (the parts one at a time, as a chain that sends
-each part as a separate request would), alternating, ``--rounds`` times on one deployment's
-cluster, and prints each one's job seconds (median), its prompts, and the ratio (#68's bar:
-parallel <= 0.5 x one at a time). Both must give the same final answers; a difference exits
+with ``--parallel`` (16 unless told) and with ``--parallel 1`` (the parts one at a time, as a
+chain that sends each part as a separate request would), alternating, ``--rounds`` times on one
+deployment's cluster, and prints each one's job seconds (median), its prompts, and the ratio
+(#68's bar: parallel <= 0.5 x one at a time). Both must give the same final answers; a difference exits
 non-zero.
 """
 
@@ -83,8 +84,9 @@ def main() -> int:
     cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
         ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
     report = {"cpu": cpu, "method": args.method, "documents": args.documents, "times_plan": args.times,
-              "plan_max_len": plan.max_len, "prompts": prompts[n], "parallel": n, "parallel_n_s": statistics.median(times[n]),
-              "parallel_1_s": statistics.median(times[1]), "same_answers": same}
+              "plan_max_len": plan.max_len, "prompts": prompts[n], "parallel": n,
+              "parallel_n_s": statistics.median(times[n]), "parallel_1_s": statistics.median(times[1]),
+              "same_answers": same}
     report["ratio"] = round(report["parallel_n_s"] / report["parallel_1_s"], 3)
     if args.json:
         print(json.dumps(report))

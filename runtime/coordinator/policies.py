@@ -12,8 +12,8 @@ prefill whatever the policy.
   from more, smaller decode micro-batches only while they compute at once (daemons pinned to
   cores of their own, or as many of a machine's unpinned daemons as its cores hold their
   threads) and pay for every extra read beyond that. A ready decode token waits while every
-  lane has a micro-batch of decode tokens only in flight, so decoding requests go as one group a lane and not as
-  many small groups that each read every weight; prefill
+  lane has a micro-batch of decode tokens only in flight, so decoding requests go as one group a
+  lane, not as many small groups that each read every weight; prefill
   tokens ``#P = max(min(#WP / T, MaxP (KVfree - KVthresh) / (1 - KVthresh)), MinP)`` (eq. 3),
   where ``#WP`` is every prompt token not yet sent, and none at all while the tightest stage's free
   KV share is under ``KVthresh`` (unless nothing decodes and nothing is in flight: ``MinP`` then,

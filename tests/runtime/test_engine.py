@@ -195,10 +195,11 @@ def test_a_short_request_is_not_stuck_behind_a_long_prefill(tiny, tmp_path_facto
 
 def test_gllm_keeps_one_decode_micro_batch_a_lane_in_flight(tiny):
     """Requests that finish their prefill at different times merge into one decode group a lane:
-    a ready decode token waits while every decode lane has a decode micro-batch in flight, instead
-    of going as one more small micro-batch that reads every weight for a token or two, step after
-    step (hpipe run of a long document's parts decoded 70 tokens/s that way, 110 merged). Two lanes,
-    three stages: before the rule, a third decode micro-batch went whenever one token was ready."""
+    a ready decode token waits while every decode lane has a micro-batch of decode tokens only in
+    flight, instead of going as one more small micro-batch that reads every weight for a token or
+    two, step after step (hpipe run of a long document's parts decoded 70 tokens/s that way, 110
+    merged). Two lanes, three stages: before the rule, a third decode micro-batch went whenever
+    one token was ready."""
     pipe, source, path, _ = tiny
     cfg = source.config
     pipe.load(path, cut_stages(pipe.cluster, [3, 5], cfg.num_units), torch.float32)

@@ -7,7 +7,7 @@ from runtime.coordinator.request import Request
 class Engine:
     def __init__(self, running: list[Request], lanes: int, depth: int = 9, decode_batches: int = 0):
         self.running, self.waiting, self.lanes, self.depth = running, [], lanes, depth
-        self.decode_batches = decode_batches  # micro-batches in flight that carry decode tokens
+        self.decode_batches = decode_batches  # micro-batches in flight of decode tokens only
 
     def kv_free(self) -> float:
         return 1.0
