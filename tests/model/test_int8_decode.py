@@ -225,10 +225,12 @@ def test_float_decode_rows_of_every_type_are_the_same_bits_whatever_shares_the_c
     decode mode (integer K-quants) marks every row a decode row."""
     t = next(t for t, (n, _, _) in TYPES.items() if n == name)
     g = torch.Generator().manual_seed(11)
-    w = random_weight(t, 37, 512, g)  # an odd number of weight rows: the last one alone
-    x = torch.randn(40, 512, generator=g)
+    w = random_weight(t, 37, 1088, g)  # 37 weight rows: the last tile's one row; k past AVX2's 512-value stretches
+    x = torch.randn(40, 1088, generator=g)
     alone = torch.cat([decode(x[i:i + 1], w) for i in range(40)])
     ref = x.double() @ w.dequantize().double().T
     assert float((alone.double() - ref).abs().max() / ref.abs().max()) <= 1e-5
-    for m in (2, 3, 4, 5, 16, 40):  # 3 and 4: AVX2's loop of one half of each 16 lanes at a time
+    # 3 and 4: AVX2's loop of one half of each 16 lanes at a time; from 5, its tiles of 3 weight
+    # rows by 3 rows of x (6, 7, 8: whole tiles and one or two rows left over)
+    for m in (2, 3, 4, 5, 6, 7, 8, 16, 40):
         assert torch.equal(decode(x[:m], w), alone[:m]), m

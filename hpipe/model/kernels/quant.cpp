@@ -404,7 +404,7 @@ Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& pa
       float* o = out.data_ptr<float>() + col;
       const float* xp = x.data_ptr<float>();
       at::parallel_for(0, p.rows, 16, [&](int64_t a, int64_t z) {
-        std::vector<float> w(2 * k);
+        std::vector<float> w(4 * k);
         v.rows_times_x(p.type, b, p.row_bytes, a, z, xp, m, k, o, n_out, w.data());
       });
     }

@@ -324,7 +324,8 @@ HPIPE_INLINE void fused_dots_halves(int64_t type, const uint8_t* src, const floa
 // 16 into one sum per row, the next 16 into another. A row of x gets the same bits as fused_dots
 // gives it, with any number of rows beside it: what a decode row's result must not depend on (a
 // speculative decode verifies several tokens of one sequence as one entry, and its answers must be
-// those of decoding one token at a time). Two weight rows at a time, so that each vector of x read
+// those of decoding one token at a time). AVX-512's and the portable form's way; AVX2's is
+// tile_dots, from 5 rows. Two weight rows at a time, so that each vector of x read
 // serves both; one native vector of the 16 lanes at a time (the lanes' sums are independent, so
 // the order of the parts changes no bit): with AVX2's 16 registers, the four sums of 16 lanes for
 // each of 4 rows spilled to memory, and 3 to 8 decode rows of SmolLM2's Q4_1 matrices cost 2 to
@@ -367,6 +368,77 @@ HPIPE_INLINE void half_dots2(const float* w0, const float* w1, const float* x, i
     res1[r] = sum_lanes(a1);
   }
 }
+
+#if HPIPE_V == 8
+// fused_dots<1>'s sums for NB weight rows (dequantized, row stride k, at w) against RB rows of x
+// (row stride ldx), into res[r * NB + n]. Each of fused_dots' independent sums (one per native
+// vector of each 32 values' first 16, and of their next 16) is one pass over a stretch of kTileK
+// values, the NB x RB sums of that pass in registers, so that a vector of x read serves NB products
+// and one of w serves RB (half_dots2, before, gave every 4 products 4 loads); the stretch keeps the
+// passes' rows in L1, and the sums wait in `chains` between passes. Every sum is the same chain of
+// multiply-adds in the same order as in fused_dots<1>, and the final additions are its: every row
+// of x gets the same bits, however many share the call.
+constexpr int64_t kTileK = 512;  // (256, 512, 1024 and 2048 measured: 2048 lost the gain at k = 1536)
+template <int NB, int RB>
+__attribute__((noinline)) void tile_dots(const float* w, const float* x, int64_t ldx, int64_t k, float* res) {
+  constexpr int V = HPIPE_V, C = 2 * kParts;  // sum c: values 16 (c / kParts) + V (c % kParts) on, of every 32
+  alignas(64) float chains[C][NB][RB][V];  // (kept in memory: in registers beside a pass's, they spilled it)
+  std::memset(chains, 0, sizeof(chains));
+  for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
+    const int64_t k1 = std::min(k, k0 + kTileK);
+    for (int c = 0; c < C; ++c) {
+      fvec acc[NB][RB];
+#pragma GCC unroll 8
+      for (int n = 0; n < NB; ++n)
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; ++r) std::memcpy(&acc[n][r], chains[c][n][r], V * 4);
+      for (int64_t i = k0 + 16 * (c / kParts) + V * (c % kParts); i < k1; i += 32) {
+        fvec wv[NB];  // (the loops unrolled on request: left to GCC, the loads of w went through the stack)
+#pragma GCC unroll 8
+        for (int n = 0; n < NB; ++n) std::memcpy(&wv[n], w + n * k + i, V * 4);
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; ++r) {
+          fvec xv;
+          std::memcpy(&xv, x + r * ldx + i, V * 4);
+#pragma GCC unroll 8
+          for (int n = 0; n < NB; ++n) acc[n][r] += wv[n] * xv;
+        }
+      }
+#pragma GCC unroll 8
+      for (int n = 0; n < NB; ++n)
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; ++r) std::memcpy(chains[c][n][r], &acc[n][r], V * 4);
+    }
+  }
+  for (int n = 0; n < NB; ++n)
+    for (int r = 0; r < RB; ++r) {
+      fvec a, e, o;  // per native vector p: even + odd, added up in p's order, as sum16 does
+      for (int p = 0; p < kParts; ++p) {
+        std::memcpy(&e, chains[p][n][r], V * 4);
+        std::memcpy(&o, chains[kParts + p][n][r], V * 4);
+        if (p == 0)
+          a = e + o;
+        else
+          a += e + o;
+      }
+      res[r * NB + n] = sum_lanes(a);
+    }
+}
+
+// tile_dots' shape on AVX2: 3 weight rows by 3 rows of x, the 9 sums, 3 vectors of w and one of x
+// in 13 of the 16 registers (3 x 4 left GCC too few beside the pointers, and spilled sums; 2 x 6
+// and 4 x 2 ran 10-25% slower)
+constexpr int kTileW = 3, kTileX = 3;
+
+// tile_dots<kTileW, R> for the R < kTileX rows of x left over
+HPIPE_INLINE void tile_rest(const float* w, const float* x, int64_t ldx, int64_t k, int rows, float* res) {
+  switch (rows) {
+    case 1: return tile_dots<kTileW, 1>(w, x, ldx, k, res);
+    case 2: return tile_dots<kTileW, 2>(w, x, ldx, k, res);
+    default: TORCH_CHECK(false, "tile_rest: ", rows, " rows");
+  }
+}
+#endif
 
 // rows of x half_dots2 takes at a time: its 4 x R sums of one native vector fit in the registers
 // (AVX-512: 32 of them, AVX2 and the portable form's: 16)
@@ -432,14 +504,15 @@ HPIPE_INLINE void dots2(const float* w0, const float* w1, const float* x, int64_
   }
 }
 
+
 // output columns [n0, n1) of one part for all m rows of x: each weight row dequantized once, then
-// multiplied by every row of x; out[row, n] with row stride ldo; w: room for two rows of k floats
+// multiplied by every row of x; out[row, n] with row stride ldo; w: room for four rows of k floats
 void rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1,
                                const float* x, int64_t m, int64_t k, float* out, int64_t ldo, float* w) {
   float res[4];
 #if HPIPE_V == 8
   if (!float_type(type) && (m == 3 || m == 4)) {  // a short verification entry's rows
-    // (5 and 6 rows this way spilled their sums, and ran no faster than through half_dots2)
+    // (5 and 6 rows this way spilled their sums; tile_dots, from 5 rows, ran 0.7-0.9x this at 3 and 4)
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* src = blocks + n * row_bytes;
       if (n + kPrefetchRows < n1) prefetch_row(src + kPrefetchRows * row_bytes, row_bytes);
@@ -469,6 +542,27 @@ void rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_
     return;
   }
   int64_t n = n0;
+#if HPIPE_V == 8
+  if (!float_type(type)) {  // 5 rows and more: kTileW weight rows at a time against kTileX rows of x
+    float tile[kTileW * kTileX];
+    for (; n < n1; n += kTileW) {
+      const int64_t rows = std::min<int64_t>(kTileW, n1 - n);
+      for (int64_t a = n + kTileW; a < std::min(n + 2 * kTileW, n1); ++a) prefetch_row(blocks + a * row_bytes, row_bytes);
+      for (int64_t i = 0; i < kTileW; ++i)  // a short last block: its last row again
+        dequant_row(type, blocks + (n + std::min(i, rows - 1)) * row_bytes, w + i * k, k);
+      for (int64_t r = 0; r < m; r += kTileX) {
+        const int left = static_cast<int>(std::min<int64_t>(kTileX, m - r));
+        if (left == kTileX)
+          tile_dots<kTileW, kTileX>(w, x + r * k, k, k, tile);
+        else
+          tile_rest(w, x + r * k, k, k, left, tile);
+        for (int j = 0; j < left; ++j)
+          for (int64_t i = 0; i < rows; ++i) out[(r + j) * ldo + n + i] = tile[j * kTileW + i];
+      }
+    }
+    return;
+  }
+#endif
   if (!float_type(type)) {  // block types: each row's bits as fused_dots gives them, whatever m
     for (; n < n1; n += 2) {
       const int64_t second = n + 1 < n1 ? n + 1 : n;  // an odd last row: itself twice
