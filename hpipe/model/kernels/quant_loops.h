@@ -504,7 +504,6 @@ HPIPE_INLINE void dots2(const float* w0, const float* w1, const float* x, int64_
   }
 }
 
-
 // output columns [n0, n1) of one part for all m rows of x: each weight row dequantized once, then
 // multiplied by every row of x; out[row, n] with row stride ldo; w: room for four rows of k floats
 void rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1,
