@@ -95,6 +95,17 @@ def _decoding(engine: Engine) -> list[Request]:
     return sorted((r for r in engine.running if not r.prefilling and r.ready), key=lambda r: r.admitted)
 
 
+def decode_waits(engine: Engine, ready: int, quota: int, depth: int) -> bool:
+    """Whether ``ready`` decode tokens wait for those in flight: when they would share one
+    micro-batch with them (``quota`` a micro-batch), or while every one of ``depth`` decode lanes
+    has a micro-batch of decode tokens only in flight (tokens riding with prefill chunks wait for
+    those wherever they are). Requests that finished their prompts at different times then merge
+    into one group a lane instead of circulating as many small groups that each read every weight,
+    step after step (``docs/decisions/scheduler.md``, point 1)."""
+    coming = sum(1 for r in engine.running if r.in_flight and not r.prefilling)
+    return coming > 0 and (ready + coming <= quota or engine.decode_batches >= depth)
+
+
 class GLLM:
     name = "gllm"
 
@@ -111,14 +122,7 @@ class GLLM:
         depth = min(engine.lanes, engine.depth) if self.spread == "lanes" else engine.depth
         quota = math.ceil(decoding / depth)
         ready = _decoding(engine)
-        # ready tokens that would share one micro-batch with those in flight wait for them, and so
-        # do ready tokens while every decode lane has a micro-batch of decode tokens only in flight
-        # (tokens riding with prefill chunks wait for those wherever they are): requests that
-        # finished prefill at different times merge into one group a lane instead of circulating
-        # as many small groups that each read every weight, step after step
-        coming = sum(1 for r in engine.running if r.in_flight and not r.prefilling)
-        hold = coming > 0 and (len(ready) + coming <= quota or engine.decode_batches >= depth)
-        planned = [] if hold else [Planned(r, 1) for r in ready[:quota]]
+        planned = [] if decode_waits(engine, len(ready), quota, depth) else [Planned(r, 1) for r in ready[:quota]]
         waiting = sum(r.waiting_tokens for r in engine.running if r.prefilling) + \
             sum(r.waiting_tokens for r in engine.waiting)
         free = engine.kv_free()

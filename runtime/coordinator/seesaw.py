@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 from hpipe.core.plan import Stage
 from hpipe.core.units import UnitRange
 from runtime.coordinator.engine import Engine, Planned, Request
-from runtime.coordinator.policies import prefill_chunks
+from runtime.coordinator.policies import decode_waits, prefill_chunks
 from runtime.coordinator.session import Session
 
 log = logging.getLogger(__name__)
@@ -120,10 +120,14 @@ class SeesawPhases:
         answering = _answering(engine)
         if self._drained(engine, answering):
             return []  # let what is in flight come back, then switch
-        quota = math.ceil(len(answering) / max(1, min(engine.lanes, engine.depth)))
-        ready = sorted((r for r in answering if r.ready), key=lambda r: r.admitted)[:quota]
-        # a request resumed by a switch computes its last token again as a one-token chunk
-        return [Planned(r, r.next_chunk() if r.prefilling else 1) for r in ready]
+        depth = max(1, min(engine.lanes, engine.depth))
+        quota = math.ceil(len(answering) / depth)
+        ready = sorted((r for r in answering if r.ready), key=lambda r: r.admitted)
+        # decode tokens wait to go as one group a lane, as gllm's do; a request resumed by a switch
+        # computes its last token again as a one-token chunk, which never waits
+        if decode_waits(engine, sum(1 for r in ready if not r.prefilling), quota, depth):
+            ready = [r for r in ready if r.prefilling]
+        return [Planned(r, r.next_chunk() if r.prefilling else 1) for r in ready[:quota]]
 
     def _drained(self, engine: Engine, answering: list[Request]) -> bool:
         """Decode has run low (or out), requests wait to be prefilled, and none waits to decode (a

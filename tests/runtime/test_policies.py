@@ -156,3 +156,24 @@ def test_ready_decode_tokens_wait_while_every_decode_lane_has_a_micro_batch():
     assert decode_entries(Engine(running, lanes=2, decode_batches=1)) == running[11:]  # a lane free
     # more lanes than stages: the stages bound the lanes
     assert decode_entries(Engine(running, lanes=4, depth=2, decode_batches=2)) == []
+
+
+def test_seesaws_decode_phase_keeps_one_decode_micro_batch_a_lane():
+    # the decode layout's phase forms its micro-batches with gllm's wait: 12 decoding on two lanes,
+    # 11 in flight in two micro-batches, the one ready token joins the next rather than going alone
+    from types import SimpleNamespace
+
+    from runtime.coordinator.seesaw import SeesawPhases
+
+    def entries(engine: Engine) -> list[Request]:
+        engine.room, engine.tier = SimpleNamespace(blocks=0), 0
+        return [p.request for p in SeesawPhases(lambda phase, session: session, phase="decode").form(engine)]
+
+    running = decoding(12, in_flight=11)
+    assert entries(Engine(running, lanes=2, decode_batches=2)) == []
+    assert entries(Engine(running, lanes=2, decode_batches=1)) == running[11:]  # a lane free
+    running = decoding(16, in_flight=5)  # one lane: the ready ones wait for the rest of their group
+    assert entries(Engine(running, lanes=1, decode_batches=1)) == []
+    for r in running:
+        r.in_flight = 0
+    assert entries(Engine(running, lanes=1)) == running
