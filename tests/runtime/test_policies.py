@@ -1,7 +1,11 @@
-"""How ``gllm`` forms decode micro-batches, on an engine stand-in (the policies only read its state)."""
+"""How ``gllm`` (and Seesaw's decode phase) form decode micro-batches, on an engine stand-in (the
+policies only read its state)."""
+
+from types import SimpleNamespace
 
 from runtime.coordinator.policies import GLLM
 from runtime.coordinator.request import Request
+from runtime.coordinator.seesaw import SeesawPhases
 
 
 class Engine:
@@ -161,10 +165,6 @@ def test_ready_decode_tokens_wait_while_every_decode_lane_has_a_micro_batch():
 def test_seesaws_decode_phase_keeps_one_decode_micro_batch_a_lane():
     # the decode layout's phase forms its micro-batches with gllm's wait: 12 decoding on two lanes,
     # 11 in flight in two micro-batches, the one ready token joins the next rather than going alone
-    from types import SimpleNamespace
-
-    from runtime.coordinator.seesaw import SeesawPhases
-
     def entries(engine: Engine) -> list[Request]:
         engine.room, engine.tier = SimpleNamespace(blocks=0), 0
         return [p.request for p in SeesawPhases(lambda phase, session: session, phase="decode").form(engine)]
