@@ -379,10 +379,10 @@ HPIPE_INLINE void half_dots2(const float* w0, const float* w1, const float* x, i
 // multiply-adds in the same order as in fused_dots<1>, and the final additions are its: every row
 // of x gets the same bits, however many share the call.
 constexpr int64_t kTileK = 512;  // (256, 512, 1024 and 2048 measured: 2048 lost the gain at k = 1536)
-template <int NB, int RB>
+template <int NB, int RB>  // (not inlined: inside rows_times_x its loop spilled sums to the stack)
 __attribute__((noinline)) void tile_dots(const float* w, const float* x, int64_t ldx, int64_t k, float* res) {
   constexpr int V = HPIPE_V, C = 2 * kParts;  // sum c: values 16 (c / kParts) + V (c % kParts) on, of every 32
-  alignas(64) float chains[C][NB][RB][V];  // (kept in memory: in registers beside a pass's, they spilled it)
+  alignas(64) float chains[C][NB][RB][V];  // each sum between its passes and stretches
   std::memset(chains, 0, sizeof(chains));
   for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
     const int64_t k1 = std::min(k, k0 + kTileK);
