@@ -193,7 +193,7 @@ class Backend:
         """Called by the collector: an idle pipeline whose daemon came back empty is redeployed now,
         not when the next request finds it broken."""
         engine = self.engine
-        if (self._state == "ok" and self.collector.health.lost_model and engine is not None
+        if (self._state == "ok" and self.collector.health.of(engine).lost_model and engine is not None
                 and not engine.running and not engine.waiting):
             self._wake.set()
 
@@ -224,7 +224,7 @@ class Backend:
     def ready(self) -> tuple[bool, str]:
         if self._state != "ok":
             return False, self._state
-        health = self.collector.health
+        health = self.collector.health.of(self.engine)  # a recovery since the round: the daemons answered it
         return health.ok, health.why
 
     # --- requests -------------------------------------------------------------------------

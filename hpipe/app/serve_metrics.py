@@ -68,6 +68,16 @@ class Health:
     ok: bool = True
     why: str = ""
     lost_model: bool = False  # a daemon answers but holds no model (restarted): only a redeploy helps
+    #: the engine's session when the round began (None: before the deployment, or set by hand); a
+    #: recovery or a layout switch since then binds a new one, after reaching every daemon, so
+    #: what this round saw no longer says how the pipeline is (see :meth:`Health.of`)
+    session: object = None
+
+    def of(self, engine) -> "Health":
+        """This health, or a healthy one if it was seen before ``engine``'s pipeline was rebuilt."""
+        if self.session is not None and engine is not None and engine.session is not self.session:
+            return Health()
+        return self
 
 
 class Collector:
@@ -112,6 +122,7 @@ class Collector:
             m.preemptions.set(engine.preemptions)
             m.guesses.set(engine.drafted)
             m.guesses_kept.set(engine.kept)
+        session = engine.session if engine is not None else None
         pipe = b.pipe
         if pipe is None:  # not deployed yet: the state says why
             self._round(engine, "")
@@ -140,7 +151,7 @@ class Collector:
                 m.cache_tokens.labels(stage).set(p.cached_tokens)
                 m.cache_evictions.labels(stage).set(p.evictions)
         m.daemons_up.set(up)
-        self.health = Health(ok, why, lost)
+        self.health = Health(ok, why, lost, session)
         self._round(engine, why)
         b.watch()
 

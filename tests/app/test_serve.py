@@ -233,6 +233,40 @@ def test_a_stream_survives_a_daemon_restart(server):
     assert pools_empty(pipe)
 
 
+def test_a_request_right_after_a_recovery_is_served_though_the_last_health_round_saw_the_daemon_empty(
+        server, monkeypatch):
+    """The interleaving that refused a request with 503 in CI: a health round sees a restarted
+    daemon without the model, the engine redeploys it, and a request comes before the next round.
+    What that round saw predates the new session (whose deployment reached every daemon): the
+    request is answered, and the idle pipeline is not redeployed again for it."""
+    base, backend, source, pipe, daemons = server
+    collect = backend.collector.collect
+    monkeypatch.setattr(backend.collector, "collect", lambda: None)  # rounds only when this test runs one
+    engine = backend.engine
+    with backend.collector.lock:  # after the round in progress, if any
+        old = daemons[1]
+        port = int(old.address.rsplit(":", 1)[1])
+        old.stop()
+        daemons[1] = Served("d1", port=port)  # back on its port, empty
+        before = engine.session
+        collect()  # sees d1 without the model; the idle engine is woken to redeploy
+    assert backend.collector.health.lost_model
+    deadline = time.monotonic() + 60
+    while engine.session is before or backend.state != "ok":  # the redeploy the round asked for
+        assert time.monotonic() < deadline, backend.state
+        time.sleep(0.05)
+    recovered = engine.session
+    prompt = backend.text_prompt("Hello")
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    r = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == backend.decode(reference(source, prompt, 3))
+    assert engine.session is recovered  # no second redeploy for what the old round saw
+    with backend.collector.lock:
+        collect()  # a round of the new session: every daemon answers and holds the model
+    assert backend.collector.health.ok
+
+
 def test_the_key_guards_every_route_but_health_and_the_body_is_bounded_before_parsing(server):
     """Issue 64: with a key, /docs, /openapi.json and /metrics need it as the API does (only
     /health does not); a body over the bound is refused before it is read, whether it declares
