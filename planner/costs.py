@@ -22,6 +22,9 @@ class Workload:
     seq_len: int
     batch: int = 1
     max_len: int | None = None  # KV cache length to provision; defaults to seq_len
+    #: answer tokens decoded after the prompt, one pass through the chain each (a job's
+    #: ``--max-new-tokens``); 0: the prompt's prefill alone is the objective (HPipe's)
+    output_len: int = 0
 
     @property
     def kv_len(self) -> int:

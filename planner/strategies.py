@@ -99,6 +99,25 @@ def simulate_schedule(cost: CostModel, work: Workload, bounds, devices, micro_ba
     return simulate(comp, comm, keep=keep, devices=devices)
 
 
+def answer_token_s(cost: CostModel, work: Workload, bounds, devices) -> float:
+    """Seconds one answer token takes through the chain: each stage computing one token of every
+    sequence (alone, as in decode only one stage of a sequence computes at a time) at the answer's
+    mean context, its host's cost of the hops in and out, and every link between stages. A chain
+    that interleaves unit ranges pays every extra hop here once per token, where prefill pays it
+    once per slice."""
+    one, ctx = np.ones(1), np.array([float(min(work.seq_len + work.output_len / 2, work.kv_len))])
+    compute = _computes(cost, work, bounds, devices, 1, one, ctx, np.ones(1, dtype=bool))
+    hops = sum(float(cost.comm_time(devices[j], devices[j + 1], 1, work.batch)) for j in range(len(devices) - 1))
+    return sum(float(t[0]) for t in compute) + hops
+
+
+def _with_answer(cost: CostModel, work: Workload, cand: Candidate) -> float:
+    """What ``cand`` is chosen by: its prefill's makespan, plus its answer's decode if the workload has one."""
+    if not work.output_len:
+        return cand.makespan
+    return cand.makespan + work.output_len * answer_token_s(cost, work, cand.bounds, cand.daemons)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -173,11 +192,11 @@ def _best_hpipe(cost: CostModel, work: Workload, splits: list, mbs: list[int], m
             chain = interleave(bounds, devices, v)
             if chain and _fits(cost, work, *chain):
                 starts.append(_best(cost, work, *chain, mbs, lambda m: _uniforms(L)))
-    starts.sort(key=lambda c: c.makespan)
+    starts.sort(key=lambda c: _with_answer(cost, work, c))
     best = None
     for c in starts[:REFINE_STARTS]:
         c = _refined(cost, work, c, granularity)
-        if best is None or c.makespan < best.makespan:
+        if best is None or _with_answer(cost, work, c) < _with_answer(cost, work, best):
             best = c
     return best
 
@@ -253,6 +272,9 @@ def plan(profile: Profile, work: Workload, *, strategy: str = "hpipe", granulari
                                         cand.makespan)
     if strategy not in strategies:
         raise InfeasibleError(f"strategy {strategy!r} is infeasible here (its even split does not fit in memory)")
+    if work.output_len:  # each strategy's answer, beside its prefill (predicted_s)
+        meta["answer"] = {"output_len": work.output_len, "token_s": {
+            name: answer_token_s(cost, work, cand.bounds, cand.daemons) for name, cand in results.items() if cand}}
     meta.update({"planning_s": round(time.perf_counter() - t_start, 3), "profile_source": profile.source,
                  "cut_bottleneck_s": dp.bottleneck,
                  "infeasible": sorted(k for k, v in results.items() if v is None),

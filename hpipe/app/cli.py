@@ -147,7 +147,11 @@ def _plan_parser(sub) -> None:
                          "switching between them, their predicted throughput beside one layout's (Seesaw)")
     pl.add_argument("--seesaw-batch", type=_positive,
                     help="requests per phase seesaw is priced at (default: as many as the KV pools hold)")
-    pl.add_argument("--output-len", type=_positive, default=128, help="mean answer tokens (--objective throughput, seesaw)")
+    pl.add_argument("--output-len", type=_positive,
+                    help="answer tokens: with --objective latency, hpipe's plan is the fastest to the prompt's "
+                         "prefill and then these tokens decoded one at a time (a job's --max-new-tokens; default: "
+                         "the prefill alone, as HPipe); with throughput and seesaw, the mix's mean answer "
+                         f"(default {commands.DEFAULT_OUTPUT_LEN})")
     pl.add_argument("--decode-batch", type=_positive, default=16,
                     help="decode tokens per micro-batch the serving split is costed at (--objective throughput, "
                          "seesaw)")

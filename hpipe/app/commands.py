@@ -200,6 +200,10 @@ def profile(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the serving mix's mean answer tokens where ``hpipe plan --output-len`` is not given
+DEFAULT_OUTPUT_LEN = 128
+
+
 def plan(args: argparse.Namespace) -> int:
     from hpipe.app.plan_report import plan_table
     from planner.costs import Workload
@@ -209,17 +213,19 @@ def plan(args: argparse.Namespace) -> int:
 
     check_output(args.output, "plan")
     prof = load_profile(args.profile)
-    work = Workload(args.seq_len, args.batch, args.max_len)
+    serving = args.objective in ("throughput", "seesaw")
+    output_len = args.output_len or DEFAULT_OUTPUT_LEN
+    # latency: the answer's decode counts only where asked for (HPipe's objective is the prefill)
+    work = Workload(args.seq_len, args.batch, args.max_len, output_len=0 if serving else args.output_len or 0)
     measured = prof.meta.get("max_len")
     if measured and work.kv_len > measured:
         print(f"hpipe: the profile was measured up to {measured} tokens; attention past that is extrapolated "
               f"for this {work.kv_len}-token plan", file=sys.stderr)
-    serving = args.objective in ("throughput", "seesaw")
     strategy = (args.strategy or ("throughput" if serving else "hpipe")).replace("-", "_")
     if strategy == "throughput" and not serving:
         raise InputError("--strategy throughput needs --objective throughput (the split is made for a request mix)")
     ranges = {} if args.max_ranges_per_device is None else {"max_ranges": args.max_ranges_per_device}
-    mix = Mix(args.seq_len, args.output_len, args.decode_batch) if serving else None
+    mix = Mix(args.seq_len, output_len, args.decode_batch) if serving else None
     result = make_plan(prof, work, strategy=strategy, granularity=args.granularity, mix=mix, **ranges)
     if args.objective == "seesaw":
         result = _with_seesaw(result, prof, work, mix, args.seesaw_batch)

@@ -105,8 +105,9 @@ def planned(args: argparse.Namespace, serving: bool):
     from hpipe.app.one_box import planned as on_the_spot
     from hpipe.model.weights.sources import quantized_model
 
-    with on_the_spot(quantized_model(args.model, args.quantize), args.cluster, max_len=args.max_len, seq_len=None, serving=serving,
-                     dequantize=args.dequantize) as got:
+    answer = {"output_len": args.max_new_tokens} if getattr(args, "max_new_tokens", None) else {}
+    with on_the_spot(quantized_model(args.model, args.quantize), args.cluster, max_len=args.max_len, seq_len=None,
+                     serving=serving, dequantize=args.dequantize, **answer) as got:
         yield got
 
 

@@ -50,7 +50,8 @@ def planned(model: str, cluster_file: str | None, *, max_len: int | None, seq_le
             output_len: int = 128, dequantize: bool = False) -> Iterator[tuple]:
     """``(plan, cluster, source)`` for ``model``, made on the spot (see the module's note); the
     daemons this started are stopped on leaving. ``seq_len``: the prompt length to plan for
-    (default: ``max_len``, or 1,024 for serving)."""
+    (default: ``max_len``, or 1,024 for serving); ``output_len``: the answer tokens (a job's, or
+    the serving mix's mean)."""
     from hpipe.app.plan_report import plan_table
     from hpipe.core.cluster import ClusterSpec
     from hpipe.core.errors import InputError
@@ -75,7 +76,8 @@ def planned(model: str, cluster_file: str | None, *, max_len: int | None, seq_le
     try:
         say("profiling (cached per device and model: about a minute the first time)")
         profile = profile_cluster(cluster, model, cfg, max_len=max_len, say=say, **source.held_weights(dequantize))
-        work = Workload(seq_len, 1, max_len)
+        # a job's plan is the fastest to its answers: prefill, then output_len tokens decoded
+        work = Workload(seq_len, 1, max_len, output_len=0 if serving else output_len)
         mix = Mix(seq_len, output_len, 16) if serving else None
         plan = make_plan(profile, work, strategy="throughput" if serving else "hpipe", mix=mix)
         print(plan_table(plan), file=sys.stderr)

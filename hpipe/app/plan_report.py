@@ -33,9 +33,26 @@ def plan_table(plan: Plan) -> str:
         tps = plan.batch * plan.seq_len / s.predicted_s if s.predicted_s > 0 else math.inf
         lines.append(f"{name:<10} {s.predicted_s:>12.3f} {tps:>10.0f} {hp / s.predicted_s:>11.2f}")
     lines.append(f"{'ideal':<10} {plan.ideal_s:>12.3f}   (total work / summed device speed)")
+    lines.extend(_answer_lines(plan))
     lines.extend(_serving_lines(plan.meta.get("serving")))
     lines.append(f"planned in {plan.meta.get('planning_s', 0):.2f} s")
     return "\n".join(lines)
+
+
+def _answer_lines(plan: Plan) -> list[str]:
+    """Where the plan was made for an answer (``hpipe plan --output-len``): each strategy's prefill,
+    one answer token through its chain, and the two together, the sum hpipe's plan is chosen by."""
+    answer = plan.meta.get("answer")
+    if not answer:
+        return []
+    n = answer["output_len"]
+    lines = ["", f"with a {n}-token answer, decoded one token at a time after the prefill:",
+             f"{'strategy':<10} {'prefill s':>10} {'token ms':>9} {'answer s':>9} {'total s':>8}"]
+    for name, token_s in answer["token_s"].items():
+        prefill = plan.strategies[name].predicted_s
+        lines.append(f"{name:<10} {prefill:>10.3f} {token_s * 1e3:>9.2f} {n * token_s:>9.3f} "
+                     f"{prefill + n * token_s:>8.3f}")
+    return lines
 
 
 def _serving_lines(serving: dict | None) -> list[str]:

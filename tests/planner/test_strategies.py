@@ -9,7 +9,7 @@ import pytest
 from hpipe.app.cli import main
 from hpipe.core.plan import Plan, PlanError
 from hpipe.core.profile import Profile, ProfileError
-from planner.costs import Workload
+from planner.costs import CostModel, Workload
 from planner.cuts import InfeasibleError
 from planner.strategies import plan
 from tests.planner.synthetic import make_profile
@@ -62,6 +62,38 @@ def test_interleaving_shortens_fill_and_drain():
     # what each hop costs a CPU host's compute is in the price: dear enough, one range each wins
     costly = replace(profile, links=tuple(replace(link, send_cpu_s=0.1, recv_cpu_s=0.1) for link in links))
     assert len(plan(costly, work).strategies["hpipe"].stages) == 3
+
+
+def test_a_plan_for_an_answer_prices_every_decoded_token_through_its_chain():
+    """An interleaved chain fills and drains faster but makes V times the hops per token: for the
+    prompt alone hpipe interleaves, for a prompt and a long answer (a job's --max-new-tokens) it
+    keeps one range a device, and the plan says what each strategy's answer costs."""
+    from planner.strategies import answer_token_s
+    from tests.planner.synthetic import grid
+
+    rng = random.Random(1)
+    base = make_profile(rng, n=3, layers=30)
+    devices = tuple(replace(d, compute={"embed": grid(1e-6 / v, 1e-5), "attn": grid(2e-5 / v, 1e-4, 1e-9 / v),
+                                        "mlp": grid(3e-5 / v, 1e-4), "head": grid(1e-5 / v, 5e-5)})
+                    for d, v in zip(base.daemons, (1.0, 0.5, 0.27)))
+    profile = replace(base, daemons=devices,
+                      links=tuple(replace(link, latency_s=2e-3, bandwidth_Bps=1.25e8) for link in base.links))
+    prompt = plan(profile, Workload(seq_len=2048))
+    assert len(prompt.chosen.stages) > 3 and "answer" not in prompt.meta  # interleaved; prefill alone
+    answered = plan(profile, Workload(seq_len=2048, output_len=512))
+    hp = answered.chosen
+    assert len(hp.stages) == 3
+    token_s = answered.meta["answer"]["token_s"]
+    assert set(token_s) >= {"hpipe", "base", "terapipe"} and token_s["hpipe"] > 0
+    interleaved = prompt.chosen
+    cost = CostModel(profile)
+    chain = tuple(profile.daemons.index(next(d for d in profile.daemons if d.name == st.daemon))
+                  for st in interleaved.stages)
+    bounds = (0, *interleaved.cuts, profile.model.num_units)
+    longer = answer_token_s(cost, Workload(seq_len=2048, output_len=512), bounds, chain)
+    assert longer > token_s["hpipe"] + 5e-3  # at least 3 more hops of 2 ms
+    # the answer decides: the plan chosen is the fastest to prefill plus the answer
+    assert hp.predicted_s + 512 * token_s["hpipe"] < interleaved.predicted_s + 512 * longer
 
 
 def test_plan_round_trip_and_slices_for_every_length():
@@ -179,6 +211,11 @@ def test_cli_plan(tmp_path, capsys):
     assert "context" in capsys.readouterr().err
     assert main(["plan", "--profile", str(path), "--seq-len", "512", "--max-ranges-per-device", "3", "-o",
                  str(tmp_path / "plan3.json")]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--profile", str(path), "--seq-len", "512", "--output-len", "48", "-o",
+                 str(tmp_path / "answer.json")]) == 0
+    assert "with a 48-token answer" in capsys.readouterr().err
+    assert Plan.from_json((tmp_path / "answer.json").read_text()).meta["answer"]["output_len"] == 48
 
 
 def test_cli_plan_for_serving_executes_the_throughput_split(tmp_path, capsys):
