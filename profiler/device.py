@@ -23,10 +23,11 @@ import torch
 from hpipe.core import cpuinfo
 from hpipe.core.config import ModelConfig
 from hpipe.core.units import UnitRange
-from hpipe.model.compute import packed
-from hpipe.model.compute.layers import Attention
+from hpipe.model.compute import packed, stage_kernel
+from hpipe.model.compute.layers import Attention, FeedForward
 from hpipe.model.compute.linear import prefill_rows
 from hpipe.model.compute.stage import StageModel
+from hpipe.model.kernels import library
 from hpipe.model.kernels.precision import asked_prefill_gemm
 from hpipe.model.kv.cache import StageCache
 from hpipe.model.kv.pool import BatchKV
@@ -229,6 +230,13 @@ def measure_units(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ba
     mlps = [body.blocks[str(2 + 2 * i)] for i in range(n)]
     assert all(isinstance(a, Attention) for a in attns)
     head_unit = head.blocks[str(cfg.num_units - 1)]
+    # a daemon computes a micro-batch of one-token decode entries through the C++ decode kernel
+    # (hpipe.model.compute.stage_kernel) where it applies: those points are timed through it too
+    # (the units one at a time in Python took about twice as long a token on local-3)
+    kernel = library.applies(device, dtype)
+    kernel = kernel and all(isinstance(m, FeedForward) for m in mlps)
+    kernel_attns = [stage_kernel.StageKernel([a], cfg) for a in attns] if kernel else []
+    kernel_mlps = [stage_kernel.StageKernel([m], cfg) for m in mlps] if kernel else []
     longest = max(tokens) + max(contexts)
     out = {k: [] for k in ("embed", "attn", "mlp", "head")}
     for b in batches:
@@ -248,11 +256,20 @@ def measure_units(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ba
                 # the rows of slices of two tokens or more are prefill's, as a daemon's stage marks
                 # them: quantized projections multiply them in bfloat16 where the prefill does
                 rows = torch.ones(b * s, dtype=torch.bool) if s > 1 and body.low_precision_prefill else None
+                decode = kernel and s == 1  # b one-token entries: as the daemon decodes them
                 yield ("embed", i, 0), lambda: embed(ids)
-                yield ("mlp", i, 0), _Rotation(mlps, _as_rows(rows, lambda m: m(x)))
+                if decode:
+                    yield ("mlp", i, 0), _Rotation(list(zip(kernel_mlps, caches)),
+                                                   _through_kernel(body, x.reshape(b, cfg.hidden_size), 0))
+                else:
+                    yield ("mlp", i, 0), _Rotation(mlps, _as_rows(rows, lambda m: m(x)))
                 yield ("head", i, 0), lambda: head_unit(x[:, -1:])
                 flat = x.reshape(1, b * s, cfg.hidden_size)
                 for j, c in enumerate(contexts):
+                    if decode:
+                        yield ("attn", i, j), _Rotation(list(zip(kernel_attns, caches)),
+                                                        _through_kernel(body, flat[0], c))
+                        continue
                     tables = body.rotations(torch.arange(c, c + s, device=device).repeat(b))
                     batches_kv = {id(cache): BatchKV(cache.entries(c, s, "none"), cache.pool, device)
                                   for _, cache in kv}
@@ -267,6 +284,17 @@ def measure_units(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, ba
             out[k].append([[medians[(k, i, j)] for j in range(width)] for i in range(len(tokens))])
         del caches, kv
     return out
+
+
+def _through_kernel(body: StageModel, x: torch.Tensor, context: int):
+    """A call of ``(kernel, cache)``: the rows of ``x [b, hidden]``, one decode token of each of the
+    cache's ``b`` sequences at position ``context``, through the decode kernel of one unit."""
+    tables = body.rotations(torch.full((x.shape[0],), context, dtype=torch.long))
+
+    def run(pair):
+        unit, cache = pair
+        return unit(x, tables, cache.entries(context, 1, "none", prefill=False), cache.pool)
+    return run
 
 
 def _as_rows(rows: torch.Tensor | None, fn):

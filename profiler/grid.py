@@ -11,7 +11,8 @@ from hpipe.core.errors import HpipeError
 from hpipe.core.profile import ComputeGrid
 
 #: bumped when how a daemon measures changes, so that cached grids measured the old way are not reused
-METHOD = 7  # 6: quantized prefill rows marked as a stage marks them (bfloat16 where the prefill is); 7: long points
+METHOD = 8  # 6: quantized prefill rows marked as a stage marks them (bfloat16 where the prefill is); 7: long points
+# 8: one-token points through the C++ decode kernel where a daemon decodes through it
 #: passes over the compute grid (each point's median is over these). Noise picks plans: on the
 #: emulated cluster, plans from 3-sweep profiles re-simulated on the median of ten others took
 #: 4.42 s on average (1.00-1.20x their prediction), from 9-sweep ones 4.15 s (0.95-1.04x).

@@ -285,10 +285,41 @@ def test_the_grid_times_quantized_prefill_rows_as_a_stage_computes_them(monkeypa
         return forward(self, x)
 
     monkeypatch.setattr(linear.QuantLinear, "forward", spy)
+    monkeypatch.setenv("HPIPE_CPU_KERNEL", "off")  # one-token points through the units (else: the next test)
     cfg = random_config("random:tiny")
     measure_units(cfg, torch.float32, torch.device("cpu"), [1, 2], [1, 16], [0, 16], 64, repeats=1, weight_type=8)
     assert {n for n, _ in seen} == {1, 2, 16, 32}  # one token of one or two sequences, 16 of one or two
     assert all(marked == (n if n >= 16 else None) for n, marked in seen), seen
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+def test_one_token_points_are_timed_through_the_decode_kernel_as_a_daemon_decodes_them(monkeypatch):
+    """A CPU daemon computes a micro-batch of one-token decode entries through the C++ decode
+    kernel, each attention and MLP unit there: the grid's one-token points (one token of each of
+    ``b`` sequences, at every context) are timed through it, the longer slices through the units."""
+    from hpipe.core.shapes import random_config
+    from hpipe.model.compute import stage_kernel
+    from profiler.device import measure_units
+
+    seen = []
+    call = stage_kernel.StageKernel.__call__
+
+    def spy(self, x, tables, entries, pool):
+        seen.append((tuple(self.kinds), x.shape[0], {e.start for e in entries}, {e.length for e in entries}))
+        return call(self, x, tables, entries, pool)
+
+    monkeypatch.setattr(stage_kernel.StageKernel, "__call__", spy)
+    cfg = random_config("random:tiny")
+    times = measure_units(cfg, torch.float32, torch.device("cpu"), [1, 2], [1, 16], [0, 16], 64, repeats=1,
+                          weight_type=8)
+    assert {(kinds, rows) for kinds, rows, _, _ in seen} == {((0,), 1), ((0,), 2), ((1,), 1), ((1,), 2)}
+    assert {start for kinds, _, starts, _ in seen if kinds == (0,) for start in starts} == {0, 16}  # each context
+    assert all(lengths == {1} for *_, lengths in seen)
+    assert all(t > 0 for kind in times.values() for plane in kind for row in plane for t in row)
+    seen.clear()
+    monkeypatch.setenv("HPIPE_CPU_KERNEL", "off")  # a daemon without the kernel decodes through the units
+    measure_units(cfg, torch.float32, torch.device("cpu"), [1], [1, 16], [0], 64, repeats=1, weight_type=8)
+    assert not seen
 
 
 def cfg_units(cfg):
