@@ -23,7 +23,8 @@ def replanner(plan: Plan, profile: Profile):
     come back), from the saved profile: the lost daemon's stages moved to the survivors, every other
     stage kept (planner.reassign), unless that is more than MOVE_SLACK times slower than the plan's
     strategy re-planned on the survivors, or does not fit; then the fresh plan."""
-    work = Workload(plan.seq_len, plan.batch, plan.max_len)
+    # a plan made for an answer (hpipe plan --output-len) is re-planned for it too
+    work = Workload(plan.seq_len, plan.batch, plan.max_len, output_len=plan.meta.get("answer", {}).get("output_len", 0))
     serving = plan.meta.get("serving")
     mix = Mix(**serving["mix"]) if serving else None  # a throughput plan is re-planned for its mix
 
