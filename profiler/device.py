@@ -102,6 +102,9 @@ def fingerprint(device: torch.device) -> str:
     if device.type == "cpu":  # an instruction set capped (scripts/avx2.env), integer decode rows
         env = [f"{k}={os.environ[k]}" for k in KERNEL_ENV if os.environ.get(k)]
         sw += f"/env={','.join(env)}" if env else ""
+        # the kernels' build (their source's hash; nothing built to ask): grids timed with other
+        # kernels are not reused
+        sw += f"/kernels={'off' if library.switched_off() else library.name()}"
     return hashlib.sha256(f"{hw}|{sw}".encode()).hexdigest()[:16] + f" {hw}"
 
 

@@ -204,7 +204,7 @@ def test_a_library_that_does_not_load_means_eager(tmp_path, monkeypatch):
     """A corrupt build in the cache is reported and skipped, not raised into a forward."""
     monkeypatch.setattr(library, "build_dir", lambda: tmp_path)
     monkeypatch.setattr(library.torch.ops, "hpipe", type("NoOps", (), {})())
-    (tmp_path / f"{library._name()}.so").write_bytes(b"not a shared library")
+    (tmp_path / f"{library.name()}.so").write_bytes(b"not a shared library")
     library.available.cache_clear()
     try:
         assert not library.available()

@@ -21,3 +21,18 @@ def test_an_instruction_set_cap_changes_the_fingerprint(monkeypatch):
             m.setenv(k, v)
             seen.add(fingerprint(cpu))
     assert len(seen) == 5
+
+
+def test_other_kernels_change_the_fingerprint(monkeypatch):
+    """A grid cached with one build of the CPU kernels is not reused with another (a grid of an
+    earlier session's kernels predicted a plan 1.6x slower than a fresh one did)."""
+    from hpipe.model.kernels import library
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(library, "switched_off", lambda: False)
+    monkeypatch.setattr(library, "name", lambda: "hpipe_decode_aaaaaaaaaaaa")
+    first = fingerprint(cpu)
+    monkeypatch.setattr(library, "name", lambda: "hpipe_decode_bbbbbbbbbbbb")
+    second = fingerprint(cpu)
+    monkeypatch.setattr(library, "switched_off", lambda: True)  # HPIPE_CPU_KERNEL=off: says so
+    assert len({first, second, fingerprint(cpu)}) == 3

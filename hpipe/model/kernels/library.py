@@ -36,15 +36,16 @@ _vector = True  # attention through the AVX-512 or AVX2 loops where the CPU has 
 _build_error = ""  # why the kernels could not be built or loaded here, if they could not
 
 
-def _name() -> str:
-    """The library's name: it changes with the source, PyTorch and Python."""
+def name() -> str:
+    """The library's name: it changes with the source, PyTorch and Python (a profile's grids, timed
+    with these kernels, are keyed by it too: profiler.device.fingerprint)."""
     code = b"".join(f.read_bytes() for f in (*SOURCES, *sorted(KERNELS.glob("*.h"))))  # quant_loops.h too
     key = f"{code.hex()}:openmp:{torch.__version__}:{sys.version_info[:2]}"
     return "hpipe_decode_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def build_dir() -> Path:
-    return cache_root() / "kernels" / _name()
+    return cache_root() / "kernels" / name()
 
 
 def build(verbose: bool = False) -> Path:
@@ -59,10 +60,10 @@ def build(verbose: bool = False) -> Path:
         os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + bin_dir
     with _lock:
         # -fopenmp: ATen's parallel_for is a header; compiled without OpenMP it runs on one thread
-        load(name=_name(), sources=[str(f) for f in SOURCES], build_directory=str(path),
+        load(name=name(), sources=[str(f) for f in SOURCES], build_directory=str(path),
              extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
     available.cache_clear()
-    return path / f"{_name()}.so"
+    return path / f"{name()}.so"
 
 
 def loaded() -> bool:
@@ -77,7 +78,7 @@ def available() -> bool:
     global _build_error
     if loaded():
         return True
-    library = build_dir() / f"{_name()}.so"
+    library = build_dir() / f"{name()}.so"
     if not library.exists():
         log.warning("building hpipe's CPU kernels into %s (once, about a minute)", build_dir())
         try:
