@@ -50,7 +50,7 @@ def main() -> int:
     token_s = {name: _token_s(profile, p, args.output_len) for name, p in plans.items()}
     source = resolve_model(plans["prefill"].model_name)
     ids = source.tokenizer()(TEXT.read_text(encoding="utf-8"))["input_ids"]
-    prompt_len = args.seq_len - 16  # room for the chat template's tokens
+    prompt_len = args.seq_len - 16  # room for the decoded text tokenizing to a few more tokens
     work = Path(tempfile.mkdtemp(prefix="hpipe-answer-plan-"))
     doc = work / "doc.txt"
     doc.write_text(source.tokenizer().decode(ids[:prompt_len]), encoding="utf-8")
