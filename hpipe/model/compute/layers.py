@@ -26,7 +26,7 @@ from hpipe.core.config import ModelConfig
 from hpipe.core.units import ATTN, EMBED, HEAD, MLP, UnitRange, unit_kind
 from hpipe.model.compute.linear import Linear
 from hpipe.model.compute.rope import apply_rotary
-from hpipe.model.kernels.precision import own_bf16_attention, prefill_in_bfloat16
+from hpipe.model.kernels.precision import own_bf16_attention, own_f32_attention, prefill_in_bfloat16
 from hpipe.model.kv.pool import BatchKV
 
 #: each family's checkpoint names of a unit's ``norm`` and ``post_norm`` (within ``model.layers.N.``)
@@ -224,6 +224,12 @@ class Attention(nn.Module):
             # hpipe's own kernel: invariant to the slicing by construction, no padding needed
             out = torch.ops.hpipe.bf16_attention(q[0].transpose(0, 1), keys[0], values[0], start, self.scale,
                                                  self.window or 0)
+            return out.transpose(0, 1)[None]
+        if (not low and q.dtype == keys.dtype == values.dtype == torch.float32 and self.head_dim % 16 == 0
+                and keys.stride(-1) == values.stride(-1) == 1 and own_f32_attention()):
+            # hpipe's own float32 kernel on an AVX2 CPU: invariant to the slicing by construction too
+            out = torch.ops.hpipe.f32_attention(q[0].transpose(0, 1), keys[0], values[0], start, self.scale,
+                                                self.window or 0)
             return out.transpose(0, 1)[None]
         width = -(-n // KV_SPLIT) * KV_SPLIT
         dtype = torch.bfloat16 if low else q.dtype

@@ -31,8 +31,8 @@ def asked_prefill_gemm() -> str:
     """The prefill GEMM's precision this process's environment names ("": none, the default)."""
     return os.environ.get(PREFILL_ENV, "")
 
-#: ``HPIPE_PREFILL_ATTENTION=sdpa`` keeps bfloat16 prefill attention on SDPA where hpipe's own
-#: kernel would run (to compare the two)
+#: ``HPIPE_PREFILL_ATTENTION=sdpa`` keeps prefill attention on SDPA where one of hpipe's own
+#: kernels would run (to compare the two)
 ATTENTION_ENV = "HPIPE_PREFILL_ATTENTION"
 
 def own_bf16_attention() -> bool:
@@ -42,6 +42,19 @@ def own_bf16_attention() -> bool:
     hardware: AMD's Zen 4, where SDPA's bfloat16 is no faster than its float32), unless
     ``HPIPE_PREFILL_ATTENTION=sdpa``."""
     return os.environ.get(ATTENTION_ENV, "").lower() != "sdpa" and _own_bf16_gemm()
+
+def own_f32_attention() -> bool:
+    """Whether a float32 prefill slice's attention runs hpipe's own kernel
+    (``kernels/f32_attention.cpp``) rather than SDPA: on a CPU whose widest vectors are AVX2's (or
+    one capped so, ``HPIPE_CPU_ISA=avx2``), where SDPA's float32 kernel ran at half the rate of the
+    projections and pads a later slice's keys to whole splits; unless
+    ``HPIPE_PREFILL_ATTENTION=sdpa``. False where the kernels are not built."""
+    return os.environ.get(ATTENTION_ENV, "").lower() != "sdpa" and library.available() and _f32_attention_fits()
+
+@functools.cache
+def _f32_attention_fits() -> bool:
+    """Whether this CPU's widest vectors are AVX2's (fixed for the process; the kernels loaded)."""
+    return bool(torch.ops.hpipe.f32_attention_fits())
 
 @functools.cache
 def _own_bf16_gemm() -> bool:
