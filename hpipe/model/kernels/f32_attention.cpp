@@ -5,10 +5,11 @@
 // after the first, which needs an explicit mask, computes every masked block, over keys padded
 // to whole splits of 512 so that its results do not depend on the slicing.
 //
-// Flash attention in float32 with FMA, bf16_attention.cpp's shape: tiles of 4 queries, blocks of
-// 16 keys at absolute positions (keys 16 b .. 16 b + 15), held transposed so that one FMA
-// multiplies a query's broadcast value by 8 keys' values; an online softmax over the blocks; the
-// probabilities times the values into float32 sums. A score is one chain of FMAs over the head's
+// Flash attention in float32 with FMA, bf16_attention.cpp's shape: a tile is 4 query positions in
+// every head of one KV head's group (which share each block of keys and values from L1); blocks of
+// 64 keys at absolute positions (keys 64 b .. 64 b + 63), the keys held transposed in groups of 16
+// so that one FMA multiplies a query's broadcast value by 8 keys' values; an online softmax over
+// the blocks; the probabilities times the values into float32 sums. A score is one chain of FMAs over the head's
 // values in order, a block a query sees nothing of adds exact zeros and a factor of exactly one,
 // and every reduction runs one fixed way: so a query's bits depend only on its position, its row
 // and the keys it sees, not on how its prompt was sliced, nor on the queries beside it in a tile,
