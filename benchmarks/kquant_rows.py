@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 
 import torch
 from decode_step import timed
 
+from hpipe.core import cpuinfo
 from hpipe.model.kernels import library
 from hpipe.model.weights.blocks import TYPES, random_weight
 
@@ -34,8 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     library.require("this benchmark")
     torch.set_num_threads(args.threads)
-    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True)
-                .stdout.splitlines() if line.startswith("Model name")), "?")
+    cpu = cpuinfo.model_name()
     big = torch.ones(64 << 20)
     floor = big.nbytes / min(timed(big.sum, 5) for _ in range(args.rounds))
     print(f"{cpu}, {args.threads} threads, kernels: {torch.ops.hpipe.quant_variant()}; memory: {floor / 1e9:.1f} GB/s")

@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from hpipe.app.jobs import JobConfig, run_job
+from hpipe.core import cpuinfo
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.plan import Plan
 from hpipe.model.weights.sources import resolve_model
@@ -81,8 +81,7 @@ def main() -> int:
             rows = [json.loads(line) for line in out.read_text().splitlines()]
             finals.setdefault(parallel, {row["document"]: row["answer"] for row in rows if "long" in row})
     same = finals[n] == finals[1]
-    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
-        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
+    cpu = cpuinfo.model_name()
     report = {"cpu": cpu, "method": args.method, "documents": args.documents, "times_plan": args.times,
               "plan_max_len": plan.max_len, "prompts": prompts[n], "parallel": n,
               "parallel_n_s": statistics.median(times[n]), "parallel_1_s": statistics.median(times[1]),

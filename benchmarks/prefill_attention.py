@@ -18,11 +18,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import time
 
 import torch
 
+from hpipe.core import cpuinfo
 from hpipe.core.units import ranges_from_cuts
 from hpipe.model.compute.stage import StageModel
 from hpipe.model.kernels import library, precision
@@ -52,8 +52,7 @@ def main() -> None:
     library.require("this benchmark")
     precision.set_prefill_gemm("float32")  # where bfloat16 prefill is the default, hpipe's bfloat16 attention would run
     own = precision.own_f32_attention()
-    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
-        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
+    cpu = cpuinfo.model_name()
     rows = []
     for name in args.models.split(","):
         source = resolve_model(name)

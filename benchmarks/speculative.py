@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from hpipe.core import cpuinfo
 from hpipe.core.cluster import ClusterSpec
 from hpipe.core.units import even_cuts
 from hpipe.model.generate.local import LocalModel, generate
@@ -94,8 +94,7 @@ def main() -> int:
     finally:
         if pipe is not None:
             pipe.close()
-    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
-        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
+    cpu = cpuinfo.model_name()
     report = {"cpu": cpu, "where": args.cluster or "in-process", "model": args.model, "prompts": args.prompts,
               "rounds": args.rounds, "off_tok_s": statistics.median(rates["off"]),
               "ngram_tok_s": statistics.median(rates["ngram"]), "proposed": proposed, "accepted": accepted,

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from hpipe.core import cpuinfo
+
 sys.path.insert(0, str(Path(__file__).parent))
 from hpipe_side import load, measure  # noqa: E402
 from perplexity import llama_perplexity, perplexity  # noqa: E402
@@ -55,8 +57,7 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+    return cpuinfo.model_name()
 
 
 #: what ``--isa avx2`` leaves of the CPU, and the environment that caps each library at it

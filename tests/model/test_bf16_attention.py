@@ -3,32 +3,17 @@ AVX512-BF16 (it runs by default where hpipe's own bfloat16 GEMM does: AMD's Zen 
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.helpers import need_cpu_kernels
+from tests.model.attention_checks import HEADS, KV_HEADS, assert_bits_depend_only_on_position_and_keys, reference
 from tests.model.test_quant import _cpu_has
 
 pytestmark = pytest.mark.skipif(not _cpu_has("avx512_bf16"), reason="this CPU has no AVX512-BF16")
-
-HEADS, KV_HEADS = 6, 2
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
     need_cpu_kernels()
-
-
-def reference(q, k, v, start, scale, window):
-    """Float64 attention of the queries at positions ``start ..`` over keys ``0 .. start + s``."""
-    s, n = q.shape[0], start + q.shape[0]
-    q_pos, k_pos = torch.arange(start, n)[:, None], torch.arange(n)[None]
-    seen = k_pos <= q_pos
-    if window:
-        seen &= k_pos > q_pos - window
-    mask = torch.zeros(s, n, dtype=torch.float64).masked_fill_(~seen, float("-inf"))
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None].double(), k[None, :, :n].double(),
-                                         v[None, :, :n].double(), attn_mask=mask, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
 
 
 def attention(q, k, v, start, scale=0.125, window=0):
@@ -58,24 +43,7 @@ def test_close_to_float64_attention(d, start, s, window):
 def test_a_querys_bits_depend_on_nothing_but_its_position_and_keys():
     """However the prompt is sliced, however many threads, whatever shares its tile: the same bits
     (what keeps a request's tokens from changing with the load that sliced it)."""
-    g = torch.Generator().manual_seed(0)
-    n, d = 1500, 64
-    q = torch.randn(n, HEADS, d, generator=g)
-    k, v = torch.randn(KV_HEADS, n, d, generator=g), torch.randn(KV_HEADS, n, d, generator=g)
-    for window in (0, 300):
-        whole = attention(q, k, v, 0, window=window)
-        for cuts in ([0, 2, 333, 700, 701, 1200, 1500], [0, 1, 1499, 1500], [0, 512, 1024, 1500]):
-            parts = [attention(q[a:b], k, v, a, window=window) for a, b in zip(cuts, cuts[1:])]
-            assert torch.equal(torch.cat(parts), whole), (window, cuts)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            results.append(attention(q, k, v, 0))
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(r, results[0]) for r in results[1:])
+    assert_bits_depend_only_on_position_and_keys(attention)
 
 
 def test_bad_shapes_are_clear_errors():

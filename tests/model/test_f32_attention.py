@@ -10,12 +10,10 @@ from hpipe.model.kernels import precision
 from hpipe.model.kv.pool import Entry
 from hpipe.model.weights.sources import model_shape
 from tests.helpers import need_cpu_kernels
-from tests.model.test_bf16_attention import reference
+from tests.model.attention_checks import HEADS, KV_HEADS, assert_bits_depend_only_on_position_and_keys, reference
 from tests.model.test_quant import _cpu_has
 
 pytestmark = pytest.mark.skipif(not (_cpu_has("avx2") and _cpu_has("fma")), reason="this CPU has no AVX2 and FMA")
-
-HEADS, KV_HEADS = 6, 2
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,24 +45,7 @@ def test_close_to_float64_attention(heads, kv_heads, d, start, s, window):
 def test_a_querys_bits_depend_on_nothing_but_its_position_and_keys():
     """However the prompt is sliced, however many threads, whatever shares its tile: the same bits
     (a request's tokens do not change with the load that sliced it, and no keys are padded)."""
-    g = torch.Generator().manual_seed(0)
-    n, d = 1500, 64
-    q = torch.randn(n, HEADS, d, generator=g)
-    k, v = torch.randn(KV_HEADS, n, d, generator=g), torch.randn(KV_HEADS, n, d, generator=g)
-    for window in (0, 300):
-        whole = attention(q, k, v, 0, window=window)
-        for cuts in ([0, 2, 333, 700, 701, 1200, 1500], [0, 1, 1499, 1500], [0, 512, 1024, 1500]):
-            parts = [attention(q[a:b], k, v, a, window=window) for a, b in zip(cuts, cuts[1:])]
-            assert torch.equal(torch.cat(parts), whole), (window, cuts)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            results.append(attention(q, k, v, 0))
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(r, results[0]) for r in results[1:])
+    assert_bits_depend_only_on_position_and_keys(attention)
 
 
 def test_bad_shapes_are_clear_errors():
