@@ -102,9 +102,9 @@ def _kv(pool: KVPool, seq, n: int) -> torch.Tensor:
 def test_a_replay_computes_decoded_tokens_as_their_decode_did(smollm2, prefill_gemm):
     """A replay or a restart computes a prompt and the tokens decoded after it in one entry. Its
     prompt rows are prefill rows and the decoded ones decode rows (``prefill_end``): with the
-    prefill in bfloat16, the rebuilt KV of the decoded positions is the float32 one their decode
-    steps wrote (up to float32's summation order), not a bfloat16 rounding of it, and the prompt's
-    is the same bits."""
+    prefill in bfloat16, the rebuilt KV of the decoded positions is the one their decode steps
+    wrote (up to float32's summation order), not a bfloat16 rounding of it, and the prompt's is
+    the same bits."""
     cfg = smollm2.config
     stage = StageModel.from_checkpoint(smollm2.weights(), cfg, UnitRange.full(cfg.num_layers))
     prompt, decoded = 150, 12
@@ -131,8 +131,11 @@ def test_a_replay_computes_decoded_tokens_as_their_decode_did(smollm2, prefill_g
     assert torch.equal(kv[..., :prompt, :], original[..., :prompt, :])
     scale = original[..., prompt:, :].abs().max()
     exact = (kv[..., prompt:, :] - original[..., prompt:, :]).abs().max() / scale
-    assert exact <= 1e-5, exact
-    assert (logits - last).abs().max() <= 1e-5 * last.abs().max()
+    # up to float32's summation order (the replay's attention is not the decode kernel's), and the
+    # step of 15 bits (1/16383 of 32 values' largest) that order may tip where decode rows of
+    # 1,536-long Q4_1 rows round x (kernels/legacy_dot.cpp)
+    assert exact <= 1e-4, exact
+    assert (logits - last).abs().max() <= 1e-4 * last.abs().max()
     if prefill_gemm == "bfloat16":  # every row a prefill row, as before: the decoded KV rounded
         kv, _ = replay(0)
         rounded = (kv[..., prompt:, :] - original[..., prompt:, :]).abs().max() / scale

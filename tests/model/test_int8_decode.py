@@ -1,5 +1,7 @@
 """Decode rows of K-quant weights in integers (kernels/q8_dot.cpp): x rounded per 256 values to 8
-bits (ggml's Q8_K, ``HPIPE_DECODE_DOT=int8``) or to 15 bits (``int15``), integer dot products.
+bits (ggml's Q8_K, ``HPIPE_DECODE_DOT=int8``) or to 15 bits (``int15``), integer dot products; and,
+in ``int15``, of Q4_0, Q4_1 and Q8_0 parts whose rows hold 1,024 values or more
+(kernels/legacy_dot.cpp: x in 15 bits per 32 values).
 Exact against a float64 reference of that arithmetic, at the largest sums the blocks allow too; a
 row's bits the same alone or among others, as a decode or beside prefill rows, and on every
 instruction set; prefill rows and the head untouched. Fidelity on the real Gemma 3 270M
@@ -128,10 +130,12 @@ from hpipe.model.kernels import library
 from hpipe.model.weights.blocks import TYPES, random_weight
 library.available()
 g = torch.Generator().manual_seed(9)
+legacy = ("Q4_0", "Q4_1", "Q8_0") if torch.ops.hpipe.decode_dot("") == "int15" else ()
 for t, (name, _, _) in sorted(TYPES.items()):
-    if name in ("Q4_K", "Q5_K", "Q6_K"):
-        w = random_weight(t, 40, 768, g)
-        x = torch.randn(6, 768, generator=g)
+    if name in ("Q4_K", "Q5_K", "Q6_K", *legacy):
+        k = 768 if name.endswith("_K") else 1312  # 41 blocks of 32: five groups of 8 and one over
+        w = random_weight(t, 40, k, g)
+        x = torch.randn(6, k, generator=g)
         for m in (1, 6):
             out = torch.ops.hpipe.qlinear(x[:m], w.data, w.parts, torch.empty(0), torch.zeros(m, dtype=torch.bool))
             print(name, out.numpy().tobytes().hex())
@@ -148,7 +152,7 @@ def test_every_instruction_set_gives_the_same_bits(dot):
         done = subprocess.run([sys.executable, "-c", BITS], capture_output=True, text=True, env=env, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         runs[isa] = done.stdout
-    assert runs[""].count("\n") == 6 and runs[""] == runs["portable"]
+    assert runs[""].count("\n") == (12 if dot == "int15" else 6) and runs[""] == runs["portable"]
 
 
 def _teacher_forced(gemma3, dot: str) -> tuple[float, float, float]:
@@ -225,8 +229,10 @@ def test_float_decode_rows_of_every_type_are_the_same_bits_whatever_shares_the_c
     decode mode (integer K-quants) marks every row a decode row."""
     t = next(t for t, (n, _, _) in TYPES.items() if n == name)
     g = torch.Generator().manual_seed(11)
-    w = random_weight(t, 37, 1088, g)  # 37 weight rows: the last tile's one row; k past AVX2's 512-value stretches
-    x = torch.randn(40, 1088, generator=g)
+    # 37 weight rows: the last tile's one row; k past AVX2's 512-value stretches, short of the
+    # 1,024 from which Q4_0, Q4_1 and Q8_0 rows multiply in integers (tested below)
+    w = random_weight(t, 37, 992, g)
+    x = torch.randn(40, 992, generator=g)
     alone = torch.cat([decode(x[i:i + 1], w) for i in range(40)])
     ref = x.double() @ w.dequantize().double().T
     assert float((alone.double() - ref).abs().max() / ref.abs().max()) <= 1e-5
@@ -234,3 +240,88 @@ def test_float_decode_rows_of_every_type_are_the_same_bits_whatever_shares_the_c
     # rows by 3 rows of x (6, 7, 8: whole tiles and one or two rows left over)
     for m in (2, 3, 4, 5, 6, 7, 8, 16, 40):
         assert torch.equal(decode(x[:m], w), alone[:m]), m
+
+
+LEGACY = {name: t for t, (name, _, _) in TYPES.items() if name in ("Q4_0", "Q4_1", "Q8_0")}
+
+
+def rounded32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as Q4_0, Q4_1 and Q8_0 decode rows see it: each 32 values scaled to [-16383, 16383],
+    rounded to integers (ties to even), scaled back."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    iscale = torch.where(amax > 0, 16383 / amax, torch.zeros_like(amax))
+    d = torch.where(amax > 0, 1.0 / iscale, torch.zeros_like(amax))
+    return (torch.round(blocks * iscale) * d).reshape(x.shape)
+
+
+@pytest.fixture
+def int15():
+    before = torch.ops.hpipe.decode_dot("")
+    torch.ops.hpipe.decode_dot("int15")
+    yield
+    torch.ops.hpipe.decode_dot(before)
+
+
+@pytest.mark.parametrize("k", [1056, 2048])  # 33 blocks (a last group of one), 64
+@pytest.mark.parametrize("name", list(LEGACY))
+def test_legacy_decode_rows_are_exact_integer_products_whatever_shares_the_call(name, k, int15):
+    g = torch.Generator().manual_seed(12)
+    w = random_weight(LEGACY[name], 37, k, g)
+    x = torch.randn(30, k, generator=g)
+    ref = rounded32(x).double() @ w.dequantize().double().T
+    alone = torch.cat([decode(x[i:i + 1], w) for i in range(30)])
+    assert float((alone.double() - ref).abs().max() / ref.abs().max()) <= 1e-5
+    for m in (2, 3, 4, 5, 6, 9, 30):  # 4 rows of x a pass, and what is left over
+        assert torch.equal(decode(x[:m], w), alone[:m]), m
+    low = torch.arange(30) % 4 == 1  # beside prefill rows
+    mixed = decode(x, w, low)
+    assert torch.equal(mixed[~low], alone[~low])
+    assert torch.equal(mixed[low], torch.ops.hpipe.qlinear(x[low], w.data, w.parts, torch.empty(0), None))
+
+
+@pytest.mark.parametrize("name", list(LEGACY))
+def test_legacy_blocks_at_their_bounds_stay_exact(name, int15):
+    """Every weight at its largest magnitude (Q8_0 -128, Q4_0 -8, Q4_1 15 with a minimum) against
+    x at +-16383 after rounding: each block's integer (32 x 128 x 16383 for Q8_0) is exact."""
+    t = LEGACY[name]
+    _, _, nbytes = TYPES[t]
+    block = torch.zeros(nbytes, dtype=torch.uint8)
+    one = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    block[0:2] = one
+    if name == "Q4_1":
+        block[2:4] = one
+        block[4:] = 255
+    else:
+        block[2:] = 128 if name == "Q8_0" else 0
+    w = QuantizedWeight.of(t, 1, 1024, block.repeat(32))
+    dense = w.dequantize().double()
+    for x in (torch.ones(1, 1024), -torch.ones(1, 1024), torch.tensor([1.0, -1.0]).repeat(512)[None]):
+        ref = rounded32(x).double() @ dense.T
+        assert float((decode(x, w).double() - ref).abs().max() / ref.abs().max().clamp(min=1)) <= 1e-6, (name, x[0, :2])
+
+
+def test_short_legacy_rows_keep_float32_decode(int15):
+    """Rows of fewer than 1,024 values (SmolLM2's 576-wide projections) multiply in float32: there
+    the integers were no faster (kernels/legacy_dot.cpp)."""
+    g = torch.Generator().manual_seed(13)
+    w = random_weight(LEGACY["Q4_1"], 16, 576, g)
+    x = torch.randn(3, 576, generator=g)
+    torch.ops.hpipe.decode_dot("float32")
+    floats = decode(x, w)
+    torch.ops.hpipe.decode_dot("int15")
+    assert torch.equal(decode(x, w), floats)
+    long = random_weight(LEGACY["Q4_1"], 16, 1024, g)
+    y = torch.randn(3, 1024, generator=g)
+    torch.ops.hpipe.decode_dot("float32")
+    floats = decode(y, long)
+    torch.ops.hpipe.decode_dot("int15")
+    assert not torch.equal(decode(y, long), floats)
+
+
+def test_smollm2_decodes_in_15_bits_within_the_fidelity_rule(smollm2):
+    """SmolLM2's Q4_1 file: its down projections (1,536 values a row) and none of its 576-wide
+    ones multiply in integers; #40's rule against float32 decode on the same blocks."""
+    agree, ppl, ppl_f32 = _teacher_forced(smollm2, "int15")
+    assert agree >= 0.99, agree
+    assert abs(ppl / ppl_f32 - 1) <= 0.01, (ppl, ppl_f32)

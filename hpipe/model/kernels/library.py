@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).parent
 SOURCES = (KERNELS / "decode.cpp", KERNELS / "quant.cpp", KERNELS / "bf16_gemm.cpp",  # one library
-           KERNELS / "bf16_attention.cpp", KERNELS / "f32_attention.cpp", KERNELS / "q8_dot.cpp")
+           KERNELS / "bf16_attention.cpp", KERNELS / "f32_attention.cpp", KERNELS / "q8_dot.cpp",
+           KERNELS / "legacy_dot.cpp")
 ENV = "HPIPE_CPU_KERNEL"  # "off" disables it
 _lock = threading.Lock()
 _enabled = True

@@ -30,16 +30,25 @@
 #endif
 
 namespace hpipe {
+
+bool integer_avx2() {
+  static const bool avx2 = [] {
+    const char* cap = std::getenv("HPIPE_CPU_ISA");
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    return !(cap && std::string(cap) == "portable") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
+    (void)cap;
+    return false;
+#endif
+  }();
+  return avx2;
+}
+
 namespace {
 
 constexpr int64_t QK = 256;
 constexpr int64_t Q4_K = 12, Q5_K = 13, Q6_K = 14;
-
-float f16_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return c10::Half(h, c10::Half::from_bits()).operator float();
-}
 
 // The scales and minimums of a Q4_K / Q5_K block's 8 sub-blocks, as bytes 0-7 and 8-15 of `out`
 // (ggml's unpacking of its 12 bytes of 6-bit values)
@@ -92,9 +101,6 @@ inline void header(int64_t type, const uint8_t* b, Header& h) {
   }
 }
 
-inline float sum_lanes(const float* v) {
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-}
 
 // the scalar form: what every CPU can compute, and what the AVX2 form must equal bit for bit
 void row_dots_portable(int64_t type, const uint8_t* row, int64_t nb, const Q8Rows& q, int64_t k, int64_t m,
@@ -486,24 +492,10 @@ void portable_dots(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64
   }
 }
 
-// AVX2 with F16C, unless HPIPE_CPU_ISA=portable
-bool use_avx2() {
-  static const bool avx2 = [] {
-    const char* cap = std::getenv("HPIPE_CPU_ISA");
-#if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    return !(cap && std::string(cap) == "portable") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-#else
-    (void)cap;
-    return false;
-#endif
-  }();
-  return avx2;
-}
 
 RowDots row_dots(bool fifteen) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (use_avx2()) return fifteen ? &rows15_dots : &rows8_dots;
+  if (integer_avx2()) return fifteen ? &rows15_dots : &rows8_dots;
 #endif
   return &portable_dots;
 }
@@ -555,7 +547,7 @@ __attribute__((target("avx2"))) float rounded_avx2(const float* xb, float top, i
 
 float rounded(const float* xb, float top, int32_t* v) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (use_avx2()) return rounded_avx2(xb, top, v);
+  if (integer_avx2()) return rounded_avx2(xb, top, v);
 #endif
   return rounded_portable(xb, top, v);
 }

@@ -314,8 +314,35 @@ void shared_rows(int64_t n, const F& body) {
   });
 }
 
+// decode rows of x as each integer block type takes them, each form made once a call: K-quants'
+// (q8_dot.cpp, per 256 values) and Q4_0 / Q4_1 / Q8_0's (legacy_dot.cpp, 15 bits per 32)
+struct IntegerX {
+  const float* x;
+  int64_t m, k;
+  std::optional<hpipe::Q8Rows> q8;
+  std::optional<hpipe::X32Rows> x32;
+
+  static bool takes(int64_t type, int64_t k) {
+    return hpipe::integer_decode_type(type) ||
+           (hpipe::legacy_decode_part(type, k) && hpipe::decode_dot_mode().load() == hpipe::kInt15Dot);
+  }
+  void prepare(int64_t type) {  // before the threads start
+    if (hpipe::integer_decode_type(type) && !q8)
+      q8 = hpipe::quantize_q8k(x, m, k, hpipe::decode_dot_mode().load() == hpipe::kInt15Dot);
+    else if (!hpipe::integer_decode_type(type) && !x32)
+      x32 = hpipe::quantize_x32(x, m, k);
+  }
+  void rows(int64_t type, const uint8_t* b, int64_t row_bytes, int64_t n0, int64_t n1, float* out, int64_t ldo) const {
+    if (hpipe::integer_decode_type(type))
+      hpipe::integer_rows_times_x(type, b, row_bytes, n0, n1, *q8, m, k, out, ldo);
+    else
+      hpipe::legacy_rows_times_x(type, b, row_bytes, n0, n1, *x32, m, k, out, ldo);
+  }
+};
+
 // x [m, k] @ the parts' rows .T, float32 out [m, n_out]: in bfloat16 with float32 sums (`bf16`),
-// as decode rows (`integer`: K-quant parts in integers, q8_dot.cpp, whatever m), else in float32
+// as decode rows (`integer`: K-quant parts and Q4_0 / Q4_1 / Q8_0 ones in integers, whatever m),
+// else in float32
 // (each weight row dequantized in registers or L1 for a few rows, panels and MKL's GEMM from
 // kGemmRows)
 Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& parts, int64_t n_out, bool bf16,
@@ -326,20 +353,20 @@ Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& pa
   Tensor out = at::empty({m, n_out}, x.options());
   const Variant& v = variant();
   Tensor xb;  // x in bfloat16, made once for every part
-  std::optional<hpipe::Q8Rows> q8;  // x rounded to 8 bits, made once for every K-quant part
+  IntegerX ix{x.data_ptr<float>(), m, k, std::nullopt, std::nullopt};  // x rounded once for every integer part
   if (integer && !bf16 && m > 0 && parts.size() > 1 &&
-      std::all_of(parts.begin(), parts.end(), [](const Part& p) { return hpipe::integer_decode_type(p.type); })) {
+      std::all_of(parts.begin(), parts.end(), [k](const Part& p) { return IntegerX::takes(p.type, k); })) {
     // a fused projection's parts in one parallel region: one wait for the threads, not one a part
     // (a decode step of an 8B model has 7 parts a layer)
-    q8 = hpipe::quantize_q8k(x.data_ptr<float>(), m, k, hpipe::decode_dot_mode().load() == hpipe::kInt15Dot);
+    for (const Part& p : parts) ix.prepare(p.type);
     std::vector<int64_t> first(parts.size() + 1, 0);  // each part's first output column
     for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + parts[i].rows;
     shared_rows(first.back(), [&](int64_t a, int64_t z) {
       for (size_t i = 0; i < parts.size(); ++i) {
         const int64_t lo = std::max(a, first[i]), hi = std::min(z, first[i + 1]);
         if (lo < hi)
-          hpipe::integer_rows_times_x(parts[i].type, base + parts[i].offset, parts[i].row_bytes, lo - first[i],
-                                      hi - first[i], *q8, m, k, out.data_ptr<float>() + first[i], n_out);
+          ix.rows(parts[i].type, base + parts[i].offset, parts[i].row_bytes, lo - first[i], hi - first[i],
+                  out.data_ptr<float>() + first[i], n_out);
       }
     });
     return out;
@@ -347,10 +374,10 @@ Tensor product(const Tensor& x, const uint8_t* base, const std::vector<Part>& pa
   int64_t col = 0;
   for (const Part& p : parts) {
     const uint8_t* b = base + p.offset;
-    if (integer && !bf16 && m > 0 && hpipe::integer_decode_type(p.type)) {
-      if (!q8) q8 = hpipe::quantize_q8k(x.data_ptr<float>(), m, k, hpipe::decode_dot_mode().load() == hpipe::kInt15Dot);
+    if (integer && !bf16 && m > 0 && IntegerX::takes(p.type, k)) {
+      ix.prepare(p.type);
       float* o = out.data_ptr<float>() + col;
-      shared_rows(p.rows, [&](int64_t a, int64_t z) { hpipe::integer_rows_times_x(p.type, b, p.row_bytes, a, z, *q8, m, k, o, n_out); });
+      shared_rows(p.rows, [&](int64_t a, int64_t z) { ix.rows(p.type, b, p.row_bytes, a, z, o, n_out); });
     } else if (bf16 && m > 0 && own_bf16()) {
       // the same with hpipe's kernel: each weight row rounded to bfloat16 in L1, then packed
       if (!xb.defined()) xb = x.to(at::kBFloat16);

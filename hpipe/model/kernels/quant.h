@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -23,8 +24,9 @@ at::Tensor qlinear_rows(const at::Tensor& x, const at::Tensor& blocks, const at:
 
 // Decode rows: rows of a projection that are not prefill's (`low` false, or all rows here). Where a
 // part is Q4_K, Q5_K or Q6_K they multiply in integers (q8_dot.cpp): x rounded to 15 bits per 256
-// values (HPIPE_DECODE_DOT=int8: 8 bits, as ggml's; float32: float activations); a row's bits then
-// depend on no other row and on no instruction set. Else as qlinear.
+// values (HPIPE_DECODE_DOT=int8: 8 bits, as ggml's; float32: float activations); where it is
+// Q4_0, Q4_1 or Q8_0, with x in 15 bits per 32 (legacy_dot.cpp; float32 activations under int8);
+// a row's bits then depend on no other row and on no instruction set. Else as qlinear.
 at::Tensor qlinear_decode(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& parts,
                           const at::Tensor& bias);
 
@@ -48,6 +50,34 @@ struct Q8Rows {
 Q8Rows quantize_q8k(const float* x, int64_t m, int64_t k, bool fifteen = false);
 void integer_rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1,
                        const Q8Rows& q, int64_t m, int64_t k, float* out, int64_t ldo);
+
+// what the integer decode loops share (q8_dot.cpp, legacy_dot.cpp): a 16-bit float's value (as
+// c10::Half converts it, exactly), 8 lanes of float sums added in their fixed order, and whether
+// they run their AVX2 form (AVX2 with F16C, unless HPIPE_CPU_ISA=portable)
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::Half(h, c10::Half::from_bits()).operator float();
+}
+inline float sum_lanes(const float* v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+bool integer_avx2();
+
+// legacy_dot.cpp: decode rows of Q4_0, Q4_1 and Q8_0 parts of rows of at least 1024 values in
+// integers too (with kInt15Dot, the default): x rounded to 15 bits per 32 values (natural order),
+// each 32's scale, and that times their sum (Q4_1's minimum meets it); which parts do (by type and
+// row length, never by the rows of x); rows of x rounded so; and output columns [n0, n1) of one
+// part for them (out[row, n], row stride ldo)
+bool legacy_decode_part(int64_t type, int64_t k);
+struct X32Rows {
+  std::vector<int16_t> v;  // the values, to +-16383
+  std::vector<float> d;    // each 32 values' scale (and 8 zeros past the last row)
+  std::vector<float> ds;   // each 32 values' scale times their sum (the same 8 zeros)
+};
+X32Rows quantize_x32(const float* x, int64_t m, int64_t k);
+void legacy_rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes, int64_t n0, int64_t n1,
+                         const X32Rows& q, int64_t m, int64_t k, float* out, int64_t ldo);
 
 // n floats rounded to bfloat16 (to nearest, ties to even, as torch rounds); AVX512-BF16's
 // conversion where the CPU has it (quant.cpp)
