@@ -58,3 +58,22 @@ def test_under_ci_a_missing_kernel_fails_the_tests_that_need_it(broken_compiler,
         assert "CI runs the CPU kernels' tests" in done.stdout
     else:
         assert done.returncode == 0 and "1 skipped" in last, done.stdout[-3000:]
+
+
+def test_a_build_killed_half_way_does_not_hang_the_next(broken_compiler):
+    """A build killed half-way (Ctrl-C during set-up, a test run cut short) leaves PyTorch's lock
+    file in the build folder; the next build waited on it for ever. hpipe holds a lock of its own
+    around a build, which the OS frees when its holder dies, and under it clears PyTorch's."""
+    from hpipe.model.kernels import library
+
+    if not any(Path(p, "g++").exists() for p in os.environ.get("PATH", "").split(os.pathsep)):
+        pytest.skip("no g++ here to answer for the broken compiler's --version")
+    stale = Path(broken_compiler["HPIPE_CACHE_DIR"]) / "kernels" / library.name() / "lock"
+    stale.parent.mkdir(parents=True)
+    stale.touch()
+    try:
+        done = subprocess.run([sys.executable, "-m", "hpipe.model.kernels"], cwd=ROOT, env=broken_compiler,
+                              capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the build waited on a dead build's lock file")
+    assert done.returncode == 1 and "this compiler is broken for the test" in done.stderr, done.stderr[-2000:]

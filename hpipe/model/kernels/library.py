@@ -9,6 +9,7 @@ decode kernel (:mod:`hpipe.model.compute.stage_kernel`).
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -59,7 +60,12 @@ def build(verbose: bool = False) -> Path:
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + bin_dir
-    with _lock:
+    with _lock, open(path / "build.lock", "w") as guard:
+        # one build a folder at a time, across processes, under a lock the OS frees when its holder
+        # dies; PyTorch's own (a file "lock" it makes and deletes) is left behind by a build killed
+        # half-way, and the next waited on it for ever: under ours, nobody else builds, so it goes
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (path / "lock").unlink(missing_ok=True)
         # -fopenmp: ATen's parallel_for is a header; compiled without OpenMP it runs on one thread
         load(name=name(), sources=[str(f) for f in SOURCES], build_directory=str(path),
              extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=verbose)
