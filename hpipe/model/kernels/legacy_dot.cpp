@@ -19,7 +19,6 @@
 #include "quant.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -39,39 +38,6 @@ constexpr int64_t kLanes = 8;  // blocks whose float work runs at once
 
 int64_t block_bytes(int64_t type) { return type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34; }
 int64_t values_at(int64_t type) { return type == Q4_1 ? 4 : 2; }  // after d (and Q4_1's minimum)
-
-// ---- x rounded ------------------------------------------------------------------------------------
-// 32 values to integers of at most 16383 (ties to even): their scale's inverse (0 for all zeros)
-float rounded_portable(const float* xb, int16_t* v) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
-  const float iscale = amax > 0.0f ? 16383.0f / amax : 0.0f;
-  for (int64_t i = 0; i < QB; ++i) v[i] = static_cast<int16_t>(std::nearbyint(xb[i] * iscale));
-  return iscale;
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-// the same bits with AVX2 (the same maximum, NaN ignored as std::max does; vcvtps2dq rounds to
-// nearest even, as nearbyint in the default mode)
-__attribute__((target("avx2"))) float rounded_avx2(const float* xb, int16_t* v) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 mx = _mm256_setzero_ps();
-  for (int64_t i = 0; i < QB; i += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)), mx);
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-  const float amax = _mm_cvtss_f32(m4);
-  const float iscale = amax > 0.0f ? 16383.0f / amax : 0.0f;
-  const __m256 scale = _mm256_set1_ps(iscale);
-  for (int64_t i = 0; i < QB; i += 16) {
-    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), scale));
-    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), scale));
-    // packs interleaves the 128-bit halves: put them back in order
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
-  }
-  return iscale;
-}
-#endif
 
 // ---- the scalar form: what every CPU computes, and what the AVX2 form must equal bit for bit ----
 // Per row of x: block b's exact integer sum S_b (the weights' integers times x's), then in float
@@ -252,14 +218,13 @@ X32Rows quantize_x32(const float* x, int64_t m, int64_t k) {
   q.ds.assign(m * nb + kLanes, 0.0f);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t b = 0; b < nb; ++b) {
-      int16_t* v = q.v.data() + r * k + b * QB;
-#if defined(__x86_64__) && defined(__GNUC__)
-      const float iscale = integer_avx2() ? rounded_avx2(x + r * k + b * QB, v) : rounded_portable(x + r * k + b * QB, v);
-#else
-      const float iscale = rounded_portable(x + r * k + b * QB, v);
-#endif
+      int32_t v[QB];
+      const float iscale = rounded(x + r * k + b * QB, QB, 16383.0f, v);
       int32_t sum = 0;
-      for (int64_t i = 0; i < QB; ++i) sum += v[i];
+      for (int64_t i = 0; i < QB; ++i) {
+        q.v[r * k + b * QB + i] = static_cast<int16_t>(v[i]);
+        sum += v[i];
+      }
       q.d[r * nb + b] = iscale > 0.0f ? 1.0f / iscale : 0.0f;
       q.ds[r * nb + b] = q.d[r * nb + b] * static_cast<float>(sum);  // the sum exact: at most 32 x 16383
     }

@@ -516,12 +516,12 @@ std::atomic<int>& decode_dot_mode() {
 
 namespace {
 
-// 256 values of x rounded to integers of at most `top`: their scale (0 for all zeros)
-float rounded_portable(const float* xb, float top, int32_t* v) {
+// n values of x rounded to integers of at most `top`: their scale (0 for all zeros)
+float rounded_portable(const float* xb, int64_t n, float top, int32_t* v) {
   float amax = 0.0f;
-  for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xb[i]));
   const float iscale = amax > 0.0f ? top / amax : 0.0f;
-  for (int64_t i = 0; i < QK; ++i) v[i] = static_cast<int32_t>(std::nearbyint(xb[i] * iscale));
+  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<int32_t>(std::nearbyint(xb[i] * iscale));
   return iscale;
 }
 
@@ -529,30 +529,30 @@ float rounded_portable(const float* xb, float top, int32_t* v) {
 // the same bits with AVX2 (the same maximum, NaN ignored as std::max does; vcvtps2dq rounds to
 // nearest even, as nearbyint in the default mode): a row of 14336 values took 55 us in the scalar
 // form, in the decode step's path before its threads start
-__attribute__((target("avx2"))) float rounded_avx2(const float* xb, float top, int32_t* v) {
+__attribute__((target("avx2"))) float rounded_avx2(const float* xb, int64_t n, float top, int32_t* v) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 mx = _mm256_setzero_ps();
-  for (int64_t i = 0; i < QK; i += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)), mx);
+  for (int64_t i = 0; i < n; i += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)), mx);
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
   const float amax = _mm_cvtss_f32(m4);
   const float iscale = amax > 0.0f ? top / amax : 0.0f;
   const __m256 scale = _mm256_set1_ps(iscale);
-  for (int64_t i = 0; i < QK; i += 8)
+  for (int64_t i = 0; i < n; i += 8)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), scale)));
   return iscale;
 }
 #endif
 
-float rounded(const float* xb, float top, int32_t* v) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (integer_avx2()) return rounded_avx2(xb, top, v);
-#endif
-  return rounded_portable(xb, top, v);
-}
-
 }  // namespace
+
+float rounded(const float* xb, int64_t n, float top, int32_t* v) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (integer_avx2()) return rounded_avx2(xb, n, top, v);
+#endif
+  return rounded_portable(xb, n, top, v);
+}
 
 // x's rows per 256 values: int8 (ggml's Q8_K, to 127, with the sums of every 16), or fifteen bits
 // (to 16383; each 32 laid out even values first, with the sums of every 32)
@@ -575,7 +575,7 @@ Q8Rows quantize_q8k(const float* x, int64_t m, int64_t k, bool fifteen) {
       const float* xb = x + r * k + b * QK;
       const int64_t at = r * k + b * QK;
       int32_t v[QK];
-      const float iscale = rounded(xb, top, v);
+      const float iscale = rounded(xb, QK, top, v);
       q.d[r * nb + b] = iscale > 0.0f ? 1.0f / iscale : 0.0f;
       if (fifteen) {
         for (int64_t i = 0; i < QK; ++i) q.wide[at + wide_at(static_cast<int>(i))] = static_cast<int16_t>(v[i]);

@@ -53,7 +53,8 @@ void integer_rows_times_x(int64_t type, const uint8_t* blocks, int64_t row_bytes
 
 // what the integer decode loops share (q8_dot.cpp, legacy_dot.cpp): a 16-bit float's value (as
 // c10::Half converts it, exactly), 8 lanes of float sums added in their fixed order, and whether
-// they run their AVX2 form (AVX2 with F16C, unless HPIPE_CPU_ISA=portable)
+// they run their AVX2 form (AVX2 with F16C, unless HPIPE_CPU_ISA=portable); and x's rounding
+// (q8_dot.cpp)
 inline float f16_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -63,6 +64,9 @@ inline float sum_lanes(const float* v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 bool integer_avx2();
+// n values of x (a multiple of 8) rounded to integers of at most `top` (ties to even, the same
+// bits on every instruction set): the scale they were multiplied by (0 for all zeros)
+float rounded(const float* x, int64_t n, float top, int32_t* v);
 
 // legacy_dot.cpp: decode rows of Q4_0, Q4_1 and Q8_0 parts of rows of at least 1024 values in
 // integers too (with kInt15Dot, the default): x rounded to 15 bits per 32 values (natural order),
